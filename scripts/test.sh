@@ -1,0 +1,43 @@
+#!/usr/bin/env bash
+# Install everything the test suite needs on a fresh Debian machine, lint, and run pytest.
+# Usage: bash scripts/test.sh [pytest args...]
+set -euo pipefail
+
+cd "$(dirname "${BASH_SOURCE[0]}")/.."
+
+if [[ "$(id -u)" -eq 0 ]]; then
+    SUDO=()
+elif command -v sudo >/dev/null 2>&1; then
+    SUDO=(sudo)
+else
+    echo "scripts/test.sh: need root or sudo to install system packages" >&2
+    exit 1
+fi
+
+export PIP_ROOT_USER_ACTION=ignore
+export PIP_DISABLE_PIP_VERSION_CHECK=1
+# Debian's own python3 refuses pip installs (PEP 668); this is a throwaway test environment.
+export PIP_BREAK_SYSTEM_PACKAGES=1
+
+echo "==> installing torch (local CPU wheel via find-links)"
+python3 -m pip install -q torch==2.13.0
+echo "==> installing specroll with test extras"
+python3 -m pip install -q -e '.[test]'
+
+if ! command -v redis-server >/dev/null 2>&1; then
+    echo "==> installing redis-server"
+    "${SUDO[@]}" env DEBIAN_FRONTEND=noninteractive apt-get update -q
+    "${SUDO[@]}" env DEBIAN_FRONTEND=noninteractive apt-get install -y -q redis-server
+fi
+
+echo "==> ruff check"
+python3 -m ruff check .
+
+echo "==> pytest"
+rc=0
+python3 -m pytest -q "$@" || rc=$?
+if [[ "$rc" -eq 5 ]]; then
+    echo "scripts/test.sh: pytest collected no tests; treating that as a failure" >&2
+    exit 1
+fi
+exit "$rc"

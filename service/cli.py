@@ -1,0 +1,102 @@
+"""The `specroll` command line."""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import sys
+import time
+
+logger = logging.getLogger("specroll")
+
+
+def _env(name: str, default: str | None = None) -> str | None:
+    return os.environ.get(f"SPECROLL_{name.upper().replace('-', '_')}", default)
+
+
+def _engine_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--model", default=_env("model"), help="Hugging Face model folder (default: embedded model)")
+    p.add_argument("--dtype", default=_env("dtype", "float32"), choices=["float32", "bfloat16", "float16"])
+    p.add_argument("--device", default=_env("device", "cpu"))
+    p.add_argument("--max-model-len", type=int, default=int(_env("max_model_len", "1024")))
+    p.add_argument("--max-num-seqs", type=int, default=int(_env("max_num_seqs", "64")))
+    p.add_argument("--kv-cache-gb", type=float, default=float(_env("kv_cache_gb", "2.0")))
+    p.add_argument("--seed", type=int, default=int(_env("seed", "0")))
+
+
+def _engine_config(args: argparse.Namespace):
+    from service.config import EngineConfig
+
+    return EngineConfig(
+        model=args.model, dtype=args.dtype, device=args.device, max_model_len=args.max_model_len,
+        max_num_seqs=args.max_num_seqs, kv_cache_memory_gb=args.kv_cache_gb, seed=args.seed,
+        max_num_batched_tokens=max(8192, args.max_model_len),
+    )
+
+
+def cmd_generate(args: argparse.Namespace) -> int:
+    from service.engine import LLMEngine
+    from service.sequence import SamplingParams
+
+    engine = LLMEngine(_engine_config(args))
+    if engine.tokenizer is None:
+        logger.error("model folder %s has no tokenizer.json; cannot encode --prompt", engine.model_path)
+        return 2
+    prompt_ids = engine.tokenizer.encode(args.prompt)
+    params = SamplingParams(
+        n=args.n, temperature=args.temperature, top_p=args.top_p, top_k=args.top_k,
+        max_tokens=args.max_tokens, seed=args.sample_seed,
+    )
+    start = time.perf_counter()
+    [out] = engine.generate([prompt_ids], params)
+    elapsed = time.perf_counter() - start
+    n_tokens = 0
+    for comp in out.outputs:
+        n_tokens += len(comp.token_ids)
+        text = engine.tokenizer.decode(comp.token_ids)
+        sys.stdout.write(f"{args.prompt}{text}\n" if args.n == 1 else f"[{comp.index}] {args.prompt}{text}\n")
+    sys.stdout.write(f"-- {n_tokens} tokens in {elapsed:.2f} s: {n_tokens / elapsed:.1f} tokens/s\n")
+    return 0
+
+
+def cmd_build_default(args: argparse.Namespace) -> int:
+    from service.default_model import ensure_default_model
+
+    sys.stdout.write(f"{ensure_default_model()}\n")
+    return 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="specroll", description="Rollout server with lossless adaptive SD")
+    parser.add_argument("--log-level", default=_env("log_level", "INFO"))
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    gen = sub.add_parser("generate", help="generate from one prompt and print text and tokens/s")
+    _engine_args(gen)
+    gen.add_argument("--prompt", required=True)
+    gen.add_argument("--max-tokens", type=int, default=64)
+    gen.add_argument("--temperature", type=float, default=0.0)
+    gen.add_argument("--top-p", type=float, default=1.0)
+    gen.add_argument("--top-k", type=int, default=0)
+    gen.add_argument("--n", type=int, default=1)
+    gen.add_argument("--sample-seed", type=int, default=None)
+    gen.set_defaults(func=cmd_generate)
+
+    build = sub.add_parser("build-default-model", help="build (or find) the embedded default model; print its folder")
+    build.set_defaults(func=cmd_build_default)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    try:
+        return int(args.func(args) or 0)
+    except (ValueError, FileNotFoundError) as exc:
+        logger.error("%s", exc)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

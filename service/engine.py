@@ -1,0 +1,191 @@
+"""The engine: add_request / step / abort / generate. One step = schedule -> run -> postprocess."""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+import random
+import uuid
+from collections.abc import Sequence as Seq
+from pathlib import Path
+
+import torch
+from tqdm import tqdm
+
+from service.config import EngineConfig, ModelConfig
+from service.kv_cache import KVCache, slots_for_budget
+from service.models.loader import load_model
+from service.runner import ModelRunner, TokenResult
+from service.scheduler import Scheduler
+from service.sequence import (
+    Request,
+    RequestOutput,
+    SamplingError,
+    SamplingParams,
+    Sequence,
+    StepOutput,
+    completion_of,
+)
+from service.tokenizer import Tokenizer
+
+logger = logging.getLogger(__name__)
+
+SPEC_HEADROOM = 16  # cache positions past max_model_len that speculative verification may write
+
+
+def sample_seed(base: int, index: int) -> int:
+    """Distinct, deterministic seeds for the n samples of one seeded request."""
+    digest = hashlib.blake2b(f"{base}:{index}".encode(), digest_size=8).digest()
+    return int.from_bytes(digest, "little") >> 1
+
+
+class LLMEngine:
+    def __init__(self, config: EngineConfig | None = None) -> None:
+        self.config = config = config or EngineConfig()
+        if config.num_threads:
+            torch.set_num_threads(config.num_threads)
+        if config.model is None:
+            from service.default_model import ensure_default_model
+
+            config.model = str(ensure_default_model())
+        self.model_path = Path(config.model)
+        self.device = torch.device(config.device)
+        self.dtype = getattr(torch, config.dtype)
+        self.model_config: ModelConfig = ModelConfig.from_dir(self.model_path)
+        model = load_model(self.model_path, self.dtype, self.device)
+        self.tokenizer = Tokenizer.from_dir(self.model_path)
+        eos = set(self.model_config.eos_token_ids)
+        if self.tokenizer is not None and self.tokenizer.eos_token_id is not None:
+            eos.add(self.tokenizer.eos_token_id)
+        self.eos_token_ids = tuple(sorted(eos))
+        max_positions = config.max_model_len + SPEC_HEADROOM + 1
+        budget = config.kv_cache_memory_gb * 2**30
+        num_slots = min(config.max_num_seqs, slots_for_budget(self.model_config, max_positions, self.dtype, budget))
+        self.cache = KVCache(self.model_config, num_slots, max_positions, self.dtype, self.device)
+        self.scheduler = Scheduler(num_slots, config.max_num_batched_tokens)
+        self.runner = ModelRunner(model, self.cache, self.device)
+        self.requests: dict[str, Request] = {}
+        self._rng = random.Random(config.seed)
+        self._aborted: list[Sequence] = []
+
+    # -- requests ---------------------------------------------------------------------------------
+    def add_request(
+        self,
+        prompt_token_ids: Seq[int],
+        params: SamplingParams | None = None,
+        request_id: str | None = None,
+        group_id: str | None = None,
+    ) -> str:
+        params = params or SamplingParams()
+        prompt = [int(t) for t in prompt_token_ids]
+        vocab, max_len = self.model_config.vocab_size, self.config.max_model_len
+        if not prompt:
+            raise SamplingError("prompt must contain at least one token")
+        if len(prompt) >= max_len:
+            raise SamplingError(f"prompt has {len(prompt)} tokens; max_model_len is {max_len}")
+        bad = [t for t in prompt if not 0 <= t < vocab]
+        if bad:
+            raise SamplingError(f"prompt token ids out of range [0, {vocab}): {bad[:5]}")
+        if params.n > self.scheduler.num_slots:
+            raise SamplingError(f"n={params.n} exceeds the {self.scheduler.num_slots} sequences the cache holds")
+        request_id = request_id or uuid.uuid4().hex
+        if request_id in self.requests:
+            raise SamplingError(f"request id {request_id!r} is already in use")
+        seqs = [
+            Sequence(
+                request_id=request_id, index=i, prompt_token_ids=prompt, params=params,
+                seed=sample_seed(params.seed, i) if params.seed is not None else self._rng.getrandbits(63),
+                group_id=group_id,
+            )
+            for i in range(params.n)
+        ]
+        req = Request(request_id, prompt, params, seqs, group_id)
+        self.requests[request_id] = req
+        self.scheduler.add(req)
+        return request_id
+
+    def abort(self, request_id: str) -> bool:
+        """Abort a request at any step; its sequences end with finish reason abort and partial output."""
+        if request_id not in self.requests:
+            return False
+        self._aborted += self.scheduler.abort(request_id)
+        return True
+
+    def has_unfinished(self) -> bool:
+        return self.scheduler.has_work() or bool(self._aborted)
+
+    @property
+    def num_running(self) -> int:
+        return len(self.scheduler.running)
+
+    @property
+    def num_waiting(self) -> int:
+        return self.scheduler.num_waiting_seqs
+
+    # -- the step ---------------------------------------------------------------------------------
+    def step(self) -> list[StepOutput]:
+        sched = self.scheduler.schedule()
+        outputs = self._drain_aborted()
+        if sched.kind == "idle":
+            self.cache.copy_slots(sched.moves)
+            return outputs
+        seqs, results = self.runner.run(sched)
+        return outputs + self._postprocess(sched.kind, seqs, results)
+
+    def _postprocess(self, kind: str, seqs: list[Sequence], results: list[TokenResult]) -> list[StepOutput]:
+        outputs = []
+        for seq, res in zip(seqs, results, strict=True):
+            seq.num_cached = len(seq.prompt_token_ids) if kind == "prefill" else seq.num_cached + 1
+            if seq.append_token(res.token, res.logprob, res.raw_logprob, res.top,
+                                self.eos_token_ids, self.config.max_model_len):
+                self.scheduler.release(seq)
+            outputs.append(self._emit(seq))
+        self._forget_finished(seqs)
+        return outputs
+
+    def _emit(self, seq: Sequence) -> StepOutput:
+        start, seq.num_emitted = seq.num_emitted, len(seq.output_token_ids)
+        p = seq.params
+        return StepOutput(
+            request_id=seq.request_id, index=seq.index,
+            new_token_ids=seq.output_token_ids[start:], new_logprobs=seq.logprobs[start:],
+            finished=seq.is_finished, finish_reason=seq.finish_reason.value if seq.finish_reason else None,
+            new_raw_logprobs=seq.raw_logprobs[start:] if p.raw_logprobs else None,
+            new_top_logprobs=seq.top_logprobs[start:] if p.top_logprobs else None,
+        )
+
+    def _drain_aborted(self) -> list[StepOutput]:
+        aborted, self._aborted = self._aborted, []
+        outputs = [self._emit(s) for s in aborted]
+        self._forget_finished(aborted)
+        return outputs
+
+    def _forget_finished(self, seqs: list[Sequence]) -> None:
+        for rid in {s.request_id for s in seqs if s.is_finished}:
+            req = self.requests.get(rid)
+            if req is not None and req.is_finished:
+                del self.requests[rid]
+
+    # -- offline convenience ----------------------------------------------------------------------
+    def generate(
+        self,
+        prompts: Seq[Seq[int]],
+        params: SamplingParams | Seq[SamplingParams] | None = None,
+        use_tqdm: bool = False,
+    ) -> list[RequestOutput]:
+        """Run prompts to completion; outputs in prompt order."""
+        params_list = list(params) if isinstance(params, list | tuple) else [params] * len(prompts)
+        if len(params_list) != len(prompts):
+            raise ValueError("params must be one SamplingParams or one per prompt")
+        reqs = []
+        for prompt, p in zip(prompts, params_list, strict=True):
+            rid = self.add_request(prompt, p)
+            reqs.append(self.requests[rid])
+        total = sum(r.params.n * r.params.max_tokens for r in reqs)
+        with tqdm(total=total, disable=not use_tqdm, unit="tok", desc="generate") as bar:
+            while any(not r.is_finished for r in reqs):
+                bar.update(sum(len(o.new_token_ids) for o in self.step()))
+        return [
+            RequestOutput(r.request_id, r.prompt_token_ids, [completion_of(s) for s in r.seqs], True)
+            for r in reqs
+        ]

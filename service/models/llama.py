@@ -1,0 +1,130 @@
+"""Decoder for the Llama family and its relatives (Qwen2: q/k/v bias; Qwen3: q/k RMSNorm), with GQA.
+
+Every forward is an "extend": each of B rows appends Q new tokens (prefill: the prompt; decode: 1;
+speculative verify: k + 1) to a sequence whose K/V already sit in the static cache. Attention reads the
+cache rows [slot_lo, slot_lo + B) as a view, masked per row by position.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from service.config import ModelConfig
+from service.models.rope import apply_rope
+
+
+@dataclass(slots=True)
+class AttnMeta:
+    """Everything attention needs for one forward; built once per step by the runner, shared by layers."""
+
+    slot_lo: int  # rows are cache slots [slot_lo, slot_lo + B)
+    kv_len: int  # attend over cache positions [0, kv_len)
+    write_slots: torch.Tensor  # [B * Q] cache slot of each new token
+    write_pos: torch.Tensor  # [B * Q] cache position of each new token (scratch for padding)
+    mask: torch.Tensor  # [B, 1, G * Q, kv_len] bool, True = attend; query heads grouped per KV head
+    cos: torch.Tensor  # [B, Q, 1, D]
+    sin: torch.Tensor  # [B, Q, 1, D]
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, dim: int, eps: float) -> None:
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.ones(dim))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        dtype = x.dtype
+        x = x.float()
+        x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * x.to(dtype)
+
+
+class Attention(nn.Module):
+    def __init__(self, cfg: ModelConfig, layer_idx: int) -> None:
+        super().__init__()
+        self.layer_idx = layer_idx
+        self.num_heads, self.num_kv_heads, self.head_dim = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
+        q_size, kv_size = cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim
+        self.split = (q_size, kv_size, kv_size)
+        self.qkv_proj = nn.Linear(cfg.hidden_size, q_size + 2 * kv_size, bias=cfg.attention_bias)
+        self.o_proj = nn.Linear(q_size, cfg.hidden_size, bias=False)
+        self.q_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps) if cfg.qk_norm else None
+        self.k_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps) if cfg.qk_norm else None
+
+    def forward(
+        self, x: torch.Tensor, meta: AttnMeta, k_cache: torch.Tensor, v_cache: torch.Tensor
+    ) -> torch.Tensor:
+        B, Q, _ = x.shape
+        H, Hkv, D = self.num_heads, self.num_kv_heads, self.head_dim
+        G = H // Hkv
+        q, k, v = self.qkv_proj(x).split(self.split, dim=-1)
+        q, k, v = q.view(B, Q, H, D), k.view(B, Q, Hkv, D), v.view(B, Q, Hkv, D)
+        if self.q_norm is not None:
+            q, k = self.q_norm(q), self.k_norm(k)
+        q, k = apply_rope(q, meta.cos, meta.sin), apply_rope(k, meta.cos, meta.sin)
+        # Write the new K/V at their positions: cache [slots, Hkv, P, D] indexed [N] x : x [N] -> [N, Hkv, D].
+        k_cache[meta.write_slots, :, meta.write_pos] = k.reshape(B * Q, Hkv, D)
+        v_cache[meta.write_slots, :, meta.write_pos] = v.reshape(B * Q, Hkv, D)
+        keys = k_cache[meta.slot_lo : meta.slot_lo + B, :, : meta.kv_len]  # [B, Hkv, L, D] view
+        values = v_cache[meta.slot_lo : meta.slot_lo + B, :, : meta.kv_len]
+        # Group the G query heads of each KV head along the query axis: [B, Hkv, G * Q, D].
+        q = q.view(B, Q, Hkv, G, D).permute(0, 2, 3, 1, 4).reshape(B, Hkv, G * Q, D)
+        out = F.scaled_dot_product_attention(q, keys, values, attn_mask=meta.mask)  # [B, Hkv, G * Q, D]
+        out = out.view(B, Hkv, G, Q, D).permute(0, 3, 1, 2, 4).reshape(B, Q, H * D)
+        return self.o_proj(out)
+
+
+class MLP(nn.Module):
+    def __init__(self, cfg: ModelConfig) -> None:
+        super().__init__()
+        self.intermediate = cfg.intermediate_size
+        self.gate_up_proj = nn.Linear(cfg.hidden_size, 2 * cfg.intermediate_size, bias=False)
+        self.down_proj = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        gate, up = self.gate_up_proj(x).split(self.intermediate, dim=-1)
+        return self.down_proj(F.silu(gate) * up)
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, cfg: ModelConfig, layer_idx: int) -> None:
+        super().__init__()
+        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.self_attn = Attention(cfg, layer_idx)
+        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.mlp = MLP(cfg)
+
+    def forward(self, x: torch.Tensor, meta: AttnMeta, k_cache: torch.Tensor, v_cache: torch.Tensor):
+        x = x + self.self_attn(self.input_layernorm(x), meta, k_cache, v_cache)
+        return x + self.mlp(self.post_attention_layernorm(x))
+
+
+class CausalLM(nn.Module):
+    """Token ids -> final hidden states; `logits()` applies the LM head to the rows that need it."""
+
+    def __init__(self, cfg: ModelConfig) -> None:
+        super().__init__()
+        self.config = cfg
+        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
+        self.layers = nn.ModuleList(DecoderLayer(cfg, i) for i in range(cfg.num_layers))
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
+        if cfg.tie_word_embeddings:
+            self.lm_head.weight = self.embed_tokens.weight
+
+    def forward(
+        self, input_ids: torch.Tensor, meta: AttnMeta, k_cache: torch.Tensor, v_cache: torch.Tensor
+    ) -> torch.Tensor:
+        """input_ids [B, Q]; k_cache/v_cache [layers, slots, Hkv, P, D] -> hidden [B, Q, hidden]."""
+        x = self.embed_tokens(input_ids)
+        for i, layer in enumerate(self.layers):
+            x = layer(x, meta, k_cache[i], v_cache[i])
+        return self.norm(x)
+
+    def logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """hidden [..., hidden] -> float32 logits [..., vocab]."""
+        return self.lm_head(hidden).float()

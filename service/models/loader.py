@@ -1,0 +1,164 @@
+"""Load Hugging Face safetensors checkpoints into our decoder, with strict checking of names and shapes.
+
+Checkpoint names stay the Hugging Face ones (also for weight pushes); q/k/v and gate/up are fused into one
+parameter each here, so the mapping says which slice of which parameter a checkpoint tensor fills.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from collections.abc import Iterable, Iterator
+from pathlib import Path
+
+import torch
+from safetensors import safe_open
+
+from service.config import ConfigError, ModelConfig
+from service.models.llama import CausalLM
+
+_LAYER = re.compile(r"^model\.layers\.(\d+)\.(.+)$")
+_IGNORED = re.compile(r"(rotary_emb\.inv_freq|\.attn\.bias|\.masked_bias)$")
+
+
+class WeightError(ValueError):
+    """A checkpoint or pushed tensor set that does not fit the model; the message names the tensors."""
+
+
+def checkpoint_shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
+    """Every tensor a checkpoint of this config must contain, by Hugging Face name, with its shape."""
+    hd, inter = cfg.hidden_size, cfg.intermediate_size
+    q, kv = cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim
+    shapes: dict[str, tuple[int, ...]] = {"model.embed_tokens.weight": (cfg.vocab_size, hd), "model.norm.weight": (hd,)}
+    if not cfg.tie_word_embeddings:
+        shapes["lm_head.weight"] = (cfg.vocab_size, hd)
+    for i in range(cfg.num_layers):
+        p = f"model.layers.{i}."
+        shapes.update({
+            p + "self_attn.q_proj.weight": (q, hd), p + "self_attn.k_proj.weight": (kv, hd),
+            p + "self_attn.v_proj.weight": (kv, hd), p + "self_attn.o_proj.weight": (hd, q),
+            p + "mlp.gate_proj.weight": (inter, hd), p + "mlp.up_proj.weight": (inter, hd),
+            p + "mlp.down_proj.weight": (hd, inter),
+            p + "input_layernorm.weight": (hd,), p + "post_attention_layernorm.weight": (hd,),
+        })
+        if cfg.attention_bias:
+            shapes.update({p + "self_attn.q_proj.bias": (q,), p + "self_attn.k_proj.bias": (kv,),
+                           p + "self_attn.v_proj.bias": (kv,)})
+        if cfg.qk_norm:
+            shapes.update({p + "self_attn.q_norm.weight": (cfg.head_dim,),
+                           p + "self_attn.k_norm.weight": (cfg.head_dim,)})
+    return shapes
+
+
+def _target(model: CausalLM, name: str) -> tuple[torch.Tensor, slice | None]:
+    """The parameter a checkpoint tensor fills, and the slice of its first dim (None = all of it)."""
+    cfg = model.config
+    m = _LAYER.match(name)
+    if m is None:
+        return model.get_parameter(name.removeprefix("model.")), None
+    layer = model.layers[int(m.group(1))]
+    rest = m.group(2)
+    q, kv, inter = cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim, cfg.intermediate_size
+    fused = {
+        "self_attn.q_proj": ("self_attn.qkv_proj", slice(0, q)),
+        "self_attn.k_proj": ("self_attn.qkv_proj", slice(q, q + kv)),
+        "self_attn.v_proj": ("self_attn.qkv_proj", slice(q + kv, q + 2 * kv)),
+        "mlp.gate_proj": ("mlp.gate_up_proj", slice(0, inter)),
+        "mlp.up_proj": ("mlp.gate_up_proj", slice(inter, 2 * inter)),
+    }
+    module, _, kind = rest.rpartition(".")
+    if module in fused:
+        new_module, sl = fused[module]
+        return layer.get_parameter(f"{new_module}.{kind}"), sl
+    return layer.get_parameter(rest), None
+
+
+def check_tensors(cfg: ModelConfig, shapes: dict[str, tuple[int, ...]], *, partial: bool = False) -> None:
+    """Raise WeightError naming unknown, missing or misshaped tensors."""
+    expected = checkpoint_shapes(cfg)
+    # A tied checkpoint may still carry lm_head.weight: tolerated and ignored.
+    expected_extra = {"lm_head.weight": (cfg.vocab_size, cfg.hidden_size)} if cfg.tie_word_embeddings else {}
+    unknown = sorted(n for n in shapes if n not in expected and n not in expected_extra and not _IGNORED.search(n))
+    missing = [] if partial else sorted(n for n in expected if n not in shapes)
+    wrong = sorted(
+        f"{n}: got {list(s)}, expected {list(expected.get(n) or expected_extra[n])}"
+        for n, s in shapes.items()
+        if (n in expected or n in expected_extra) and tuple(s) != (expected.get(n) or expected_extra[n])
+    )
+    problems = []
+    if unknown:
+        problems.append(f"unknown tensors {unknown[:8]}{' ...' if len(unknown) > 8 else ''}")
+    if missing:
+        problems.append(f"missing tensors {missing[:8]}{' ...' if len(missing) > 8 else ''}")
+    if wrong:
+        problems.append(f"wrong shapes {wrong[:8]}")
+    if problems:
+        raise WeightError(f"checkpoint does not match {cfg.architecture}: " + "; ".join(problems))
+
+
+@torch.no_grad()
+def load_tensors(model: CausalLM, tensors: Iterable[tuple[str, torch.Tensor]]) -> int:
+    """Copy named checkpoint tensors into the model (casting dtype, moving device). Returns bytes copied."""
+    tied = model.config.tie_word_embeddings
+    total = 0
+    for name, tensor in tensors:
+        if _IGNORED.search(name) or (tied and name == "lm_head.weight"):
+            continue
+        param, sl = _target(model, name)
+        dst = param if sl is None else param[sl]
+        dst.copy_(tensor)
+        total += tensor.numel() * tensor.element_size()
+    return total
+
+
+def safetensors_files(path: Path) -> list[Path]:
+    index = path / "model.safetensors.index.json"
+    if index.is_file():
+        names = sorted(set(json.loads(index.read_text())["weight_map"].values()))
+        files = [path / n for n in names]
+    else:
+        files = sorted(path.glob("*.safetensors"))
+    if not files:
+        raise ConfigError(f"no *.safetensors files in model folder {str(path)!r}")
+    for f in files:
+        if not f.is_file():
+            raise ConfigError(f"checkpoint index names {f.name!r} but the file is missing")
+    return files
+
+
+def iter_safetensors(files: list[Path]) -> Iterator[tuple[str, torch.Tensor]]:
+    for f in files:
+        with safe_open(str(f), framework="pt") as sf:
+            for name in sf.keys():  # noqa: SIM118 - safe_open has no __iter__
+                yield name, sf.get_tensor(name)
+
+
+def read_shapes(files: list[Path]) -> dict[str, tuple[int, ...]]:
+    shapes: dict[str, tuple[int, ...]] = {}
+    for f in files:
+        with safe_open(str(f), framework="pt") as sf:
+            for name in sf.keys():  # noqa: SIM118
+                shapes[name] = tuple(sf.get_slice(name).get_shape())
+    return shapes
+
+
+def load_model(path: str | Path, dtype: torch.dtype, device: torch.device) -> CausalLM:
+    """Build our decoder from a Hugging Face folder (config.json + safetensors, single or sharded)."""
+    path = Path(path)
+    cfg = ModelConfig.from_dir(path)
+    files = safetensors_files(path)
+    check_tensors(cfg, read_shapes(files))
+    return build_model(cfg, iter_safetensors(files), dtype, device)
+
+
+def build_model(
+    cfg: ModelConfig, tensors: Iterable[tuple[str, torch.Tensor]], dtype: torch.dtype, device: torch.device
+) -> CausalLM:
+    """A model with uninitialised storage filled from `tensors` (already checked to be complete)."""
+    with torch.device("meta"):
+        model = CausalLM(cfg)
+    model = model.to_empty(device=device).to(dtype)
+    if cfg.tie_word_embeddings:
+        model.lm_head.weight = model.embed_tokens.weight
+    load_tensors(model, tensors)
+    return model.eval().requires_grad_(False)

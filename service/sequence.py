@@ -1,0 +1,204 @@
+"""Request and sequence state: plain Python objects shared by the scheduler, the runner and the API layers."""
+
+from __future__ import annotations
+
+import enum
+import itertools
+import time
+from dataclasses import dataclass, field
+
+
+class SamplingError(ValueError):
+    """Sampling parameters that cannot be honoured; the message names the field."""
+
+
+@dataclass(slots=True)
+class SamplingParams:
+    """Per-request sampling settings.
+
+    Logprob definition: `logprobs` returned for each token are log-probabilities under the distribution the
+    token was actually drawn from, i.e. after temperature, top-k, top-p and min-p (for temperature 0 the
+    same processing with temperature 1). `raw_logprobs=True` also returns log_softmax of the unprocessed
+    logits. `top_logprobs=k` returns the k most likely tokens of the processed distribution.
+    """
+
+    n: int = 1
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0  # 0 or -1: disabled
+    min_p: float = 0.0
+    seed: int | None = None
+    max_tokens: int = 16
+    stop_token_ids: tuple[int, ...] = ()
+    ignore_eos: bool = False
+    top_logprobs: int = 0
+    raw_logprobs: bool = False
+
+    def __post_init__(self) -> None:
+        if self.top_k == -1:
+            self.top_k = 0
+        self.stop_token_ids = tuple(int(t) for t in self.stop_token_ids)
+        checks = [
+            (self.n >= 1, f"n must be >= 1, got {self.n}"),
+            (self.temperature >= 0, f"temperature must be >= 0, got {self.temperature}"),
+            (0 < self.top_p <= 1, f"top_p must be in (0, 1], got {self.top_p}"),
+            (self.top_k >= 0, f"top_k must be >= 0 (0 or -1 disables), got {self.top_k}"),
+            (0 <= self.min_p <= 1, f"min_p must be in [0, 1], got {self.min_p}"),
+            (self.max_tokens >= 1, f"max_tokens must be >= 1, got {self.max_tokens}"),
+            (self.top_logprobs >= 0, f"top_logprobs must be >= 0, got {self.top_logprobs}"),
+            (self.seed is None or 0 <= self.seed < 2**63, f"seed must be in [0, 2^63), got {self.seed}"),
+        ]
+        for ok, message in checks:
+            if not ok:
+                raise SamplingError(message)
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0.0
+
+
+class SequenceStatus(enum.Enum):
+    WAITING = "waiting"
+    RUNNING = "running"
+    FINISHED = "finished"
+
+
+class FinishReason(enum.StrEnum):
+    STOP = "stop"
+    LENGTH = "length"
+    ABORT = "abort"
+
+
+_seq_counter = itertools.count()
+
+
+@dataclass(slots=True, eq=False)
+class Sequence:
+    """One sample being generated. Its KV lives in cache slot `slot`; positions [0, num_cached) are valid."""
+
+    request_id: str
+    index: int  # sample index within the request (0..n-1)
+    prompt_token_ids: list[int]
+    params: SamplingParams
+    seed: int
+    group_id: str | None = None
+    seq_id: int = field(default_factory=lambda: next(_seq_counter))
+    output_token_ids: list[int] = field(default_factory=list)
+    logprobs: list[float] = field(default_factory=list)
+    raw_logprobs: list[float] = field(default_factory=list)
+    top_logprobs: list[dict[int, float]] = field(default_factory=list)
+    status: SequenceStatus = SequenceStatus.WAITING
+    finish_reason: FinishReason | None = None
+    slot: int = -1
+    num_cached: int = 0  # tokens whose K/V are in the target cache
+    num_emitted: int = 0  # output tokens already handed out by step()
+    arrival_time: float = field(default_factory=time.monotonic)
+    first_token_time: float | None = None
+    finish_time: float | None = None
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.prompt_token_ids) + len(self.output_token_ids)
+
+    @property
+    def last_token(self) -> int:
+        return self.output_token_ids[-1] if self.output_token_ids else self.prompt_token_ids[-1]
+
+    @property
+    def is_finished(self) -> bool:
+        return self.status is SequenceStatus.FINISHED
+
+    def token_at(self, pos: int) -> int:
+        n_prompt = len(self.prompt_token_ids)
+        return self.prompt_token_ids[pos] if pos < n_prompt else self.output_token_ids[pos - n_prompt]
+
+    def tokens_from(self, start: int) -> list[int]:
+        n_prompt = len(self.prompt_token_ids)
+        if start >= n_prompt:
+            return self.output_token_ids[start - n_prompt :]
+        return self.prompt_token_ids[start:] + self.output_token_ids
+
+    def append_token(
+        self, token: int, logprob: float, raw_logprob: float | None, top: dict[int, float] | None,
+        eos_token_ids: tuple[int, ...], max_model_len: int,
+    ) -> bool:
+        """Record one generated token; returns True when the sequence finished with it."""
+        self.output_token_ids.append(token)
+        self.logprobs.append(logprob)
+        if raw_logprob is not None:
+            self.raw_logprobs.append(raw_logprob)
+        if top is not None:
+            self.top_logprobs.append(top)
+        if self.first_token_time is None:
+            self.first_token_time = time.monotonic()
+        p = self.params
+        if token in p.stop_token_ids or (not p.ignore_eos and token in eos_token_ids):
+            self.finish(FinishReason.STOP)
+        elif len(self.output_token_ids) >= p.max_tokens or self.num_tokens >= max_model_len:
+            self.finish(FinishReason.LENGTH)
+        return self.is_finished
+
+    def finish(self, reason: FinishReason) -> None:
+        self.status = SequenceStatus.FINISHED
+        self.finish_reason = reason
+        self.finish_time = time.monotonic()
+
+
+@dataclass(slots=True)
+class Request:
+    """A prompt with its n samples; the samples share the prompt's prefill."""
+
+    request_id: str
+    prompt_token_ids: list[int]
+    params: SamplingParams
+    seqs: list[Sequence]
+    group_id: str | None = None
+
+    @property
+    def is_finished(self) -> bool:
+        return all(s.is_finished for s in self.seqs)
+
+
+@dataclass(slots=True)
+class CompletionOutput:
+    index: int
+    token_ids: list[int]
+    logprobs: list[float]
+    finish_reason: str | None
+    raw_logprobs: list[float] | None = None
+    top_logprobs: list[dict[int, float]] | None = None
+    text: str | None = None
+
+
+@dataclass(slots=True)
+class RequestOutput:
+    request_id: str
+    prompt_token_ids: list[int]
+    outputs: list[CompletionOutput]
+    finished: bool
+
+
+@dataclass(slots=True)
+class StepOutput:
+    """What one engine step produced for one sequence: the new tokens since the last step."""
+
+    request_id: str
+    index: int
+    new_token_ids: list[int]
+    new_logprobs: list[float]
+    finished: bool
+    finish_reason: str | None
+    new_raw_logprobs: list[float] | None = None
+    new_top_logprobs: list[dict[int, float]] | None = None
+
+
+def completion_of(seq: Sequence) -> CompletionOutput:
+    p = seq.params
+    return CompletionOutput(
+        index=seq.index,
+        token_ids=list(seq.output_token_ids),
+        logprobs=list(seq.logprobs),
+        finish_reason=seq.finish_reason.value if seq.finish_reason else None,
+        raw_logprobs=list(seq.raw_logprobs) if p.raw_logprobs else None,
+        top_logprobs=list(seq.top_logprobs) if p.top_logprobs else None,
+    )

@@ -1,0 +1,122 @@
+"""Shared pytest fixtures: tiny checkpoints, a real Redis server, and marker-based auto-skips."""
+
+from __future__ import annotations
+
+import importlib.util
+import logging
+import os
+import shutil
+import socket
+import subprocess
+import time
+from collections.abc import Callable, Iterator
+from pathlib import Path
+
+import pytest
+from helpers import free_port, make_checkpoint, set_checkpoint_root
+
+logger = logging.getLogger(__name__)
+
+REDIS_START_TIMEOUT_S = 15.0
+
+
+def _in_ci() -> bool:
+    return os.environ.get("CI", "").strip().lower() not in ("", "0", "false", "no")
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    """Skip ``cuda`` tests without a CUDA device and ``vllm`` tests without vllm installed."""
+    needs_cuda = [item for item in items if item.get_closest_marker("cuda") is not None]
+    if needs_cuda:
+        import torch
+
+        if not torch.cuda.is_available():
+            skip = pytest.mark.skip(reason="needs a CUDA device (torch.cuda.is_available() is False)")
+            for item in needs_cuda:
+                item.add_marker(skip)
+    needs_vllm = [item for item in items if item.get_closest_marker("vllm") is not None]
+    if needs_vllm and importlib.util.find_spec("vllm") is None:
+        skip = pytest.mark.skip(reason="needs the optional vllm package")
+        for item in needs_vllm:
+            item.add_marker(skip)
+
+
+@pytest.fixture(scope="session", autouse=True)
+def checkpoint_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """Session-wide directory that holds every checkpoint built by :func:`helpers.make_checkpoint`."""
+    root = tmp_path_factory.mktemp("checkpoints")
+    set_checkpoint_root(root)
+    return root
+
+
+@pytest.fixture(scope="session")
+def checkpoint_factory(checkpoint_dir: Path) -> Callable[..., Path]:
+    """``make_checkpoint`` itself, for tests that need a custom tiny checkpoint."""
+    return make_checkpoint
+
+
+@pytest.fixture(scope="session", params=[True, False], ids=["tied", "untied"])
+def tiny_qwen2(request: pytest.FixtureRequest, checkpoint_dir: Path) -> Path:
+    """Tiny Qwen2 checkpoint (GQA, non-zero q/k/v biases), tied and untied embeddings."""
+    return make_checkpoint("qwen2", tied=request.param)
+
+
+@pytest.fixture(scope="session", params=[True, False], ids=["tied", "untied"])
+def tiny_llama(request: pytest.FixtureRequest, checkpoint_dir: Path) -> Path:
+    """Tiny Llama checkpoint (GQA), tied and untied embeddings."""
+    return make_checkpoint("llama", tied=request.param)
+
+
+@pytest.fixture(scope="session", params=[True, False], ids=["tied", "untied"])
+def tiny_qwen3(request: pytest.FixtureRequest, checkpoint_dir: Path) -> Path:
+    """Tiny Qwen3 checkpoint (GQA, q/k norms), tied and untied embeddings."""
+    return make_checkpoint("qwen3", tied=request.param)
+
+
+@pytest.fixture(scope="session")
+def tiny_vocab_model(checkpoint_dir: Path) -> Path:
+    """Qwen2 checkpoint with a 16-token vocab and peaky (non-uniform) next-token distributions."""
+    return make_checkpoint("qwen2", tied=False, vocab_size=16, init_std=0.2, seed=7)
+
+
+def _redis_ping(port: int) -> bool:
+    try:
+        with socket.create_connection(("127.0.0.1", port), timeout=0.5) as sock:
+            sock.sendall(b"PING\r\n")
+            return sock.recv(64).startswith(b"+PONG")
+    except OSError:
+        return False
+
+
+@pytest.fixture(scope="session")
+def redis_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
+    """A real throwaway ``redis-server`` on a free loopback port; yields ``redis://127.0.0.1:PORT/0``."""
+    binary = shutil.which("redis-server")
+    if binary is None:
+        message = "redis-server binary not found (bash scripts/test.sh installs it with apt-get)"
+        if _in_ci():
+            pytest.fail(message)
+        pytest.skip(message)
+    workdir = tmp_path_factory.mktemp("redis")
+    port = free_port()
+    cmd = [binary, "--port", str(port), "--bind", "127.0.0.1", "--save", "", "--appendonly", "no",
+           "--protected-mode", "no", "--daemonize", "no", "--dir", str(workdir), "--loglevel", "warning"]
+    log = (workdir / "redis.log").open("wb")
+    proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT)
+    try:
+        deadline = time.monotonic() + REDIS_START_TIMEOUT_S
+        while not _redis_ping(port):
+            if proc.poll() is not None or time.monotonic() > deadline:
+                output = (workdir / "redis.log").read_text(errors="replace")
+                pytest.fail(f"redis-server did not start on port {port}: {output[-2000:]}")
+            time.sleep(0.05)
+        logger.info("redis-server pid %d listening on 127.0.0.1:%d", proc.pid, port)
+        yield f"redis://127.0.0.1:{port}/0"
+    finally:
+        proc.terminate()
+        try:
+            proc.wait(timeout=10)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait(timeout=10)
+        log.close()
