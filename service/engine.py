@@ -5,6 +5,7 @@ from __future__ import annotations
 import hashlib
 import logging
 import random
+import time
 import uuid
 from collections.abc import Sequence as Seq
 from pathlib import Path
@@ -14,6 +15,7 @@ from tqdm import tqdm
 
 from service.config import EngineConfig, ModelConfig
 from service.kv_cache import KVCache, slots_for_budget
+from service.models.llama import CausalLM
 from service.models.loader import load_model
 from service.runner import ModelRunner, TokenResult
 from service.scheduler import Scheduler
@@ -26,6 +28,7 @@ from service.sequence import (
     StepOutput,
     completion_of,
 )
+from service.stats import EngineStats
 from service.tokenizer import Tokenizer
 
 logger = logging.getLogger(__name__)
@@ -67,6 +70,10 @@ class LLMEngine:
         self.requests: dict[str, Request] = {}
         self._rng = random.Random(config.seed)
         self._aborted: list[Sequence] = []
+        self.policy_version = str(config.extra.get("policy_version", "0"))
+        self.drafter_version = "none"
+        self.paused = False  # step() does nothing while paused (weight pushes, admin pause)
+        self.stats = EngineStats()
 
     # -- requests ---------------------------------------------------------------------------------
     def add_request(
@@ -111,6 +118,29 @@ class LLMEngine:
         self._aborted += self.scheduler.abort(request_id)
         return True
 
+    def abort_all(self) -> list[str]:
+        """Abort every waiting and running request; returns their ids."""
+        ids = list(self.requests)
+        for rid in ids:
+            self.abort(rid)
+        return ids
+
+    @property
+    def hold_admission(self) -> bool:
+        """While True, no waiting request starts (running ones continue): the 'wait' mode of a push."""
+        return self.scheduler.hold_admission
+
+    @hold_admission.setter
+    def hold_admission(self, value: bool) -> None:
+        self.scheduler.hold_admission = value
+
+    def swap_target(self, model: CausalLM, version: str) -> None:
+        """Serve `model` from the next step on. Call between steps; running sequences keep their KV."""
+        if model.config != self.model_config:
+            raise ValueError("new target weights must have the same architecture as the serving model")
+        self.runner.model = model
+        self.policy_version = str(version)
+
     def has_unfinished(self) -> bool:
         return self.scheduler.has_work() or bool(self._aborted)
 
@@ -124,20 +154,27 @@ class LLMEngine:
 
     # -- the step ---------------------------------------------------------------------------------
     def step(self) -> list[StepOutput]:
-        sched = self.scheduler.schedule()
         outputs = self._drain_aborted()
+        if self.paused:
+            return outputs
+        sched = self.scheduler.schedule()
         if sched.kind == "idle":
             self.cache.copy_slots(sched.moves)
             return outputs
+        start = time.perf_counter()
         seqs, results = self.runner.run(sched)
-        return outputs + self._postprocess(sched.kind, seqs, results)
+        outputs += self._postprocess(sched.kind, seqs, results)
+        self.stats.record_step(sched.kind, sched, len(seqs), time.perf_counter() - start)
+        return outputs
 
     def _postprocess(self, kind: str, seqs: list[Sequence], results: list[TokenResult]) -> list[StepOutput]:
         outputs = []
         for seq, res in zip(seqs, results, strict=True):
             seq.num_cached = len(seq.prompt_token_ids) if kind == "prefill" else seq.num_cached + 1
-            if seq.append_token(res.token, res.logprob, res.raw_logprob, res.top,
-                                self.eos_token_ids, self.config.max_model_len):
+            finished = seq.append_token(res.token, res.logprob, res.raw_logprob, res.top,
+                                        self.eos_token_ids, self.config.max_model_len)
+            seq.record_versions(self.policy_version, self.drafter_version)
+            if finished:
                 self.scheduler.release(seq)
             outputs.append(self._emit(seq))
         self._forget_finished(seqs)
@@ -152,6 +189,8 @@ class LLMEngine:
             finished=seq.is_finished, finish_reason=seq.finish_reason.value if seq.finish_reason else None,
             new_raw_logprobs=seq.raw_logprobs[start:] if p.raw_logprobs else None,
             new_top_logprobs=seq.top_logprobs[start:] if p.top_logprobs else None,
+            policy_version=self.policy_version, drafter_version=self.drafter_version,
+            num_prompt_tokens=len(seq.prompt_token_ids), num_output_tokens=len(seq.output_token_ids),
         )
 
     def _drain_aborted(self) -> list[StepOutput]:

@@ -49,6 +49,7 @@ class Scheduler:
         self.waiting: deque[Request] = deque()
         self.running: list[Sequence] = []  # running[i].slot == i
         self._pending_moves: list[SlotCopy] = []
+        self.hold_admission = False
 
     # -- queue management -------------------------------------------------------------------------
     def add(self, request: Request) -> None:
@@ -65,7 +66,7 @@ class Scheduler:
 
     def schedule(self) -> SchedulerOutput:
         moves, self._pending_moves = self._pending_moves, []
-        admitted = self._admit()
+        admitted = [] if self.hold_admission else self._admit()
         if admitted:
             slot_lo = len(self.running)
             forks: list[SlotCopy] = []

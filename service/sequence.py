@@ -72,6 +72,16 @@ class FinishReason(enum.StrEnum):
 _seq_counter = itertools.count()
 
 
+@dataclass(slots=True)
+class VersionSpan:
+    """Output tokens [start, end) were produced by these weight versions."""
+
+    policy_version: str
+    drafter_version: str
+    start: int
+    end: int
+
+
 @dataclass(slots=True, eq=False)
 class Sequence:
     """One sample being generated. Its KV lives in cache slot `slot`; positions [0, num_cached) are valid."""
@@ -87,6 +97,7 @@ class Sequence:
     logprobs: list[float] = field(default_factory=list)
     raw_logprobs: list[float] = field(default_factory=list)
     top_logprobs: list[dict[int, float]] = field(default_factory=list)
+    version_spans: list[VersionSpan] = field(default_factory=list)
     status: SequenceStatus = SequenceStatus.WAITING
     finish_reason: FinishReason | None = None
     slot: int = -1
@@ -138,6 +149,15 @@ class Sequence:
             self.finish(FinishReason.LENGTH)
         return self.is_finished
 
+    def record_versions(self, policy_version: str, drafter_version: str) -> None:
+        """Attribute the output tokens not yet covered by a span to the given weight versions."""
+        end = len(self.output_token_ids)
+        last = self.version_spans[-1] if self.version_spans else None
+        if last is not None and (last.policy_version, last.drafter_version) == (policy_version, drafter_version):
+            last.end = end
+        elif last is None or last.end < end:
+            self.version_spans.append(VersionSpan(policy_version, drafter_version, last.end if last else 0, end))
+
     def finish(self, reason: FinishReason) -> None:
         self.status = SequenceStatus.FINISHED
         self.finish_reason = reason
@@ -167,6 +187,7 @@ class CompletionOutput:
     finish_reason: str | None
     raw_logprobs: list[float] | None = None
     top_logprobs: list[dict[int, float]] | None = None
+    version_spans: list[VersionSpan] = field(default_factory=list)
     text: str | None = None
 
 
@@ -190,6 +211,10 @@ class StepOutput:
     finish_reason: str | None
     new_raw_logprobs: list[float] | None = None
     new_top_logprobs: list[dict[int, float]] | None = None
+    policy_version: str = ""
+    drafter_version: str = ""
+    num_prompt_tokens: int = 0
+    num_output_tokens: int = 0
 
 
 def completion_of(seq: Sequence) -> CompletionOutput:
@@ -201,4 +226,5 @@ def completion_of(seq: Sequence) -> CompletionOutput:
         finish_reason=seq.finish_reason.value if seq.finish_reason else None,
         raw_logprobs=list(seq.raw_logprobs) if p.raw_logprobs else None,
         top_logprobs=list(seq.top_logprobs) if p.top_logprobs else None,
+        version_spans=[VersionSpan(v.policy_version, v.drafter_version, v.start, v.end) for v in seq.version_spans],
     )

@@ -37,10 +37,9 @@ class RMSNorm(nn.Module):
         self.weight = nn.Parameter(torch.ones(dim))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        dtype = x.dtype
-        x = x.float()
-        x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)
-        return self.weight * x.to(dtype)
+        if x.dtype == torch.float32:
+            return F.rms_norm(x, self.weight.shape, self.weight, self.eps)
+        return self.weight * F.rms_norm(x.float(), self.weight.shape, eps=self.eps).to(x.dtype)
 
 
 class Attention(nn.Module):
@@ -49,7 +48,6 @@ class Attention(nn.Module):
         self.layer_idx = layer_idx
         self.num_heads, self.num_kv_heads, self.head_dim = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
         q_size, kv_size = cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim
-        self.split = (q_size, kv_size, kv_size)
         self.qkv_proj = nn.Linear(cfg.hidden_size, q_size + 2 * kv_size, bias=cfg.attention_bias)
         self.o_proj = nn.Linear(q_size, cfg.hidden_size, bias=False)
         self.q_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps) if cfg.qk_norm else None
@@ -61,11 +59,14 @@ class Attention(nn.Module):
         B, Q, _ = x.shape
         H, Hkv, D = self.num_heads, self.num_kv_heads, self.head_dim
         G = H // Hkv
-        q, k, v = self.qkv_proj(x).split(self.split, dim=-1)
-        q, k, v = q.view(B, Q, H, D), k.view(B, Q, Hkv, D), v.view(B, Q, Hkv, D)
-        if self.q_norm is not None:
-            q, k = self.q_norm(q), self.k_norm(k)
-        q, k = apply_rope(q, meta.cos, meta.sin), apply_rope(k, meta.cos, meta.sin)
+        qkv = self.qkv_proj(x).view(B, Q, H + 2 * Hkv, D)
+        if self.q_norm is None:
+            qk = apply_rope(qkv[:, :, : H + Hkv], meta.cos, meta.sin)  # q and k heads rotated together
+            q, k = qk.split((H, Hkv), dim=2)
+        else:
+            q = apply_rope(self.q_norm(qkv[:, :, :H]), meta.cos, meta.sin)
+            k = apply_rope(self.k_norm(qkv[:, :, H : H + Hkv]), meta.cos, meta.sin)
+        v = qkv[:, :, H + Hkv :]
         # Write the new K/V at their positions: cache [slots, Hkv, P, D] indexed [N] x : x [N] -> [N, Hkv, D].
         k_cache[meta.write_slots, :, meta.write_pos] = k.reshape(B * Q, Hkv, D)
         v_cache[meta.write_slots, :, meta.write_pos] = v.reshape(B * Q, Hkv, D)

@@ -73,15 +73,15 @@ class Rope:
         freqs = torch.outer(t, inv_freq)  # [P, D/2]
         emb = torch.cat([freqs, freqs], dim=-1)  # [P, D]
         self.cos = (emb.cos() * scale).to(device=device, dtype=dtype)
-        self.sin = (emb.sin() * scale).to(device=device, dtype=dtype)
+        # sin with the sign of the half rotation folded in: rotate(x) * sin == x.roll(D/2) * signed_sin.
+        sign = torch.cat([-torch.ones(dim // 2), torch.ones(dim // 2)])
+        self.sin = (emb.sin() * scale * sign).to(device=device, dtype=dtype)
 
     def lookup(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """positions [B, Q] -> cos, sin [B, Q, 1, D] (broadcast over heads)."""
         return self.cos[positions].unsqueeze(2), self.sin[positions].unsqueeze(2)
 
 
-def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """x [B, Q, H, D] rotated by position."""
-    half = x.shape[-1] // 2
-    rotated = torch.cat([-x[..., half:], x[..., :half]], dim=-1)
-    return x * cos + rotated * sin
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, signed_sin: torch.Tensor) -> torch.Tensor:
+    """x [B, Q, H, D] rotated by position (half-rotation layout; sin carries the rotation's sign)."""
+    return x * cos + x.roll(x.shape[-1] // 2, dims=-1) * signed_sin
