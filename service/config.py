@@ -132,6 +132,11 @@ class EngineConfig:
     seed: int = 0
     enforce_eager: bool = True
     num_threads: int | None = None
+    # Speculative decoding: drafters as a comma-separated list of "suffix" and draft-model folders
+    # ("none" for plain decoding); spec "adaptive" picks (drafter, k) per step, "fixed" pins spec_k.
+    drafter: str = "none"
+    spec: str = "adaptive"
+    spec_k: int = 4
     extra: dict[str, Any] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
@@ -148,5 +153,9 @@ class EngineConfig:
             )
         if self.kv_cache_memory_gb <= 0:
             raise ConfigError(f"kv_cache_memory_gb must be positive, got {self.kv_cache_memory_gb}")
+        if self.spec not in ("adaptive", "fixed", "off"):
+            raise ConfigError(f"spec must be adaptive, fixed or off, got {self.spec!r}")
+        if not 0 <= self.spec_k <= 15:
+            raise ConfigError(f"spec_k must be in [0, 15], got {self.spec_k}")
         if not (self.device == "cpu" or self.device.startswith("cuda")):
             raise ConfigError(f"device must be 'cpu' or 'cuda[:N]', got {self.device!r}")

@@ -14,11 +14,14 @@ import torch
 from tqdm import tqdm
 
 from service.config import EngineConfig, ModelConfig
+from service.drafters import build_drafters
+from service.drafters.base import Drafter
+from service.drafters.draft_model import DraftModelDrafter
 from service.kv_cache import KVCache, slots_for_budget
 from service.models.llama import CausalLM
 from service.models.loader import load_model
 from service.runner import ModelRunner, TokenResult
-from service.scheduler import Scheduler
+from service.scheduler import Scheduler, SchedulerOutput
 from service.sequence import (
     Request,
     RequestOutput,
@@ -28,7 +31,8 @@ from service.sequence import (
     StepOutput,
     completion_of,
 )
-from service.stats import EngineStats
+from service.stats import EngineStats, StepRecord
+from service.strategy import PLAIN, AdaptiveStrategy, Strategy
 from service.tokenizer import Tokenizer
 
 logger = logging.getLogger(__name__)
@@ -71,7 +75,15 @@ class LLMEngine:
         self._rng = random.Random(config.seed)
         self._aborted: list[Sequence] = []
         self.policy_version = str(config.extra.get("policy_version", "0"))
-        self.drafter_version = "none"
+        self.drafters: dict[str, Drafter] = build_drafters(config.drafter, self)
+        self.runner.drafters = list(self.drafters.values())
+        fixed = None
+        if config.spec == "off" or not self.drafters:
+            fixed = PLAIN
+        elif config.spec == "fixed":
+            fixed = Strategy(next(iter(self.drafters)), config.spec_k)
+        self.strategy = AdaptiveStrategy(list(self.drafters), fixed=fixed, seed=config.seed)
+        self.spec_strategy = PLAIN.name
         self.paused = False  # step() does nothing while paused (weight pushes, admin pause)
         self.stats = EngineStats()
 
@@ -159,23 +171,65 @@ class LLMEngine:
             return outputs
         sched = self.scheduler.schedule()
         if sched.kind == "idle":
-            self.cache.copy_slots(sched.moves)
+            self.runner.apply_copies(sched.moves)
             return outputs
         start = time.perf_counter()
+        strategy = self.strategy.choose(len(sched.seqs)) if sched.kind == "decode" else PLAIN
+        self.spec_strategy = strategy.name
+        if strategy.k:
+            return outputs + self._spec_step(sched, strategy, start)
         seqs, results = self.runner.run(sched)
-        outputs += self._postprocess(sched.kind, seqs, results)
-        self.stats.record_step(sched.kind, sched, len(seqs), time.perf_counter() - start)
+        outputs += self._postprocess(sched.kind, seqs, [[r] for r in results])
+        seconds = time.perf_counter() - start
+        if sched.kind == "decode":
+            self.strategy.record(PLAIN, len(seqs), seconds)
+        self.stats.record_step(sched.kind, sched, len(seqs), seconds)
         return outputs
 
-    def _postprocess(self, kind: str, seqs: list[Sequence], results: list[TokenResult]) -> list[StepOutput]:
+    def _spec_step(self, sched: SchedulerOutput, strategy: Strategy, start: float) -> list[StepOutput]:
+        drafter = self.drafters[strategy.drafter]
+        k = strategy.k
+        prev_tokens = [s.num_tokens for s in sched.seqs]
+        seqs, per_seq, accepted, drafted, draft_s = self.runner.spec_step(sched, drafter, k)
+        drafter.after_step(seqs, prev_tokens, accepted, k)
+        outputs = self._postprocess("decode", seqs, per_seq)
+        seconds = time.perf_counter() - start
+        self.strategy.record(strategy, len(seqs), seconds, accepted)
+        emitted = sum(s.num_tokens - t for s, t in zip(seqs, prev_tokens, strict=True))
+        record = StepRecord("spec", len(seqs), seconds, strategy.name, k, sum(drafted), sum(accepted), emitted,
+                            draft_s, seconds - draft_s)
+        self.stats.record_step("spec", sched, len(seqs), seconds, record)
+        self.stats.add_accepted_per_position([sum(1 for a in accepted if a > j) for j in range(k)])
+        return outputs
+
+    @property
+    def drafter_version(self) -> str:
+        return ",".join(f"{n}@{d.version}" for n, d in self.drafters.items()) or "none"
+
+    def swap_drafter(self, name: str, model: CausalLM, version: str) -> None:
+        """Serve a new draft model from the next step on (call between steps)."""
+        drafter = self.drafters.get(name)
+        if not isinstance(drafter, DraftModelDrafter):
+            raise ValueError(f"no draft-model drafter named {name!r}; drafters: {sorted(self.drafters)}")
+        drafter.swap_model(model, str(version))
+
+    def _postprocess(self, kind: str, seqs: list[Sequence], results: list[list[TokenResult]]) -> list[StepOutput]:
+        """Append each sequence's new tokens in order, stopping exactly where plain decoding would."""
         outputs = []
-        for seq, res in zip(seqs, results, strict=True):
-            seq.num_cached = len(seq.prompt_token_ids) if kind == "prefill" else seq.num_cached + 1
-            finished = seq.append_token(res.token, res.logprob, res.raw_logprob, res.top,
-                                        self.eos_token_ids, self.config.max_model_len)
+        drafters = self.runner.drafters
+        for seq, tokens in zip(seqs, results, strict=True):
+            finished = False
+            for res in tokens:
+                finished = seq.append_token(res.token, res.logprob, res.raw_logprob, res.top,
+                                            self.eos_token_ids, self.config.max_model_len)
+                if finished:
+                    break
+            seq.num_cached = seq.num_tokens - 1  # every token but the newest has its K/V in the cache
             seq.record_versions(self.policy_version, self.drafter_version)
             if finished:
                 self.scheduler.release(seq)
+            for d in drafters:
+                d.observe(seq)
             outputs.append(self._emit(seq))
         self._forget_finished(seqs)
         return outputs
@@ -195,6 +249,9 @@ class LLMEngine:
 
     def _drain_aborted(self) -> list[StepOutput]:
         aborted, self._aborted = self._aborted, []
+        for seq in aborted:
+            for d in self.runner.drafters:
+                d.observe(seq)
         outputs = [self._emit(s) for s in aborted]
         self._forget_finished(aborted)
         return outputs

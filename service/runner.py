@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import logging
+import time
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 
@@ -11,8 +13,12 @@ from service.kv_cache import KVCache
 from service.models.llama import AttnMeta, CausalLM
 from service.models.rope import Rope
 from service.sampler import SampleResult, SamplingBatch, sample
-from service.scheduler import SchedulerOutput
+from service.scheduler import SchedulerOutput, SlotCopy
 from service.sequence import Sequence
+from service.spec.verify import verify
+
+if TYPE_CHECKING:
+    from service.drafters.base import Drafter
 
 logger = logging.getLogger(__name__)
 
@@ -27,14 +33,19 @@ class TokenResult:
     top: dict[int, float] | None
 
 
-def to_host(res: SampleResult, seqs: list[Sequence]) -> list[TokenResult]:
-    """One device->host transfer for everything sampled this step."""
+def to_host(res: SampleResult, seqs: list[Sequence], extra: torch.Tensor | None = None):
+    """One device->host transfer for everything sampled this step. With `extra` ([B, m] integers, B
+    dividing the number of rows), returns (results, extra as B lists) from the same transfer."""
     cols = [res.tokens.double()[:, None], res.logprobs.double()[:, None]]
     if res.raw_logprobs is not None:
         cols.append(res.raw_logprobs.double()[:, None])
     if res.top_ids is not None:
         cols += [res.top_ids.double(), res.top_values.double()]
-    rows = torch.cat(cols, dim=1).tolist()
+    packed = torch.cat(cols, dim=1)
+    if extra is not None:
+        per = packed.shape[0] // extra.shape[0]
+        packed = torch.cat([packed, extra.double().repeat_interleave(per, dim=0)], dim=1)
+    rows = packed.tolist()
     k = 0 if res.top_ids is None else res.top_ids.shape[1]
     has_raw = res.raw_logprobs is not None
     out = []
@@ -46,10 +57,16 @@ def to_host(res: SampleResult, seqs: list[Sequence]) -> list[TokenResult]:
             n = seq.params.top_logprobs
             top = {int(i): v for i, v in zip(row[base : base + n], row[base + k : base + k + n], strict=True)}
         out.append(TokenResult(int(row[0]), row[1], raw, top))
+    if extra is not None:
+        per = len(rows) // extra.shape[0]
+        m = extra.shape[1]
+        return out, [[int(v) for v in r[-m:]] for r in rows[::per]]
     return out
 
 
-class ModelRunner:
+class CachedModel:
+    """A decoder with its own static KV cache and RoPE table; builds the per-forward attention metadata."""
+
     def __init__(self, model: CausalLM, cache: KVCache, device: torch.device) -> None:
         self.model = model
         self.cfg = model.config
@@ -58,50 +75,82 @@ class ModelRunner:
         self.dtype = next(model.parameters()).dtype
         self.rope = Rope(self.cfg, cache.max_positions, device, self.dtype)
 
-    # -- tensor building --------------------------------------------------------------------------
     def build_meta(self, slot_lo: int, starts: list[int], q_lens: list[int]) -> tuple[AttnMeta, torch.Tensor]:
         """Rows b = slots slot_lo + b append q_lens[b] tokens at positions starts[b]...; returns meta and
         the [B, Q] position tensor (padding entries point at the scratch position)."""
         B, Q = len(starts), max(q_lens)
         dev = self.device
         start = torch.tensor(starts, dtype=torch.int64, device=dev)
-        q_len = torch.tensor(q_lens, dtype=torch.int64, device=dev)
         offs = torch.arange(Q, device=dev)
         pos = start[:, None] + offs[None, :]  # [B, Q]
-        valid = offs[None, :] < q_len[:, None]
-        scratch = self.cache.scratch_pos
-        write_pos = torch.where(valid, pos, scratch)
+        if Q > 1:
+            valid = offs[None, :] < torch.tensor(q_lens, dtype=torch.int64, device=dev)[:, None]
+            pos = torch.where(valid, pos, self.cache.scratch_pos)
         kv_len = max(s + n for s, n in zip(starts, q_lens, strict=True))
         keys = torch.arange(kv_len, device=dev)
-        mask = keys[None, None, :] <= pos[:, :, None]  # [B, Q, L]
+        mask = keys[None, None, :] <= pos[:, :, None]  # [B, Q, L]; padded rows see everything (discarded)
         G = self.cfg.num_heads // self.cfg.num_kv_heads
         mask = mask[:, None] if Q == 1 else mask[:, None].repeat(1, 1, G, 1)  # [B, 1, G*Q or 1, L]
         slots = (torch.arange(B, device=dev) + slot_lo)[:, None].expand(B, Q)
-        cos, sin = self.rope.lookup(write_pos)
-        meta = AttnMeta(slot_lo, kv_len, slots.reshape(-1), write_pos.reshape(-1), mask, cos, sin)
-        return meta, write_pos
+        cos, sin = self.rope.lookup(pos)
+        return AttnMeta(slot_lo, kv_len, slots.reshape(-1), pos.reshape(-1), mask, cos, sin), pos
 
     def forward(self, input_ids: torch.Tensor, meta: AttnMeta) -> torch.Tensor:
         """input_ids [B, Q] -> final hidden states [B, Q, hidden]."""
         return self.model(input_ids, meta, self.cache.k, self.cache.v)
 
+    def extend(self, slot_lo: int, starts: list[int], tokens: list[list[int]]) -> tuple[torch.Tensor, torch.Tensor]:
+        """Append per-row token lists at positions starts[b]...; returns hidden [B, Q, H] and the index of
+        each row's last real token [B]."""
+        q_lens = [len(t) for t in tokens]
+        Q = max(q_lens)
+        ids = torch.tensor([t + [0] * (Q - len(t)) for t in tokens], dtype=torch.int64, device=self.device)
+        meta, _ = self.build_meta(slot_lo, starts, q_lens)
+        last = torch.tensor([n - 1 for n in q_lens], dtype=torch.int64, device=self.device)
+        return self.forward(ids, meta), last
+
+
+class ModelRunner:
+    """Runs the target for prefill, decode and speculative steps; drafters plug in through `spec_step`."""
+
+    def __init__(self, model: CausalLM, cache: KVCache, device: torch.device) -> None:
+        self.target = CachedModel(model, cache, device)
+        self.cache = cache
+        self.device = device
+        self.cfg = model.config
+        self.drafters: list[Drafter] = []  # every drafter that keeps per-slot state follows slot copies
+
+    @property
+    def model(self) -> CausalLM:
+        return self.target.model
+
+    @model.setter
+    def model(self, model: CausalLM) -> None:
+        self.target.model = model
+
+    def build_meta(self, slot_lo: int, starts: list[int], q_lens: list[int]) -> tuple[AttnMeta, torch.Tensor]:
+        return self.target.build_meta(slot_lo, starts, q_lens)
+
+    def forward(self, input_ids: torch.Tensor, meta: AttnMeta) -> torch.Tensor:
+        return self.target.forward(input_ids, meta)
+
+    def apply_copies(self, copies: list[SlotCopy]) -> None:
+        self.cache.copy_slots(copies)
+        for d in self.drafters:
+            d.apply_copies(copies)
+
     # -- one engine step --------------------------------------------------------------------------
     @torch.inference_mode()
     def run(self, out: SchedulerOutput) -> tuple[list[Sequence], list[TokenResult]]:
-        """Run the scheduled forward and sample one token per sequence. Returns (seqs, results)."""
-        self.cache.copy_slots(out.moves)
+        """Run a prefill or plain decode step: one token per sequence."""
+        self.apply_copies(out.moves)
         if out.kind == "prefill":
             return self._prefill(out)
-        return self._decode(out)
+        return self._decode(out.seqs)
 
     def _prefill(self, out: SchedulerOutput) -> tuple[list[Sequence], list[TokenResult]]:
         prompts = [r.prompt_token_ids for r in out.requests]
-        q_lens = [len(p) for p in prompts]
-        Q = max(q_lens)
-        ids = torch.tensor([p + [0] * (Q - len(p)) for p in prompts], dtype=torch.int64, device=self.device)
-        meta, _ = self.build_meta(out.slot_lo, [0] * len(prompts), q_lens)
-        hidden = self.forward(ids, meta)  # [P, Q, hidden]
-        last = torch.tensor([n - 1 for n in q_lens], device=self.device)
+        hidden, last = self.target.extend(out.slot_lo, [0] * len(prompts), prompts)  # [P, Q, hidden]
         logits = self.model.logits(hidden[torch.arange(len(prompts), device=self.device), last])  # [P, V]
         self.cache.copy_slots(out.forks)
         seqs = [s for r in out.requests for s in r.seqs]
@@ -109,11 +158,35 @@ class ModelRunner:
         sb = SamplingBatch.build(seqs, self.cfg.vocab_size, self.device)
         return seqs, to_host(sample(logits[row_of], sb), seqs)
 
-    def _decode(self, out: SchedulerOutput) -> tuple[list[Sequence], list[TokenResult]]:
-        seqs = out.seqs
+    def _decode(self, seqs: list[Sequence]) -> tuple[list[Sequence], list[TokenResult]]:
         ids = torch.tensor([[s.last_token] for s in seqs], dtype=torch.int64, device=self.device)
-        meta, _ = self.build_meta(0, [s.num_cached for s in seqs], [1] * len(seqs))
-        hidden = self.forward(ids, meta)  # [B, 1, hidden]
-        logits = self.model.logits(hidden[:, 0])
+        meta, _ = self.target.build_meta(0, [s.num_cached for s in seqs], [1] * len(seqs))
+        logits = self.model.logits(self.target.forward(ids, meta)[:, 0])  # [B, V]
         sb = SamplingBatch.build(seqs, self.cfg.vocab_size, self.device)
         return seqs, to_host(sample(logits, sb), seqs)
+
+    @torch.inference_mode()
+    def spec_step(
+        self, out: SchedulerOutput, drafter: Drafter, k: int
+    ) -> tuple[list[Sequence], list[list[TokenResult]], list[int], list[int], float]:
+        """Draft k tokens per sequence, verify them in one target pass. Returns the sequences, the tokens
+        each emits (1..k+1), the accepted and proposed draft counts, and the seconds spent drafting."""
+        self.apply_copies(out.moves)
+        seqs = out.seqs
+        B = len(seqs)
+        sb = SamplingBatch.build(seqs, self.cfg.vocab_size, self.device)
+        t0 = time.perf_counter()
+        draft = drafter.propose(seqs, k, sb)
+        draft_seconds = time.perf_counter() - t0
+        last = torch.tensor([[s.last_token] for s in seqs], dtype=torch.int64, device=self.device)
+        ids = torch.cat([last, draft.tokens], dim=1)  # [B, k + 1]
+        meta, _ = self.target.build_meta(0, [s.num_cached for s in seqs], [k + 1] * B)
+        hidden = self.target.forward(ids, meta)  # [B, k + 1, hidden]
+        drafter.observe_target_hidden(seqs, hidden)
+        res = verify(self.model.logits(hidden), draft, sb)
+        # One host transfer: [B, k + 1] sampled columns plus num_accepted.
+        flat_seqs = [s for s in seqs for _ in range(k + 1)]
+        rows, extra = to_host(res.sample, flat_seqs, extra=torch.stack([res.num_accepted, draft.lengths], 1))
+        num_accepted = [e[0] for e in extra]
+        per_seq = [rows[b * (k + 1) : b * (k + 1) + num_accepted[b] + 1] for b in range(B)]
+        return seqs, per_seq, num_accepted, [e[1] for e in extra], draft_seconds

@@ -48,7 +48,9 @@ class Scheduler:
         self.max_num_batched_tokens = max_num_batched_tokens
         self.waiting: deque[Request] = deque()
         self.running: list[Sequence] = []  # running[i].slot == i
-        self._pending_moves: list[SlotCopy] = []
+        # (src, dst, sequence): the copy length is read at schedule time, after the step that moved the
+        # sequence has finished updating its cached length.
+        self._pending_moves: list[tuple[int, int, Sequence]] = []
         self.hold_admission = False
 
     # -- queue management -------------------------------------------------------------------------
@@ -65,7 +67,8 @@ class Scheduler:
         return bool(self.waiting or self.running)
 
     def schedule(self) -> SchedulerOutput:
-        moves, self._pending_moves = self._pending_moves, []
+        moves = [SlotCopy(src, dst, seq.num_cached) for src, dst, seq in self._pending_moves]
+        self._pending_moves = []
         admitted = [] if self.hold_admission else self._admit()
         if admitted:
             slot_lo = len(self.running)
@@ -111,7 +114,7 @@ class Scheduler:
             mover = self.running[last]
             self.running[slot] = mover
             mover.slot = slot
-            self._pending_moves.append(SlotCopy(last, slot, mover.num_cached))
+            self._pending_moves.append((last, slot, mover))
         self.running.pop()
         seq.slot = -1
 

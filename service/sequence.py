@@ -102,6 +102,7 @@ class Sequence:
     finish_reason: FinishReason | None = None
     slot: int = -1
     num_cached: int = 0  # tokens whose K/V are in the target cache
+    draft_cached: int = 0  # tokens whose K/V are in a draft model's cache
     num_emitted: int = 0  # output tokens already handed out by step()
     arrival_time: float = field(default_factory=time.monotonic)
     first_token_time: float | None = None

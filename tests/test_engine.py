@@ -128,3 +128,14 @@ def test_many_more_requests_than_slots(engine):
     assert all(len(o.outputs[0].token_ids) == 5 for o in outs)
     [single] = engine.generate([prompts[77]], SamplingParams(temperature=0, max_tokens=5, ignore_eos=True))
     assert single.outputs[0].token_ids == outs[77].outputs[0].token_ids
+
+
+def test_slot_compaction_keeps_every_sequence_exact(engine):
+    """Sequences leave at different steps, so others move slots; each must match its solo run exactly."""
+    prompts = rand_prompts(24, seed=11)
+    params = [SamplingParams(temperature=0, max_tokens=3 + (i * 7) % 29, ignore_eos=True) for i in range(24)]
+    batched = engine.generate(prompts, params)
+    for prompt, p, out in zip(prompts, params, batched, strict=True):
+        [solo] = engine.generate([prompt], p)
+        assert out.outputs[0].token_ids == solo.outputs[0].token_ids
+        torch.testing.assert_close(out.outputs[0].logprobs, solo.outputs[0].logprobs, atol=1e-5, rtol=0)

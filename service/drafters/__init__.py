@@ -1,0 +1,42 @@
+"""Drafters: where speculative tokens come from. `build_drafters` turns the --drafter setting into them."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+from service.config import ConfigError, ModelConfig
+from service.drafters.base import Drafter
+
+if TYPE_CHECKING:
+    from service.engine import LLMEngine
+
+
+def build_drafters(spec: str, engine: LLMEngine) -> dict[str, Drafter]:
+    """"none" | comma-separated items: "suffix" or a draft-model folder. Returns drafters by name."""
+    from service.drafters.draft_model import DraftModelDrafter
+    from service.drafters.suffix import SuffixDrafter
+    from service.models.loader import load_model
+
+    drafters: dict[str, Drafter] = {}
+    for item in [x.strip() for x in (spec or "none").split(",") if x.strip()]:
+        if item == "none":
+            continue
+        if item == "suffix":
+            drafters["suffix"] = SuffixDrafter(engine.device)
+            continue
+        path = Path(item)
+        if not (path / "config.json").is_file():
+            raise ConfigError(f"drafter {item!r} is neither 'none', 'suffix' nor a model folder with config.json")
+        draft_cfg = ModelConfig.from_dir(path)
+        if abs(draft_cfg.vocab_size - engine.model_config.vocab_size) > 1024:
+            raise ConfigError(
+                f"draft model vocab {draft_cfg.vocab_size} does not match the target's "
+                f"{engine.model_config.vocab_size}: a draft model must share the target's tokenizer"
+            )
+        model = load_model(path, engine.dtype, engine.device)
+        drafters["draft"] = DraftModelDrafter(
+            model, engine.model_config.vocab_size, engine.scheduler.num_slots, engine.cache.max_positions,
+            engine.device,
+        )
+    return drafters
