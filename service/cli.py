@@ -67,6 +67,44 @@ def cmd_build_default(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_serve(args: argparse.Namespace) -> int:
+    from service.api.generation import Limits
+    from service.api.server import ServerConfig, run_server
+
+    engine_config = _engine_config(args)
+    engine_config.drafter = args.drafter
+    limits = Limits(max_tokens=args.max_tokens_per_request, max_n=args.max_n,
+                    max_request_bytes=args.max_request_mb * 2**20, max_upload_bytes=args.max_upload_gb * 2**30,
+                    max_message_bytes=args.max_message_mb * 2**20)
+    config = ServerConfig(
+        host=args.host, http_port=args.http_port, grpc_port=args.grpc_port, admin_token=args.admin_token,
+        api_token=args.api_token, redis_url=args.redis_url, served_model_name=args.served_model_name,
+        load_root=args.load_root, limits=limits,
+    )
+    return run_server(engine_config, config)
+
+
+def _serve_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--drafter", default=_env("drafter", "none"),
+                   help="none | suffix | draft-model folder (comma-separated for several)")
+    p.add_argument("--host", default=_env("host", "127.0.0.1"))
+    p.add_argument("--http-port", type=int, default=int(_env("http_port", "8000")))
+    p.add_argument("--grpc-port", type=int, default=int(_env("grpc_port", "50051")))
+    p.add_argument("--admin-token", default=_env("admin_token"),
+                   help="bearer token for weight, pause/resume/abort and reward calls (they are refused without)")
+    p.add_argument("--api-token", default=_env("api_token"), help="bearer token for generation (default: open)")
+    p.add_argument("--redis-url", default=_env("redis_url"), help="Redis for the rollout buffer")
+    p.add_argument("--served-model-name", default=_env("served_model_name"))
+    p.add_argument("--load-root", default=_env("load_root"), help="only load weights from folders under this one")
+    p.add_argument("--max-tokens-per-request", type=int, default=int(_env("max_tokens_per_request", "4096")),
+                   help="largest max_tokens a request may ask for, per sample")
+    p.add_argument("--max-n", type=int, default=int(_env("max_n", "64")))
+    p.add_argument("--max-request-mb", type=int, default=int(_env("max_request_mb", "16")))
+    p.add_argument("--max-upload-gb", type=int, default=int(_env("max_upload_gb", "64")))
+    p.add_argument("--max-message-mb", type=int, default=int(_env("max_message_mb", "8")),
+                   help="gRPC message size limit (weight chunks are at most 4 MiB)")
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="specroll", description="Rollout server with lossless adaptive SD")
     parser.add_argument("--log-level", default=_env("log_level", "INFO"))
@@ -82,6 +120,11 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--n", type=int, default=1)
     gen.add_argument("--sample-seed", type=int, default=None)
     gen.set_defaults(func=cmd_generate)
+
+    serve = sub.add_parser("serve", help="serve gRPC and HTTP APIs over one engine")
+    _engine_args(serve)
+    _serve_args(serve)
+    serve.set_defaults(func=cmd_serve)
 
     build = sub.add_parser("build-default-model", help="build (or find) the embedded default model; print its folder")
     build.set_defaults(func=cmd_build_default)

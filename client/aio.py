@@ -1,0 +1,221 @@
+"""Asyncio client for specroll's gRPC API."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+import uuid
+from collections.abc import AsyncIterator, Awaitable, Callable, Mapping, Sequence
+from pathlib import Path
+from typing import Any, TypeVar
+
+import grpc
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+from client import weights as wt
+from client.errors import SpecrollError, Unavailable, from_rpc_error
+from client.types import Completion, PushResult, Sample, ServerInfo, TokenChunk, VersionSpan
+from service.api.protogen import pb2, pb2_grpc
+
+logger = logging.getLogger(__name__)
+
+T = TypeVar("T")
+SERVICE = "specroll.v1.Rollout"
+Prompt = Sequence[int] | str
+_SAMPLING = ("temperature", "top_p", "top_k", "min_p", "seed", "max_tokens")
+
+
+def _sample(rid: str, f: Any, chunks: list[TokenChunk]) -> Sample:
+    return Sample(
+        request_id=rid, index=f.index, rollout_id=f.rollout_id, finish_reason=f.finish_reason,
+        token_ids=[t for c in chunks for t in c.token_ids], logprobs=[x for c in chunks for x in c.logprobs],
+        raw_logprobs=[x for c in chunks for x in c.raw_logprobs],
+        top_logprobs=[x for c in chunks for x in c.top_logprobs],
+        version_spans=[VersionSpan(s.policy_version, s.drafter_version, s.start, s.end) for s in f.version_spans],
+        num_prompt_tokens=f.num_prompt_tokens, num_output_tokens=f.num_output_tokens,
+        tokens_per_step=f.spec.tokens_per_step, strategy=f.spec.strategy, text=f.text,
+    )
+
+
+def _chunk(rid: str, c: Any) -> TokenChunk:
+    return TokenChunk(rid, c.index, list(c.token_ids), list(c.logprobs), c.policy_version, c.drafter_version,
+                      list(c.raw_logprobs), [dict(zip(t.token_ids, t.logprobs, strict=True)) for t in c.top_logprobs])
+
+
+def _push_result(r: Any) -> PushResult:
+    return PushResult(r.role, r.version, r.bytes, r.seconds, r.swap_seconds, r.wait_seconds, list(r.aborted))
+
+
+class AsyncSpecrollClient:
+    """Trainer-side client. Unary calls and not-yet-started streams are retried on UNAVAILABLE."""
+
+    def __init__(self, target: str = "127.0.0.1:50051", *, admin_token: str | None = None,
+                 api_token: str | None = None, retries: int = 3, backoff_s: float = 0.2,
+                 max_message_bytes: int = 8 * 2**20, timeout_s: float | None = None) -> None:
+        self.target = target
+        self.retries, self.backoff_s, self.timeout_s = retries, backoff_s, timeout_s
+        self._admin = (("authorization", f"Bearer {admin_token}"),) if admin_token else ()
+        self._api = (("authorization", f"Bearer {api_token or admin_token}"),) if (api_token or admin_token) else ()
+        self._channel = grpc.aio.insecure_channel(target, options=[
+            ("grpc.max_send_message_length", max_message_bytes),
+            ("grpc.max_receive_message_length", max_message_bytes)])
+        self._stub = pb2_grpc.RolloutStub(self._channel)
+        self._health = health_pb2_grpc.HealthStub(self._channel)
+        self._push = self._channel.stream_unary("/specroll.v1.Rollout/PushWeights",
+                                                request_serializer=wt.serialize_push,
+                                                response_deserializer=pb2.WeightsReply.FromString)
+
+    async def close(self) -> None:
+        await self._channel.close()
+
+    async def __aenter__(self) -> AsyncSpecrollClient:
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self.close()
+
+    async def _retry(self, call: Callable[[], Awaitable[T]]) -> T:
+        for attempt in range(self.retries + 1):
+            try:
+                return await call()
+            except grpc.RpcError as exc:
+                err = from_rpc_error(exc)
+                if not isinstance(err, Unavailable) or attempt == self.retries:
+                    raise err from None
+                await asyncio.sleep(self.backoff_s * 2**attempt)
+        raise AssertionError("unreachable")
+
+    # -- status -------------------------------------------------------------------------------------
+    async def wait_until_ready(self, timeout_s: float = 120.0) -> ServerInfo:
+        """Poll the readiness health check until the model is loaded."""
+        deadline = time.monotonic() + timeout_s
+        while True:
+            try:
+                resp = await self._health.Check(health_pb2.HealthCheckRequest(service=SERVICE), timeout=2.0)
+                if resp.status == health_pb2.HealthCheckResponse.SERVING:
+                    return await self.server_info()
+            except grpc.RpcError as exc:
+                if exc.code() not in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED):  # type: ignore[attr-defined]
+                    raise from_rpc_error(exc) from None
+            if time.monotonic() > deadline:
+                raise Unavailable(f"server at {self.target} not ready after {timeout_s} s")
+            await asyncio.sleep(0.2)
+
+    async def server_info(self) -> ServerInfo:
+        msg = await self._retry(lambda: self._stub.GetServerInfo(pb2.ServerInfoRequest(), metadata=self._api,
+                                                                 timeout=self.timeout_s))
+        return ServerInfo.from_proto(msg)
+
+    # -- generation ---------------------------------------------------------------------------------
+    def _request(self, prompt: Prompt, n: int, request_id: str | None, group_id: str | None,
+                 metadata: Mapping[str, str] | None, return_text: bool, stop_token_ids: Sequence[int] = (),
+                 ignore_eos: bool = False, top_logprobs: int = 0, raw_logprobs: bool = False, **sampling: Any) -> Any:
+        unknown = set(sampling) - set(_SAMPLING)
+        if unknown:
+            raise TypeError(f"unknown sampling arguments {sorted(unknown)}")
+        params = pb2.SamplingParams(stop_token_ids=list(stop_token_ids), ignore_eos=ignore_eos,
+                                    top_logprobs=top_logprobs, raw_logprobs=raw_logprobs,
+                                    **{k: v for k, v in sampling.items() if v is not None})
+        req = pb2.GenerateRequest(params=params, n=n, request_id=request_id or uuid.uuid4().hex,
+                                  group_id=group_id or "", metadata=dict(metadata or {}), return_text=return_text)
+        if isinstance(prompt, str):
+            req.prompt_text = prompt
+        else:
+            req.prompt_token_ids.extend(int(t) for t in prompt)
+        return req
+
+    async def stream(self, prompt: Prompt, *, n: int = 1, request_id: str | None = None, group_id: str | None = None,
+                     metadata: Mapping[str, str] | None = None, return_text: bool = False,
+                     **params: Any) -> AsyncIterator[TokenChunk | Sample]:
+        """Token chunks as they come, then a Sample per finished sample (with all its tokens)."""
+        req = self._request(prompt, n, request_id, group_id, metadata, return_text, **params)
+        chunks: dict[int, list[TokenChunk]] = {}
+        for attempt in range(self.retries + 1):
+            got_any = False
+            try:
+                async for msg in self._stub.Generate(req, metadata=self._api, timeout=self.timeout_s):
+                    got_any = True
+                    if msg.WhichOneof("kind") == "chunk":
+                        c = _chunk(msg.request_id, msg.chunk)
+                        chunks.setdefault(c.index, []).append(c)
+                        yield c
+                    else:
+                        yield _sample(msg.request_id, msg.final, chunks.pop(msg.final.index, []))
+                return
+            except grpc.RpcError as exc:
+                err = from_rpc_error(exc)
+                if got_any or not isinstance(err, Unavailable) or attempt == self.retries:
+                    raise err from None
+                await asyncio.sleep(self.backoff_s * 2**attempt)
+
+    async def generate_one(self, prompt: Prompt, *, n: int = 1, **kw: Any) -> Completion:
+        samples: list[Sample] = []
+        rid = ""
+        async for ev in self.stream(prompt, n=n, **kw):
+            if isinstance(ev, Sample):
+                samples.append(ev)
+                rid = ev.request_id
+        samples.sort(key=lambda s: s.index)
+        return Completion(rid, [] if isinstance(prompt, str) else list(prompt), samples)
+
+    async def generate(self, prompts: Sequence[Prompt], *, n: int = 1, group_ids: Sequence[str] | None = None,
+                       request_ids: Sequence[str] | None = None, **kw: Any) -> list[Completion]:
+        """All prompts concurrently (n samples each); results in prompt order.
+
+        `group_ids` gives each prompt its group; `group_id` gives all of them the same one.
+        """
+        if group_ids is not None and len(group_ids) != len(prompts):
+            raise ValueError("group_ids must have one entry per prompt")
+        if request_ids is not None and len(request_ids) != len(prompts):
+            raise ValueError("request_ids must have one entry per prompt")
+        group_id = kw.pop("group_id", None)
+        return list(await asyncio.gather(*(
+            self.generate_one(p, n=n, group_id=group_ids[i] if group_ids else group_id,
+                              request_id=request_ids[i] if request_ids else None, **kw)
+            for i, p in enumerate(prompts))))
+
+    # -- weights ------------------------------------------------------------------------------------
+    async def push_weights(self, weights: Mapping[str, Any] | str | Path, version: str, *, role: str = "target",
+                           mode: str = "wait", dtype: Any = None, chunk_bytes: int = wt.CHUNK_BYTES,
+                           hash_threads: int = 4) -> PushResult:
+        """Push a state_dict (Hugging Face names) or a safetensors folder; the server swaps atomically."""
+        tensors = (wt.from_folder(weights) if isinstance(weights, str | Path)
+                   else wt.from_state_dict(weights, dtype))
+        await asyncio.to_thread(wt.hash_all, tensors, hash_threads)
+        manifest = wt.manifest(tensors, role, version, mode)
+
+        async def call() -> Any:
+            async def requests() -> AsyncIterator[Any]:
+                yield pb2.PushWeightsRequest(manifest=manifest)
+                for chunk in wt.iter_chunks(tensors, chunk_bytes):
+                    yield chunk
+
+            return await self._push(requests(), metadata=self._admin, timeout=self.timeout_s)
+
+        return _push_result(await self._retry(call))
+
+    async def load_weights(self, path: str, version: str, *, role: str = "target", mode: str = "wait") -> PushResult:
+        req = pb2.LoadWeightsRequest(role=role, version=version, path=str(path), mode=mode)
+        return _push_result(await self._retry(lambda: self._stub.LoadWeights(req, metadata=self._admin,
+                                                                             timeout=self.timeout_s)))
+
+    # -- control ------------------------------------------------------------------------------------
+    async def pause(self, mode: str = "wait") -> list[str]:
+        """Pause generation; returns once nothing runs (wait) with the ids of aborted requests (abort)."""
+        resp = await self._retry(lambda: self._stub.Pause(pb2.PauseRequest(mode=mode), metadata=self._admin))
+        return list(resp.aborted)
+
+    async def resume(self) -> None:
+        await self._retry(lambda: self._stub.Resume(pb2.ResumeRequest(), metadata=self._admin))
+
+    async def abort(self, request_id: str | None = None, *, all: bool = False) -> list[str]:
+        req = pb2.AbortRequest(request_id=request_id or "", all=all)
+        return list((await self._retry(lambda: self._stub.Abort(req, metadata=self._admin))).aborted)
+
+    async def report_rewards(self, rewards: Mapping[str, float]) -> int:
+        req = pb2.ReportRewardsRequest(rewards={k: float(v) for k, v in rewards.items()})
+        return int((await self._retry(lambda: self._stub.ReportRewards(req, metadata=self._admin))).accepted)
+
+
+__all__ = ["AsyncSpecrollClient", "SpecrollError"]

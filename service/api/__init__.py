@@ -1,0 +1,1 @@
+"""The rollout service: engine loop, gRPC and HTTP APIs, weight pushes, metrics."""

@@ -1,0 +1,139 @@
+"""What flows between the engine loop and the API layers: requests in, events and rollout records out."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import queue
+import time
+from collections.abc import AsyncIterator, Iterator
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+from service.sequence import SamplingParams, VersionSpan
+
+
+@dataclass(slots=True)
+class GenRequest:
+    prompt_token_ids: list[int]
+    params: SamplingParams
+    request_id: str
+    group_id: str | None = None
+    metadata: dict[str, str] = field(default_factory=dict)
+
+
+@dataclass(slots=True)
+class Chunk:
+    """New tokens of sample `index` from one engine step, with the weight versions that produced them."""
+
+    index: int
+    token_ids: list[int]
+    logprobs: list[float]
+    raw_logprobs: list[float] | None
+    top_logprobs: list[dict[int, float]] | None
+    policy_version: str
+    drafter_version: str
+
+
+@dataclass(slots=True)
+class SampleDone:
+    """Sample `index` finished; carries the whole rollout so non-streaming callers need nothing else."""
+
+    index: int
+    rollout_id: str
+    finish_reason: str
+    num_prompt_tokens: int
+    num_output_tokens: int
+    version_spans: list[VersionSpan]
+    num_steps: int
+    strategy: str
+    token_ids: list[int]
+    logprobs: list[float]
+    raw_logprobs: list[float] | None = None
+    top_logprobs: list[dict[int, float]] | None = None
+
+    @property
+    def tokens_per_step(self) -> float:
+        return self.num_output_tokens / self.num_steps if self.num_steps else 0.0
+
+
+@dataclass(slots=True)
+class Failed:
+    """The request could not run; `invalid` means the caller's input was wrong."""
+
+    message: str
+    invalid: bool = False
+
+
+Event = Chunk | SampleDone | Failed
+
+
+@dataclass(slots=True)
+class RolloutRecord:
+    """One finished sample, as handed to on_rollout_finished callbacks (the rollout buffer)."""
+
+    rollout_id: str
+    request_id: str
+    index: int
+    group_id: str | None
+    prompt_token_ids: list[int]
+    output_token_ids: list[int]
+    logprobs: list[float]
+    version_spans: list[VersionSpan]
+    finish_reason: str
+    num_prompt_tokens: int
+    num_output_tokens: int
+    metadata: dict[str, str]
+    policy_version: str
+    drafter_version: str
+    created_at: float
+    finished_at: float = field(default_factory=time.time)
+    raw_logprobs: list[float] | None = None
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+class RequestHandle:
+    """Events of one request, pushed by the engine thread and read by one consumer (async or not)."""
+
+    def __init__(self, request_id: str, n: int, aloop: asyncio.AbstractEventLoop | None = None) -> None:
+        self.request_id = request_id
+        self.n = n
+        self.arrival = time.monotonic()
+        self.created_at = time.time()
+        self._aloop = aloop
+        self._aq: asyncio.Queue[list[Event]] | None = asyncio.Queue() if aloop is not None else None
+        self._q: queue.SimpleQueue[list[Event]] = queue.SimpleQueue()
+        self.finished = False
+
+    def put_many(self, events: list[Event]) -> None:
+        """Called from the engine thread."""
+        if self._aq is not None and self._aloop is not None:
+            # RuntimeError: the consumer's event loop is closed, nobody listens any more
+            with contextlib.suppress(RuntimeError):
+                self._aloop.call_soon_threadsafe(self._aq.put_nowait, events)
+        else:
+            self._q.put(events)
+
+    def _done(self, ev: Event, remaining: int) -> int:
+        if isinstance(ev, SampleDone):
+            remaining -= 1
+        return 0 if isinstance(ev, Failed) else remaining
+
+    async def events(self) -> AsyncIterator[Event]:
+        assert self._aq is not None, "handle was created without an event loop"
+        remaining = self.n
+        while remaining > 0:
+            for ev in await self._aq.get():
+                remaining = self._done(ev, remaining)
+                yield ev
+        self.finished = True
+
+    def iter_events(self, timeout: float | None = None) -> Iterator[Event]:
+        remaining = self.n
+        while remaining > 0:
+            for ev in self._q.get(timeout=timeout):
+                remaining = self._done(ev, remaining)
+                yield ev
+        self.finished = True

@@ -1,0 +1,130 @@
+"""Weight and control endpoints (admin token), rewards, server info and weight versions.
+
+Uploads are raw safetensors bodies (``safetensors.torch.load``); nothing is ever unpickled.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hashlib
+from dataclasses import asdict
+from typing import Annotated, Any
+
+from fastapi import APIRouter, Query, Request
+from pydantic import BaseModel, ConfigDict
+
+from service.api.http_server import UPLOAD_PATH, AdminCtx, ApiCtx
+from service.api.weights import PushError, PushResult
+
+router = APIRouter(tags=["admin"])
+
+
+class LoadRequest(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    path: str
+    version: str
+    role: str = "target"
+    mode: str = "wait"
+
+
+class PauseRequest(BaseModel):
+    mode: str = "wait"
+
+
+class AbortRequest(BaseModel):
+    request_id: str | None = None
+    rid: str | None = None
+    all: bool = False
+
+
+class RewardsRequest(BaseModel):
+    rewards: dict[str, float]
+
+
+class DiskUpdateRequest(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+    model_path: str
+    weight_version: str
+    mode: str = "wait"
+
+
+def _reply(result: PushResult) -> dict[str, Any]:
+    return asdict(result)
+
+
+def _parse_safetensors(body: bytes) -> dict[str, Any]:
+    from safetensors.torch import load
+
+    try:
+        return load(body)
+    except Exception as exc:  # malformed header or data
+        raise PushError(f"the body is not a valid safetensors file: {exc}") from exc
+
+
+@router.post(UPLOAD_PATH)
+async def upload_weights(request: Request, ctx: AdminCtx, version: Annotated[str, Query()],
+                         role: str = "target", mode: str = "wait", dtype: str | None = None,
+                         sha256: Annotated[str | None, Query(description="hex sha256 of the body")] = None,
+                         ) -> dict[str, Any]:
+    """Push weights as a safetensors body (Hugging Face tensor names, the complete set for the role)."""
+    body = await request.body()
+    if not body:
+        raise PushError("the body is empty: send the safetensors bytes")
+    if sha256 is not None:
+        digest = await asyncio.to_thread(lambda: hashlib.sha256(body).hexdigest())
+        if digest != sha256.lower():
+            raise PushError(f"checksum mismatch: the body hashes to {digest}, the request says {sha256}")
+    tensors = await asyncio.to_thread(_parse_safetensors, body)
+    return _reply(await ctx.weights.push_tensors(role, version, tensors, mode, dtype))
+
+
+@router.post("/weights/load")
+async def load_weights(req: LoadRequest, ctx: AdminCtx) -> dict[str, Any]:
+    """Load weights from a safetensors folder the server can read."""
+    return _reply(await ctx.weights.load_path(req.role, req.version, req.path, req.mode))
+
+
+@router.post("/update_weights_from_disk")
+async def update_from_disk(req: DiskUpdateRequest, ctx: AdminCtx) -> dict[str, Any]:
+    """SGLang-style alias of /weights/load for the target."""
+    result = await ctx.weights.load_path("target", req.weight_version, req.model_path, req.mode)
+    return {"success": True, "message": "weights updated", **_reply(result)}
+
+
+@router.get("/weights/version")
+async def weight_version(ctx: ApiCtx) -> dict[str, str]:
+    engine = ctx.engine()
+    return {"policy_version": str(engine.policy_version), "drafter_version": str(engine.drafter_version)}
+
+
+@router.get("/get_weight_version")
+async def get_weight_version(ctx: ApiCtx) -> dict[str, str]:
+    return {"weight_version": str(ctx.engine().policy_version)}
+
+
+@router.post("/pause")
+async def pause(req: PauseRequest, ctx: AdminCtx) -> dict[str, Any]:
+    """Pause generation: abort (end running requests), wait (let them finish; returns once idle), keep."""
+    aborted = await ctx.pause(req.mode)
+    return {"paused": True, "aborted": aborted}
+
+
+@router.post("/resume")
+async def resume(ctx: AdminCtx) -> dict[str, Any]:
+    await ctx.resume()
+    return {"paused": False}
+
+
+@router.post("/abort")
+async def abort(req: AbortRequest, ctx: AdminCtx) -> dict[str, Any]:
+    return {"aborted": await ctx.abort(req.request_id or req.rid, req.all)}
+
+
+@router.post("/rewards")
+async def rewards(req: RewardsRequest, ctx: AdminCtx) -> dict[str, int]:
+    return {"accepted": ctx.report_rewards(req.rewards)}
+
+
+@router.get("/server_info")
+async def server_info(ctx: ApiCtx) -> dict[str, Any]:
+    return ctx.info()

@@ -1,0 +1,206 @@
+"""POST /v1/completions, compatible with OpenAI's API (and its official Python client).
+
+Extensions (send them with the client's ``extra_body``): top_k, min_p, stop_token_ids, ignore_eos, group_id,
+request_id, metadata. Every choice also carries ``token_ids``, ``rollout_id`` and ``version_spans``; the
+response carries ``prompt_token_ids``. Logprobs are those of the distribution each token was drawn from
+(after temperature, top-k, top-p, min-p).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import time
+import uuid
+from collections.abc import AsyncIterator
+from dataclasses import asdict
+from typing import Any
+
+from fastapi import APIRouter
+from fastapi.responses import StreamingResponse
+from pydantic import BaseModel, ConfigDict, Field
+
+from service.api.context import ServiceContext
+from service.api.generation import Generation, InvalidRequest, Sample, Update, check_prompt, make_params
+from service.api.http_server import ApiCtx
+
+router = APIRouter(tags=["openai"])
+
+
+class CompletionRequest(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+
+    model: str | None = None
+    prompt: str | list[str] | list[int] | list[list[int]]
+    max_tokens: int | None = 16
+    temperature: float | None = None
+    top_p: float | None = None
+    n: int = 1
+    seed: int | None = None
+    stop: str | list[str] | None = None
+    logprobs: int | None = Field(default=None, ge=0, le=20)
+    stream: bool = False
+    stream_options: dict[str, Any] | None = None
+    echo: bool = False
+    best_of: int | None = None
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    logit_bias: dict[str, float] | None = None
+    suffix: str | None = None
+    user: str | None = None
+    top_k: int | None = None
+    min_p: float | None = None
+    stop_token_ids: list[int] | None = None
+    ignore_eos: bool = False
+    group_id: str | None = None
+    request_id: str | None = None
+    metadata: dict[str, str] | None = None
+
+
+def _unsupported(req: CompletionRequest) -> None:
+    for ok, what in ((not req.echo, "echo"), (req.best_of in (None, req.n), "best_of != n"),
+                     (req.presence_penalty == 0 and req.frequency_penalty == 0, "presence/frequency penalties"),
+                     (not req.logit_bias, "logit_bias"), (req.suffix is None, "suffix")):
+        if not ok:
+            raise InvalidRequest(f"{what} is not supported by this server")
+
+
+def _prompts(ctx: ServiceContext, prompt: Any) -> list[list[int]]:
+    if isinstance(prompt, str):
+        prompts = [ctx.encode(prompt)]
+    elif prompt and all(isinstance(p, str) for p in prompt):
+        prompts = [ctx.encode(p) for p in prompt]
+    elif prompt and all(isinstance(p, list) for p in prompt):
+        prompts = list(prompt)
+    else:
+        prompts = [list(prompt)]
+    if len(prompts) > ctx.limits.max_prompts:
+        raise InvalidRequest(f"{len(prompts)} prompts exceed the server limit of {ctx.limits.max_prompts}")
+    vocab = ctx.engine().model_config.vocab_size
+    return [check_prompt(p, vocab) for p in prompts]
+
+
+def _logprobs(gen: Generation, ids: list[int], lps: list[float], tops: list[dict[int, float]],
+              offset: int, want: int | None) -> dict[str, Any] | None:
+    if want is None:
+        return None
+    tokens = [gen.decode([t]) for t in ids]
+    offsets, pos = [], offset
+    for t in tokens:
+        offsets.append(pos)
+        pos += len(t)
+    top = [{gen.decode([k]): v for k, v in d.items()} for d in tops] if want else None
+    return {"tokens": tokens, "token_logprobs": lps, "top_logprobs": top, "text_offset": offsets}
+
+
+def _choice(gen: Generation, s: Sample, index: int, want: int | None) -> dict[str, Any]:
+    return {
+        "index": index, "text": s.text, "finish_reason": s.finish_reason,
+        "logprobs": _logprobs(gen, s.token_ids, s.logprobs, s.top_logprobs, 0, want),
+        "token_ids": s.token_ids, "rollout_id": s.rollout_id,
+        "version_spans": [asdict(v) for v in s.version_spans],
+    }
+
+
+@router.post("/v1/completions")
+async def completions(req: CompletionRequest, ctx: ApiCtx) -> Any:
+    _unsupported(req)
+    stop = [req.stop] if isinstance(req.stop, str) else list(req.stop or [])
+    if len(stop) > ctx.limits.max_stop:
+        raise InvalidRequest(f"{len(stop)} stop strings exceed the server limit of {ctx.limits.max_stop}")
+    params = make_params(ctx.limits, n=req.n, temperature=req.temperature, top_p=req.top_p, top_k=req.top_k,
+                         min_p=req.min_p, seed=req.seed, max_tokens=req.max_tokens,
+                         stop_token_ids=req.stop_token_ids, ignore_eos=req.ignore_eos, top_logprobs=req.logprobs or 0)
+    prompts = _prompts(ctx, req.prompt)
+    base = req.request_id or uuid.uuid4().hex
+    tok = ctx.tokenizer()
+    gens = [Generation(ctx.loop, tok, p, params, base if len(prompts) == 1 else f"{base}-{j}",
+                       req.group_id, req.metadata, stop) for j, p in enumerate(prompts)]
+    head = {"id": f"cmpl-{base}", "object": "text_completion", "created": int(time.time()), "model": ctx.name()}
+    if req.stream:
+        return await _stream(gens, head, req)
+    results = await asyncio.gather(*(g.run() for g in gens))
+    choices = [_choice(g, s, j * req.n + s.index, req.logprobs) for j, (g, r) in enumerate(zip(gens, results,
+                                                                                                strict=True))
+               for s in r]
+    completion = sum(len(s.token_ids) for r in results for s in r)
+    prompt_tokens = sum(len(p) * req.n for p in prompts)
+    return {**head, "choices": choices, "prompt_token_ids": prompts if len(prompts) > 1 else prompts[0],
+            "usage": {"prompt_tokens": prompt_tokens, "completion_tokens": completion,
+                      "total_tokens": prompt_tokens + completion}}
+
+
+async def _stream(gens: list[Generation], head: dict[str, Any], req: CompletionRequest) -> StreamingResponse:
+    queue: asyncio.Queue[tuple[int, Update] | BaseException | None] = asyncio.Queue()
+
+    async def pump(j: int, it: AsyncIterator[Update]) -> None:
+        try:
+            async for upd in it:
+                await queue.put((j, upd))
+            await queue.put(None)
+        except BaseException as exc:  # handed to the response
+            await queue.put(exc)
+
+    for g in gens:
+        g.start()
+    iters = [g.updates() for g in gens]
+    firsts = await prefetch(iters)
+    tasks: list[asyncio.Task[None]] = []
+
+    async def events() -> AsyncIterator[bytes]:
+        offsets = [[0] * req.n for _ in gens]
+        pending = len(gens)
+        try:
+            for j, first in enumerate(firsts):
+                await queue.put((j, first))
+                tasks.append(asyncio.create_task(pump(j, iters[j])))
+            while pending:
+                item = await queue.get()
+                if item is None:
+                    pending -= 1
+                    continue
+                if isinstance(item, BaseException):
+                    yield _sse({"error": {"message": str(item), "type": "internal_error"}})
+                    break
+                j, upd = item
+                gen = gens[j]
+                lp = _logprobs(gen, upd.token_ids, upd.logprobs, upd.top_logprobs, offsets[j][upd.index],
+                               req.logprobs)
+                offsets[j][upd.index] += len(upd.text)
+                choice = {"index": j * req.n + upd.index, "text": upd.text, "logprobs": lp,
+                          "finish_reason": upd.finish_reason, "token_ids": upd.token_ids}
+                yield _sse({**head, "choices": [choice]})
+            if req.stream_options and req.stream_options.get("include_usage"):
+                completion = sum(len(s.token_ids) for g in gens for s in g.samples)
+                prompt_tokens = sum(len(g.prompt) * req.n for g in gens)
+                yield _sse({**head, "choices": [], "usage": {"prompt_tokens": prompt_tokens,
+                            "completion_tokens": completion, "total_tokens": prompt_tokens + completion}})
+            yield b"data: [DONE]\n\n"
+        finally:
+            await close_all(tasks, iters)
+
+    return StreamingResponse(events(), media_type="text/event-stream")
+
+
+async def prefetch(iters: list[AsyncIterator[Any]]) -> list[Any]:
+    """First item of each stream, so errors found before any token become HTTP errors, not broken streams."""
+    try:
+        return [await anext(it) for it in iters]
+    except BaseException:
+        await close_all([], iters)
+        raise
+
+
+async def close_all(tasks: list[asyncio.Task[None]], iters: list[AsyncIterator[Any]]) -> None:
+    """Stop the pumps and close the update streams (which aborts requests still running)."""
+    for t in tasks:
+        t.cancel()
+    await asyncio.gather(*tasks, return_exceptions=True)
+    for it in iters:
+        with contextlib.suppress(RuntimeError):
+            await it.aclose()  # type: ignore[attr-defined]
+
+
+def _sse(obj: dict[str, Any]) -> bytes:
+    return b"data: " + json.dumps(obj, separators=(",", ":")).encode() + b"\n\n"

@@ -1,0 +1,171 @@
+"""The HTTP API (FastAPI): health, readiness, metrics, errors, body limits, and the routers."""
+
+from __future__ import annotations
+
+import json
+import logging
+from collections.abc import Awaitable, Callable, MutableMapping
+from typing import Annotated, Any
+
+from fastapi import Depends, FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse, Response
+from prometheus_client import CONTENT_TYPE_LATEST
+
+from service.api.auth import AuthError
+from service.api.context import ServiceContext
+from service.api.generation import InvalidRequest, ServiceError
+from service.api.loop import NotReady
+from service.api.weights import PushError, PushUnsupported
+
+logger = logging.getLogger(__name__)
+
+UPLOAD_PATH = "/weights/upload"
+Scope = MutableMapping[str, Any]
+ASGIApp = Callable[[Scope, Callable[[], Awaitable[Any]], Callable[[Any], Awaitable[None]]], Awaitable[None]]
+
+
+def error_body(status: int, message: str, kind: str) -> dict[str, Any]:
+    return {"error": {"message": message, "type": kind, "code": status}}
+
+
+def error_response(exc: BaseException) -> JSONResponse:
+    status, kind = 500, "internal_error"
+    if isinstance(exc, InvalidRequest | PushError | ValueError):
+        status, kind = 400, "invalid_request_error"
+    elif isinstance(exc, AuthError):
+        status, kind = (403, "permission_error") if exc.denied else (401, "authentication_error")
+    elif isinstance(exc, PermissionError):
+        status, kind = 403, "permission_error"
+    elif isinstance(exc, PushUnsupported):
+        status, kind = 409, "unsupported"
+    elif isinstance(exc, NotReady):
+        status, kind = 503, "unavailable"
+    elif isinstance(exc, ServiceError):
+        status, kind = 500, "internal_error"
+    if status == 500:
+        logger.error("request failed: %r", exc)
+    headers = {"WWW-Authenticate": "Bearer"} if status == 401 else None
+    return JSONResponse(error_body(status, str(exc), kind), status_code=status, headers=headers)
+
+
+class _TooLarge(Exception):
+    pass
+
+
+class BodyLimit:
+    """Refuse bodies over the limit with 413, whether or not they announce their length."""
+
+    def __init__(self, app: ASGIApp, limit: int, upload_limit: int) -> None:
+        self.app, self.limit, self.upload_limit = app, limit, upload_limit
+
+    async def __call__(self, scope: Scope, receive: Callable[[], Awaitable[Any]],
+                       send: Callable[[Any], Awaitable[None]]) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        limit = self.upload_limit if scope["path"] == UPLOAD_PATH else self.limit
+        headers = dict(scope.get("headers") or [])
+        length = headers.get(b"content-length")
+        if length is not None and length.isdigit() and int(length) > limit:
+            await self._refuse(send, limit)
+            return
+        seen = 0
+        started = False
+
+        async def counted() -> Any:
+            nonlocal seen
+            message = await receive()
+            if message["type"] == "http.request":
+                seen += len(message.get("body", b""))
+                if seen > limit:
+                    raise _TooLarge
+            return message
+
+        async def tracked_send(message: Any) -> None:
+            nonlocal started
+            started = started or message["type"] == "http.response.start"
+            await send(message)
+
+        try:
+            await self.app(scope, counted, tracked_send)
+        except _TooLarge:
+            if not started:
+                await self._refuse(send, limit)
+
+    @staticmethod
+    async def _refuse(send: Callable[[Any], Awaitable[None]], limit: int) -> None:
+        body = json.dumps(error_body(413, f"request body exceeds the limit of {limit} bytes",
+                                     "invalid_request_error")).encode()
+        await send({"type": "http.response.start", "status": 413,
+                    "headers": [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode())]})
+        await send({"type": "http.response.body", "body": body})
+
+
+def _validation_message(exc: RequestValidationError) -> str:
+    parts = []
+    for err in exc.errors():
+        loc = ".".join(str(x) for x in err.get("loc", ()) if x != "body")
+        parts.append(f"{loc or 'body'}: {err.get('msg', 'invalid')}")
+    return "invalid request: " + "; ".join(parts[:8])
+
+
+def create_app(ctx: ServiceContext) -> FastAPI:
+    from service.api.http_admin import router as admin_router
+    from service.api.http_openai import router as openai_router
+    from service.api.http_sglang import router as sglang_router
+
+    app = FastAPI(title="specroll", version="1", description="Rollout server for RL post-training")
+    app.state.ctx = ctx
+
+    @app.exception_handler(RequestValidationError)
+    async def _invalid(request: Request, exc: RequestValidationError) -> JSONResponse:
+        return JSONResponse(error_body(400, _validation_message(exc), "invalid_request_error"), status_code=400)
+
+    for cls in (InvalidRequest, PushError, AuthError, PermissionError, PushUnsupported, NotReady, ServiceError,
+                ValueError):
+        app.add_exception_handler(cls, lambda request, exc: error_response(exc))
+
+    @app.get("/health", tags=["ops"])
+    async def health() -> JSONResponse:
+        """Liveness: the process serves HTTP and the engine thread is alive (or still loading)."""
+        failed = ctx.loop.error is not None or (ctx.loop.ready.is_set() and not ctx.loop.alive)
+        return JSONResponse({"status": "error" if failed else "ok"}, status_code=500 if failed else 200)
+
+    @app.get("/ready", tags=["ops"])
+    async def ready() -> JSONResponse:
+        """Readiness: the model is loaded and the engine loop runs (also while paused for a push)."""
+        ok = ctx.ready
+        return JSONResponse({"ready": ok, "paused": bool(ok and ctx.loop.engine.paused)},
+                            status_code=200 if ok else 503)
+
+    @app.get("/metrics", tags=["ops"])
+    async def metrics() -> Response:
+        return Response(ctx.metrics.render(), media_type=CONTENT_TYPE_LATEST)
+
+    app.include_router(openai_router)
+    app.include_router(sglang_router)
+    app.include_router(admin_router)
+    app.add_middleware(BodyLimit, limit=ctx.limits.max_request_bytes,  # type: ignore[arg-type]
+                       upload_limit=ctx.limits.max_upload_bytes)
+    return app
+
+
+def ctx_of(request: Request) -> ServiceContext:
+    return request.app.state.ctx  # type: ignore[no-any-return]
+
+
+def require_admin(request: Request) -> ServiceContext:
+    ctx = ctx_of(request)
+    ctx.auth.check_admin(request.headers.get("authorization"))
+    return ctx
+
+
+def require_api(request: Request) -> ServiceContext:
+    ctx = ctx_of(request)
+    ctx.auth.check_api(request.headers.get("authorization"))
+    return ctx
+
+
+AdminCtx = Annotated[ServiceContext, Depends(require_admin)]
+ApiCtx = Annotated[ServiceContext, Depends(require_api)]

@@ -1,0 +1,251 @@
+"""Weight pushes: manifest validation and chunk assembly, independent of the transport.
+
+A push is a manifest (role, version, checkpoint dtype, tensors with Hugging Face names, shapes, byte sizes
+and sha256) followed by the tensors' raw bytes in manifest order, in chunks of at most 4 MiB. Everything
+that can be checked is checked before the first byte is accepted; each tensor's checksum is verified as
+soon as its bytes are complete, and the new weights are built beside the serving ones by a worker thread
+while the bytes still arrive. Nothing is swapped unless the whole push was good.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hashlib
+import math
+import queue
+import re
+import threading
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
+from typing import Any, Generic, TypeVar
+
+import torch
+
+from service.config import ModelConfig
+from service.models.loader import WeightError, check_tensors
+
+T = TypeVar("T")
+MAX_CHUNK_BYTES = 4 * 2**20
+DTYPES: dict[str, torch.dtype] = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+ROLES = ("target", "drafter")
+_VERSION = re.compile(r"^[A-Za-z0-9._:+@/-]{1,128}$")
+_HEX64 = re.compile(r"^[0-9a-f]{64}$")
+_SAFETENSORS_DTYPES = {"F32": "float32", "BF16": "bfloat16", "F16": "float16"}
+
+
+class PushError(ValueError):
+    """The push is malformed or does not fit the model; the message says what was wrong."""
+
+
+class PushUnsupported(RuntimeError):
+    """The server cannot take this kind of push (e.g. the engine has no drafter support)."""
+
+
+@dataclass(slots=True)
+class TensorEntry:
+    name: str
+    dtype: str
+    shape: tuple[int, ...]
+    nbytes: int
+    sha256: str
+
+
+@dataclass(slots=True)
+class Manifest:
+    role: str
+    version: str
+    dtype: str
+    tensors: list[TensorEntry]
+    mode: str = "wait"
+
+    @property
+    def total_bytes(self) -> int:
+        return sum(t.nbytes for t in self.tensors)
+
+
+@dataclass(slots=True)
+class PushResult:
+    role: str
+    version: str
+    nbytes: int
+    seconds: float
+    swap_seconds: float = 0.0
+    wait_seconds: float = 0.0
+    aborted: list[str] = field(default_factory=list)
+
+
+def check_role_version(role: str, version: str) -> None:
+    if role not in ROLES:
+        raise PushError(f"role must be one of {list(ROLES)}, got {role!r}")
+    if not _VERSION.match(version or ""):
+        raise PushError(f"version must be 1-128 characters of [A-Za-z0-9._:+@/-], got {version!r}")
+
+
+def dtype_name(name: str) -> str:
+    """Normalise a dtype spelling (float32, torch.bfloat16, BF16) or raise PushError."""
+    key = _SAFETENSORS_DTYPES.get(name, name.removeprefix("torch."))
+    if key not in DTYPES:
+        raise PushError(f"dtype {name!r} cannot be cast to model weights; use one of {list(DTYPES)}")
+    return key
+
+
+def validate_manifest(m: Manifest, cfg: ModelConfig, max_bytes: int) -> None:
+    """Check a manifest completely before any byte is accepted; `cfg` is the config of the role's model."""
+    check_role_version(m.role, m.version)
+    if not m.tensors:
+        raise PushError("the manifest lists no tensors")
+    declared = dtype_name(m.dtype)
+    itemsize = torch.empty((), dtype=DTYPES[declared]).element_size()
+    seen: set[str] = set()
+    for t in m.tensors:
+        if t.name in seen:
+            raise PushError(f"tensor {t.name!r} is listed twice")
+        seen.add(t.name)
+        if t.dtype != declared and dtype_name(t.dtype) != declared:
+            raise PushError(f"tensor {t.name!r} has dtype {t.dtype}, but the manifest declares {declared}")
+        if any(d < 0 for d in t.shape):
+            raise PushError(f"tensor {t.name!r} has a negative dimension: {list(t.shape)}")
+        expected = math.prod(t.shape) * itemsize
+        if t.nbytes != expected:
+            raise PushError(f"tensor {t.name!r}: nbytes {t.nbytes} != {expected} for shape {list(t.shape)} "
+                            f"in {declared}")
+        if not _HEX64.match(t.sha256.lower()):
+            raise PushError(f"tensor {t.name!r}: sha256 must be 64 hex digits, got {t.sha256!r}")
+    if m.total_bytes > max_bytes:
+        raise PushError(f"push of {m.total_bytes} bytes exceeds the server limit of {max_bytes} bytes")
+    try:
+        check_tensors(cfg, {t.name: t.shape for t in m.tensors})
+    except WeightError as exc:
+        raise PushError(f"{m.role} push: {exc}") from exc
+
+
+_END, _CANCEL = object(), object()
+
+
+class ChunkReceiver(Generic[T]):
+    """Accepts the byte stream of a push and runs `build(tensors)` on a worker thread as tensors complete.
+
+    `build` gets an iterator of (name, tensor) in manifest order; every tensor it sees has passed its
+    checksum. A bad chunk, a checksum mismatch or a cancel makes the iterator raise, so `build` fails
+    and nothing it made escapes.
+    """
+
+    def __init__(self, manifest: Manifest, build: Callable[[Iterator[tuple[str, torch.Tensor]]], T],
+                 max_queued: int = 16) -> None:
+        self.manifest = manifest
+        self.received = 0
+        self._build = build
+        self._q: queue.Queue[Any] = queue.Queue(maxsize=max_queued)
+        self._result: T | None = None
+        self._error: BaseException | None = None
+        self._thread = threading.Thread(target=self._work, name="specroll-push", daemon=True)
+        self._thread.start()
+
+    # -- transport side ----------------------------------------------------------------------------
+    def _check_chunk(self, offset: int, size: int) -> None:
+        if self._error is not None:
+            raise self._as_push_error(self._error)
+        if size > MAX_CHUNK_BYTES:
+            raise PushError(f"chunk at offset {offset} has {size} bytes; chunks must be at most {MAX_CHUNK_BYTES}")
+        if offset != self.received:
+            raise PushError(f"chunk at offset {offset} but {self.received} bytes were received so far "
+                            "(chunks must be sent in order, without gaps)")
+        if self.received + size > self.manifest.total_bytes:
+            raise PushError(f"chunks carry more than the {self.manifest.total_bytes} bytes the manifest announces")
+
+    def _put(self, item: Any) -> None:
+        while self._thread.is_alive():
+            try:
+                self._q.put(item, timeout=0.2)
+                return
+            except queue.Full:
+                continue
+        if self._error is not None:
+            raise self._as_push_error(self._error)
+
+    def feed(self, offset: int, data: bytes | memoryview) -> None:
+        """Blocking variant for threads."""
+        self._check_chunk(offset, len(data))
+        self.received += len(data)
+        self._put(data)
+
+    async def afeed(self, offset: int, data: bytes | memoryview) -> None:
+        """Event-loop variant: waits off the loop only when the worker lags behind."""
+        self._check_chunk(offset, len(data))
+        self.received += len(data)
+        try:
+            self._q.put_nowait(data)
+        except queue.Full:
+            await asyncio.to_thread(self._put, data)
+
+    def finish(self) -> T:
+        """All bytes were sent: wait for the worker and return what `build` made."""
+        if self.received != self.manifest.total_bytes:
+            self.cancel()
+            raise PushError(f"push ended after {self.received} of {self.manifest.total_bytes} bytes")
+        self._put(_END)
+        self._thread.join()
+        if self._error is not None:
+            raise self._as_push_error(self._error)
+        return self._result  # type: ignore[return-value]
+
+    def cancel(self) -> None:
+        if self._thread.is_alive():
+            try:
+                self._q.put_nowait(_CANCEL)
+            except queue.Full:
+                threading.Thread(target=self._put, args=(_CANCEL,), daemon=True).start()
+
+    @staticmethod
+    def _as_push_error(exc: BaseException) -> BaseException:
+        return exc if isinstance(exc, PushError | PushUnsupported) else PushError(f"could not build weights: {exc}")
+
+    # -- worker side -------------------------------------------------------------------------------
+    def _work(self) -> None:
+        try:
+            self._result = self._build(self._tensors())
+            if self._q.get() is not _END:  # build stopped early: it must have consumed every tensor
+                raise PushError("the weights were built before the push ended")
+        except BaseException as exc:
+            self._error = exc
+            self._drain()
+
+    def _drain(self) -> None:
+        """Unblock a transport thread stuck on a full queue after the worker failed."""
+        try:
+            while True:
+                self._q.get_nowait()
+        except queue.Empty:
+            pass
+
+    def _next(self) -> memoryview:
+        item = self._q.get()
+        if item is _CANCEL:
+            raise PushError("the push was cancelled before all bytes arrived")
+        if item is _END:
+            raise PushError("the push ended before every tensor was complete")
+        return memoryview(item).cast("B")
+
+    def _tensors(self) -> Iterator[tuple[str, torch.Tensor]]:
+        chunk, pos = memoryview(b""), 0
+        for entry in self.manifest.tensors:
+            staging = bytearray(entry.nbytes)
+            hasher = hashlib.sha256()
+            filled = 0
+            while filled < entry.nbytes:
+                if pos == len(chunk):
+                    chunk, pos = self._next(), 0
+                take = min(entry.nbytes - filled, len(chunk) - pos)
+                piece = chunk[pos : pos + take]
+                staging[filled : filled + take] = piece
+                hasher.update(piece)
+                filled += take
+                pos += take
+            if hasher.hexdigest() != entry.sha256.lower():
+                raise PushError(f"checksum mismatch for tensor {entry.name!r}: the bytes received hash to "
+                                f"{hasher.hexdigest()}, the manifest says {entry.sha256}")
+            dtype = DTYPES[dtype_name(entry.dtype)]
+            tensor = torch.frombuffer(staging, dtype=dtype) if entry.nbytes else torch.empty(0, dtype=dtype)
+            yield entry.name, tensor.view(entry.shape)
+        if pos != len(chunk):
+            raise PushError("a chunk carries bytes past the last tensor")

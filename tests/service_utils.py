@@ -1,0 +1,60 @@
+"""Helpers for the service tests: real servers on free loopback ports, perturbed weights, checkpoint copies."""
+
+from __future__ import annotations
+
+import shutil
+from pathlib import Path
+from typing import Any
+
+import torch
+from helpers import free_port
+from safetensors.torch import load_file, save_file
+
+from service.api.generation import Limits
+from service.api.server import BackgroundServer, ServerConfig
+from service.config import EngineConfig
+
+ADMIN = "test-admin-token"
+MAX_MODEL_LEN = 256
+MAX_NUM_SEQS = 40
+
+
+def engine_config(model: Path | str, **kw: Any) -> EngineConfig:
+    return EngineConfig(model=str(model), max_model_len=MAX_MODEL_LEN, max_num_seqs=MAX_NUM_SEQS, **kw)
+
+
+def start_server(model: Path | str, *, limits: Limits | None = None, engine_kw: dict[str, Any] | None = None,
+                 **kw: Any) -> BackgroundServer:
+    config = ServerConfig(http_port=free_port(), grpc_port=free_port(), admin_token=ADMIN,
+                          limits=limits or Limits(max_tokens=MAX_MODEL_LEN), **kw)
+    return BackgroundServer(engine_config(model, **(engine_kw or {})), config).start()
+
+
+def checkpoint_tensors(model_dir: Path) -> dict[str, torch.Tensor]:
+    return load_file(str(model_dir / "model.safetensors"))
+
+
+def perturbed(tensors: dict[str, torch.Tensor], seed: int, scale: float = 0.5) -> dict[str, torch.Tensor]:
+    """A copy with every tensor moved by `scale` times its own std (enough to change sampled tokens)."""
+    gen = torch.Generator().manual_seed(seed)
+    out = {}
+    for name, t in tensors.items():
+        noise = torch.randn(t.shape, generator=gen, dtype=torch.float32)
+        std = float(t.float().std()) if t.numel() > 1 else 0.1
+        out[name] = (t.float() + scale * max(std, 1e-3) * noise).to(t.dtype)
+    return out
+
+
+def write_checkpoint(src_dir: Path, tensors: dict[str, torch.Tensor], dst_dir: Path) -> Path:
+    """`src_dir`'s config and tokenizer with other weights: a model folder for a reference engine."""
+    dst_dir.mkdir(parents=True, exist_ok=True)
+    for f in src_dir.iterdir():
+        if f.is_file() and not f.name.endswith(".safetensors") and not f.name.endswith(".index.json"):
+            shutil.copy(f, dst_dir / f.name)
+    save_file({k: v.contiguous() for k, v in tensors.items()}, str(dst_dir / "model.safetensors"),
+              metadata={"format": "pt"})
+    return dst_dir
+
+
+def auth(token: str = ADMIN) -> dict[str, str]:
+    return {"authorization": f"Bearer {token}"}
