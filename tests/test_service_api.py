@@ -234,3 +234,40 @@ def test_rollout_records_and_rewards(server, client):
         assert rec.version_spans[0].policy_version == "0" and rec.num_output_tokens == 6
     assert sorted(rewards) == sorted([(ids[0], 1.0), (ids[1], 0.0)])
     assert server.server.hooks.reward(ids[0]) == 1.0
+
+
+def scrape(http: httpx.Client) -> dict[str, float]:
+    from prometheus_client.parser import text_string_to_metric_families
+
+    values: dict[str, float] = {}
+    for family in text_string_to_metric_families(http.get("/metrics").text):
+        for s in family.samples:
+            labels = ",".join(f"{k}={v}" for k, v in sorted(s.labels.items()))
+            values[f"{s.name}{{{labels}}}" if labels else s.name] = s.value
+    return values
+
+
+def test_metrics_follow_the_traffic(client, http):
+    before = scrape(http)
+    prompts = [[1, 2, 3], [4, 5, 6, 7], [8, 9]]
+    client.generate(prompts, n=2, max_tokens=10, temperature=1.0, ignore_eos=True)
+    after = scrape(http)
+
+    def delta(name: str) -> float:
+        return after.get(name, 0.0) - before.get(name, 0.0)
+
+    assert delta("specroll:generation_tokens_total") == 60
+    assert delta("specroll:prompt_tokens_total") == 9
+    assert delta("specroll:request_success_total{finished_reason=length}") == 6
+    assert delta("specroll:time_to_first_token_seconds_count") == 6
+    assert delta("specroll:e2e_request_latency_seconds_count") == 6
+    assert delta("specroll:inter_token_latency_seconds_count") == 54
+    assert delta("specroll:batch_size_count") == delta("specroll:engine_steps_total") > 0
+    assert delta("specroll:batch_size_sum") == 60
+    assert after["specroll:num_requests_running"] == 0 and after["specroll:paused"] == 0
+    assert after["specroll:weight_version{role=target,version=0}"] == 1
+    assert after["specroll:ready"] == 1
+    for name in ("specroll:spec_decode_num_drafts_total", "specroll:spec_decode_num_draft_tokens_total",
+                 "specroll:spec_decode_num_accepted_tokens_total", "specroll:spec_decode_mean_accepted_length"):
+        assert name in after
+    assert any(k.startswith("specroll:spec_decode_strategy{") for k in after)
