@@ -19,6 +19,7 @@ from service.api.generation import InvalidRequest, ServiceError, check_prompt, m
 from service.api.loop import NotReady
 from service.api.protogen import pb2, pb2_grpc
 from service.api.weights import Manifest, PushError, PushResult, PushUnsupported, TensorEntry
+from service.api.wire import ChunkView, add_rollout_servicer
 
 logger = logging.getLogger(__name__)
 
@@ -131,14 +132,14 @@ class RolloutServicer(pb2_grpc.RolloutServicer):  # type: ignore[misc]
     async def PushWeights(self, request_iterator: Any, context: grpc.aio.ServicerContext) -> Any:
         async def work() -> Any:
             first = await anext(aiter(request_iterator), None)
-            if first is None or first.WhichOneof("kind") != "manifest":
+            if first is None or isinstance(first, ChunkView) or first.WhichOneof("kind") != "manifest":
                 raise PushError("the first message of a push must be its manifest")
 
             async def chunks() -> AsyncIterator[tuple[int, Any]]:
                 async for msg in request_iterator:
-                    if msg.WhichOneof("kind") != "chunk":
+                    if not isinstance(msg, ChunkView):
                         raise PushError("only chunks may follow the manifest")
-                    yield msg.chunk.offset, msg.chunk.data
+                    yield msg.offset, msg.data
 
             return _weights_reply(await self.ctx.weights.push_stream(_manifest(first.manifest), chunks()))
         return await self._admin(context, work)
@@ -191,7 +192,7 @@ def build_grpc_server(ctx: ServiceContext, address: str) -> tuple[grpc.aio.Serve
     server = grpc.aio.server(options=[("grpc.max_receive_message_length", limit),
                                       ("grpc.max_send_message_length", limit),
                                       ("grpc.so_reuseport", 0)])
-    pb2_grpc.add_RolloutServicer_to_server(RolloutServicer(ctx), server)
+    add_rollout_servicer(RolloutServicer(ctx), server)
     health_servicer = health.aio.HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
     reflection.enable_server_reflection((SERVICE_NAME, health.SERVICE_NAME, reflection.SERVICE_NAME), server)

@@ -42,6 +42,10 @@ class Hooks:
             self._thread.join(timeout)
             self._thread = None
 
+    def release(self, obj: Any) -> None:
+        """Drop the last reference to `obj` (e.g. replaced weights) on the hooks thread."""
+        self._q.put(("release", obj))
+
     def rollout_finished(self, record: RolloutRecord) -> None:
         if self.on_rollout_finished:
             self._q.put(("rollout", record))
@@ -66,6 +70,10 @@ class Hooks:
     def _run(self) -> None:
         while (item := self._q.get()) is not None:
             kind, payload = item
+            del item
+            if kind == "release":
+                del payload
+                continue
             callbacks: list[Any] = self.on_rollout_finished if kind == "rollout" else self.on_reward
             for fn in list(callbacks):
                 try:

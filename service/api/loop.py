@@ -253,7 +253,10 @@ class EngineLoop:
         return ids
 
     def _swap(self, engine: LLMEngine, model: CausalLM, version: str) -> None:
+        old = getattr(getattr(engine, "runner", None), "model", None)
         engine.swap_target(model, version)
+        if old is not None:  # free the old weights off the engine thread
+            self.hooks.release(old)
         logger.info("now serving target weights version %s", version)
 
     def _update_hold(self, engine: LLMEngine) -> None:

@@ -19,6 +19,7 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from typing import Any, Generic, TypeVar
 
+import numpy as np
 import torch
 
 from service.config import ModelConfig
@@ -229,7 +230,7 @@ class ChunkReceiver(Generic[T]):
     def _tensors(self) -> Iterator[tuple[str, torch.Tensor]]:
         chunk, pos = memoryview(b""), 0
         for entry in self.manifest.tensors:
-            staging = bytearray(entry.nbytes)
+            staging = np.empty(entry.nbytes, dtype=np.uint8)  # numpy copies release the GIL
             hasher = hashlib.sha256()
             filled = 0
             while filled < entry.nbytes:
@@ -237,7 +238,7 @@ class ChunkReceiver(Generic[T]):
                     chunk, pos = self._next(), 0
                 take = min(entry.nbytes - filled, len(chunk) - pos)
                 piece = chunk[pos : pos + take]
-                staging[filled : filled + take] = piece
+                staging[filled : filled + take] = np.frombuffer(piece, dtype=np.uint8)
                 hasher.update(piece)
                 filled += take
                 pos += take
@@ -245,7 +246,6 @@ class ChunkReceiver(Generic[T]):
                 raise PushError(f"checksum mismatch for tensor {entry.name!r}: the bytes received hash to "
                                 f"{hasher.hexdigest()}, the manifest says {entry.sha256}")
             dtype = DTYPES[dtype_name(entry.dtype)]
-            tensor = torch.frombuffer(staging, dtype=dtype) if entry.nbytes else torch.empty(0, dtype=dtype)
-            yield entry.name, tensor.view(entry.shape)
+            yield entry.name, torch.from_numpy(staging).view(dtype).view(entry.shape)
         if pos != len(chunk):
             raise PushError("a chunk carries bytes past the last tensor")
