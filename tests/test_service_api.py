@@ -159,6 +159,9 @@ def test_bad_input_is_refused_with_a_message(client, http):
     assert r.status_code == 400 and "frequency_penalty" in r.text
     r = http.post("/v1/completions", content=b"x" * (17 * 2**20), headers={"content-type": "application/json"})
     assert r.status_code == 413
+    chunked = (b"x" * 2**20 for _ in range(17))  # no content-length: counted as it arrives
+    r = http.post("/v1/completions", content=chunked, headers={"content-type": "application/json"})
+    assert r.status_code == 413 and "exceeds the limit" in r.json()["error"]["message"]
     with pytest.raises(InvalidArgument, match="out of range"):
         client.generate([[1, 99999]])
     with pytest.raises(InvalidArgument, match="top_p"):

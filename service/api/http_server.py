@@ -11,6 +11,7 @@ from fastapi import Depends, FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST
+from starlette.exceptions import HTTPException
 
 from service.api.auth import AuthError
 from service.api.context import ServiceContext
@@ -49,8 +50,9 @@ def error_response(exc: BaseException) -> JSONResponse:
     return JSONResponse(error_body(status, str(exc), kind), status_code=status, headers=headers)
 
 
-class _TooLarge(Exception):
-    pass
+class _TooLarge(HTTPException):
+    def __init__(self, limit: int) -> None:
+        super().__init__(413, f"request body exceeds the limit of {limit} bytes")
 
 
 class BodyLimit:
@@ -79,7 +81,7 @@ class BodyLimit:
             if message["type"] == "http.request":
                 seen += len(message.get("body", b""))
                 if seen > limit:
-                    raise _TooLarge
+                    raise _TooLarge(limit)
             return message
 
         async def tracked_send(message: Any) -> None:
@@ -121,6 +123,12 @@ def create_app(ctx: ServiceContext) -> FastAPI:
     @app.exception_handler(RequestValidationError)
     async def _invalid(request: Request, exc: RequestValidationError) -> JSONResponse:
         return JSONResponse(error_body(400, _validation_message(exc), "invalid_request_error"), status_code=400)
+
+    @app.exception_handler(HTTPException)
+    async def _http(request: Request, exc: HTTPException) -> JSONResponse:
+        kind = "invalid_request_error" if exc.status_code < 500 else "internal_error"
+        return JSONResponse(error_body(exc.status_code, str(exc.detail), kind), status_code=exc.status_code,
+                            headers=exc.headers)
 
     for cls in (InvalidRequest, PushError, AuthError, PermissionError, PushUnsupported, NotReady, ServiceError,
                 ValueError):
