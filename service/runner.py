@@ -132,7 +132,11 @@ class ModelRunner:
         return self.target.build_meta(slot_lo, starts, q_lens)
 
     def forward(self, input_ids: torch.Tensor, meta: AttnMeta) -> torch.Tensor:
-        return self.target.forward(input_ids, meta)
+        """The target forward; every drafter sees the resulting hidden states (feature-based drafters)."""
+        hidden = self.target.forward(input_ids, meta)
+        for d in self.drafters:
+            d.observe_target_hidden(meta, hidden)
+        return hidden
 
     def apply_copies(self, copies: list[SlotCopy]) -> None:
         self.cache.copy_slots(copies)
@@ -150,9 +154,14 @@ class ModelRunner:
 
     def _prefill(self, out: SchedulerOutput) -> tuple[list[Sequence], list[TokenResult]]:
         prompts = [r.prompt_token_ids for r in out.requests]
-        hidden, last = self.target.extend(out.slot_lo, [0] * len(prompts), prompts)  # [P, Q, hidden]
+        q_lens = [len(p) for p in prompts]
+        Q = max(q_lens)
+        ids = torch.tensor([p + [0] * (Q - len(p)) for p in prompts], dtype=torch.int64, device=self.device)
+        meta, _ = self.target.build_meta(out.slot_lo, [0] * len(prompts), q_lens)
+        hidden = self.forward(ids, meta)  # [P, Q, hidden]
+        last = torch.tensor([n - 1 for n in q_lens], device=self.device)
         logits = self.model.logits(hidden[torch.arange(len(prompts), device=self.device), last])  # [P, V]
-        self.cache.copy_slots(out.forks)
+        self.apply_copies(out.forks)
         seqs = [s for r in out.requests for s in r.seqs]
         row_of = torch.tensor([i for i, r in enumerate(out.requests) for _ in r.seqs], device=self.device)
         sb = SamplingBatch.build(seqs, self.cfg.vocab_size, self.device)
@@ -161,7 +170,7 @@ class ModelRunner:
     def _decode(self, seqs: list[Sequence]) -> tuple[list[Sequence], list[TokenResult]]:
         ids = torch.tensor([[s.last_token] for s in seqs], dtype=torch.int64, device=self.device)
         meta, _ = self.target.build_meta(0, [s.num_cached for s in seqs], [1] * len(seqs))
-        logits = self.model.logits(self.target.forward(ids, meta)[:, 0])  # [B, V]
+        logits = self.model.logits(self.forward(ids, meta)[:, 0])  # [B, V]
         sb = SamplingBatch.build(seqs, self.cfg.vocab_size, self.device)
         return seqs, to_host(sample(logits, sb), seqs)
 
@@ -181,8 +190,7 @@ class ModelRunner:
         last = torch.tensor([[s.last_token] for s in seqs], dtype=torch.int64, device=self.device)
         ids = torch.cat([last, draft.tokens], dim=1)  # [B, k + 1]
         meta, _ = self.target.build_meta(0, [s.num_cached for s in seqs], [k + 1] * B)
-        hidden = self.target.forward(ids, meta)  # [B, k + 1, hidden]
-        drafter.observe_target_hidden(seqs, hidden)
+        hidden = self.forward(ids, meta)  # [B, k + 1, hidden]
         res = verify(self.model.logits(hidden), draft, sb)
         # One host transfer: [B, k + 1] sampled columns plus num_accepted.
         flat_seqs = [s for s in seqs for _ in range(k + 1)]

@@ -13,7 +13,7 @@ if TYPE_CHECKING:
 
 
 def build_drafters(spec: str, engine: LLMEngine) -> dict[str, Drafter]:
-    """"none" | comma-separated items: "suffix" or a draft-model folder. Returns drafters by name."""
+    """"none" | comma-separated items: "suffix", "eagle[:DIR]" or a draft-model folder. Drafters by name."""
     from service.drafters.draft_model import DraftModelDrafter
     from service.drafters.suffix import SuffixDrafter
     from service.models.loader import load_model
@@ -24,6 +24,12 @@ def build_drafters(spec: str, engine: LLMEngine) -> dict[str, Drafter]:
             continue
         if item == "suffix":
             drafters["suffix"] = SuffixDrafter(engine.device)
+            continue
+        if item == "eagle" or item.startswith("eagle:"):
+            from service.drafters.eagle import build_eagle
+
+            drafters["eagle"] = build_eagle(item, engine.runner.target, engine.scheduler.num_slots, engine.device,
+                                            engine.config.seed)
             continue
         path = Path(item)
         if not (path / "config.json").is_file():

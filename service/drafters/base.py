@@ -6,6 +6,7 @@ from abc import ABC, abstractmethod
 
 import torch
 
+from service.models.llama import AttnMeta
 from service.sampler import SamplingBatch
 from service.scheduler import SlotCopy
 from service.sequence import Sequence
@@ -29,8 +30,8 @@ class Drafter(ABC):
     def observe(self, seq: Sequence) -> None:
         """Called whenever a sequence gained tokens (any step kind) or finished."""
 
-    def observe_target_hidden(self, seqs: list[Sequence], hidden: torch.Tensor) -> None:
-        """The target's final hidden states [B, k + 1, H] of a verify pass (for feature-based drafters)."""
+    def observe_target_hidden(self, meta: AttnMeta, hidden: torch.Tensor) -> None:
+        """The target's final hidden states [B, Q, H] of every target forward, with its write positions."""
 
     def apply_copies(self, copies: list[SlotCopy]) -> None:
         """Follow the target cache's slot moves and forks."""
