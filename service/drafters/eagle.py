@@ -37,11 +37,12 @@ class EagleHead(nn.Module):
         self.layer = DecoderLayer(self.config, 0)
         self.norm = RMSNorm(H, target_cfg.rms_norm_eps)
 
-    def forward(self, embeds: torch.Tensor, features: torch.Tensor, meta: AttnMeta, k_cache: torch.Tensor,
-                v_cache: torch.Tensor) -> torch.Tensor:
-        """embeds, features [B, Q, H] -> predicted next features [B, Q, H]."""
+    def forward(self, embeds: torch.Tensor, features: torch.Tensor, meta: AttnMeta,
+                k_cache: torch.Tensor | None = None, v_cache: torch.Tensor | None = None) -> torch.Tensor:
+        """embeds, features [B, Q, H] -> predicted next features [B, Q, H]. No caches with a causal_meta."""
         x = self.fc(torch.cat([embeds, features], dim=-1))
-        return self.norm(self.layer(x, meta, k_cache[0], v_cache[0]))
+        k, v = (None, None) if k_cache is None else (k_cache[0], v_cache[0])
+        return self.norm(self.layer(x, meta, k, v))
 
 
 def init_head(target_cfg: ModelConfig, seed: int = 0) -> EagleHead:

@@ -23,11 +23,18 @@ class AttnMeta:
 
     slot_lo: int  # rows are cache slots [slot_lo, slot_lo + B)
     kv_len: int  # attend over cache positions [0, kv_len)
-    write_slots: torch.Tensor  # [B * Q] cache slot of each new token
-    write_pos: torch.Tensor  # [B * Q] cache position of each new token (scratch for padding)
-    mask: torch.Tensor  # [B, 1, G * Q, kv_len] bool, True = attend; query heads grouped per KV head
+    write_slots: torch.Tensor | None  # [B * Q] cache slot of each new token; None = no cache (training)
+    write_pos: torch.Tensor | None  # [B * Q] cache position of each new token (scratch for padding)
+    mask: torch.Tensor | None  # [B, 1, G * Q, kv_len] bool, True = attend; query heads grouped per KV head
     cos: torch.Tensor  # [B, Q, 1, D]
     sin: torch.Tensor  # [B, Q, 1, D]
+
+
+def causal_meta(cos_table: torch.Tensor, sin_table: torch.Tensor, batch: int, seq_len: int) -> AttnMeta:
+    """Metadata for a cache-free causal forward over [batch, seq_len] tokens at positions 0.. (training).
+    Tables are a Rope's cos / sin ([positions, D])."""
+    cos, sin = cos_table[:seq_len][None, :, None], sin_table[:seq_len][None, :, None]  # [1, Q, 1, D]
+    return AttnMeta(0, seq_len, None, None, None, cos.expand(batch, -1, -1, -1), sin.expand(batch, -1, -1, -1))
 
 
 class RMSNorm(nn.Module):
@@ -67,6 +74,10 @@ class Attention(nn.Module):
             q = apply_rope(self.q_norm(qkv[:, :, :H]), meta.cos, meta.sin)
             k = apply_rope(self.k_norm(qkv[:, :, H : H + Hkv]), meta.cos, meta.sin)
         v = qkv[:, :, H + Hkv :]
+        if meta.write_slots is None:  # training: causal attention over these tokens only, no cache
+            k, v = (t.repeat_interleave(G, dim=2).transpose(1, 2) for t in (k, v))  # [B, H, Q, D]
+            out = F.scaled_dot_product_attention(q.transpose(1, 2), k, v, is_causal=True)  # [B, H, Q, D]
+            return self.o_proj(out.transpose(1, 2).reshape(B, Q, H * D))
         # Write the new K/V at their positions: cache [slots, Hkv, P, D] indexed [N] x : x [N] -> [N, Hkv, D].
         k_cache[meta.write_slots, :, meta.write_pos] = k.reshape(B * Q, Hkv, D)
         v_cache[meta.write_slots, :, meta.write_pos] = v.reshape(B * Q, Hkv, D)
@@ -118,12 +129,12 @@ class CausalLM(nn.Module):
             self.lm_head.weight = self.embed_tokens.weight
 
     def forward(
-        self, input_ids: torch.Tensor, meta: AttnMeta, k_cache: torch.Tensor, v_cache: torch.Tensor
+        self, input_ids: torch.Tensor, meta: AttnMeta, k_cache: torch.Tensor | None, v_cache: torch.Tensor | None
     ) -> torch.Tensor:
-        """input_ids [B, Q]; k_cache/v_cache [layers, slots, Hkv, P, D] -> hidden [B, Q, hidden]."""
+        """input_ids [B, Q]; k_cache/v_cache [layers, slots, Hkv, P, D] (None with a causal_meta) -> [B, Q, hidden]."""
         x = self.embed_tokens(input_ids)
         for i, layer in enumerate(self.layers):
-            x = layer(x, meta, k_cache[i], v_cache[i])
+            x = layer(x, meta, None if k_cache is None else k_cache[i], None if v_cache is None else v_cache[i])
         return self.norm(x)
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
