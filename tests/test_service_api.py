@@ -274,3 +274,19 @@ def test_metrics_follow_the_traffic(client, http):
                  "specroll:spec_decode_num_accepted_tokens_total", "specroll:spec_decode_mean_accepted_length"):
         assert name in after
     assert any(k.startswith("specroll:spec_decode_strategy{") for k in after)
+
+
+def test_dashboard_and_deploy_files_match_the_metrics(http):
+    import re
+    from pathlib import Path
+
+    import yaml
+    from prometheus_client.parser import text_string_to_metric_families
+
+    root = Path(__file__).resolve().parents[1]
+    families = {f.name for f in text_string_to_metric_families(http.get("/metrics").text)}
+    dashboard = (root / "deploy" / "grafana" / "specroll-dashboard.json").read_text()
+    used = {re.sub(r"_(bucket|sum|count|total)$", "", m) for m in re.findall(r"specroll:[a-z0-9_]+", dashboard)}
+    assert used and used <= families, used - families
+    for f in (root / "deploy").rglob("*.y*ml"):
+        assert list(yaml.safe_load_all(f.read_text())), f
