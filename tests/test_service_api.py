@@ -126,6 +126,7 @@ def test_openai_client_works_unchanged(server, model_dir, reference):
     assert res.choices[0].finish_reason == "length" and res.usage.completion_tokens == 48
     assert len(res.choices[0].logprobs.token_logprobs) == 24 and len(res.choices[0].logprobs.top_logprobs[0]) <= 2
 
+    assert [m.id for m in oa.models.list()] == [model_dir.name]
     stream = oa.completions.create(model="m", prompt="the cat sat", max_tokens=12, temperature=0, stream=True)
     text = "".join(chunk.choices[0].text for chunk in stream if chunk.choices)
     full = oa.completions.create(model="m", prompt="the cat sat", max_tokens=12, temperature=0)
@@ -290,3 +291,23 @@ def test_dashboard_and_deploy_files_match_the_metrics(http):
     assert used and used <= families, used - families
     for f in (root / "deploy").rglob("*.y*ml"):
         assert list(yaml.safe_load_all(f.read_text())), f
+
+
+def test_client_disconnect_aborts_the_request(client, http):
+    before = scrape(http).get('specroll:requests_aborted_total{reason=client}', 0.0)
+    stream = client.stream(PROMPT, max_tokens=200, temperature=1.0, ignore_eos=True)
+    for i, _ in enumerate(stream):
+        if i == 2:
+            break
+    stream.close()
+    with httpx.stream("POST", http.base_url.join("/v1/completions"),
+                      json={"prompt": PROMPT, "max_tokens": 200, "ignore_eos": True, "stream": True}) as r:
+        next(r.iter_lines())
+    deadline = time.monotonic() + 10
+    while time.monotonic() < deadline:
+        info = client.server_info()
+        if info.num_running == 0 and info.num_waiting == 0:
+            break
+        time.sleep(0.05)
+    assert info.num_running == 0
+    assert scrape(http)['specroll:requests_aborted_total{reason=client}'] - before == 2

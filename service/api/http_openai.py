@@ -103,6 +103,14 @@ def _choice(gen: Generation, s: Sample, index: int, want: int | None) -> dict[st
     }
 
 
+@router.get("/v1/models")
+async def models(ctx: ApiCtx) -> dict[str, Any]:
+    engine = ctx.engine()
+    return {"object": "list", "data": [{"id": ctx.name(), "object": "model", "created": 0, "owned_by": "specroll",
+                                        "max_model_len": engine.config.max_model_len,
+                                        "weight_version": str(engine.policy_version)}]}
+
+
 @router.post("/v1/completions")
 async def completions(req: CompletionRequest, ctx: ApiCtx) -> Any:
     _unsupported(req)
