@@ -3,9 +3,10 @@
 Two things are measured: the cost of a step (wall seconds, EWMA per batch-size bucket and strategy) and each
 drafter's per-token acceptance rate alpha (EWMA, shared across buckets). The expected tokens a row emits with
 k drafts is (1 - alpha^(k+1)) / (1 - alpha), so the predicted throughput of a strategy is
-batch * E[tokens] / cost. Costs not yet measured in a bucket are extrapolated from the plain-decoding cost
-there. A small exploration rate re-measures neighbours of the best strategy, so the choice follows a drifting
-target and drafter, and backs off when acceptance collapses. Torch-free.
+batch * E[tokens] / cost. A cost not yet measured is extrapolated as plain * (1 + k * m), where m, the relative
+cost of one more draft position, is learned per bucket from the speculative steps measured there (or taken
+from the nearest bucket that has one). A small exploration rate re-measures neighbours of the best strategy,
+so the choice follows a drifting target and drafter, and backs off when acceptance collapses. Torch-free.
 """
 
 from __future__ import annotations
@@ -48,11 +49,13 @@ class AdaptiveStrategy:
     decay: float = 0.2  # weight of the newest measurement
     explore: float = 0.05
     prior_alpha: float = 0.6
-    marginal_cost: float = 0.3  # prior: each draft token adds this fraction of a plain step's cost
+    marginal_cost: float = 0.5  # prior m until a bucket's speculative steps have been measured
     seed: int = 0
     fixed: Strategy | None = None  # set to pin one strategy (k = 0 pins plain decoding)
     cost: dict[tuple[int, Strategy], _Ewma] = field(default_factory=dict)
     alpha: dict[str, _Ewma] = field(default_factory=dict)
+    trials: dict[str, _Ewma] = field(default_factory=dict)  # alpha = EWMA(successes) / EWMA(trials)
+    slope: dict[int, _Ewma] = field(default_factory=dict)  # bucket -> learned m
     _rng: random.Random = field(init=False)
 
     def __post_init__(self) -> None:
@@ -63,8 +66,10 @@ class AdaptiveStrategy:
         return [PLAIN] + [Strategy(d, k) for d in self.drafters for k in self.ks]
 
     def acceptance(self, drafter: str) -> float:
-        a = self.alpha.get(drafter)
-        return self.prior_alpha if a is None or a.value is None else a.value
+        hits, trials = self.alpha.get(drafter), self.trials.get(drafter)
+        if hits is None or trials is None or not trials.value:
+            return self.prior_alpha
+        return hits.value / trials.value
 
     def expected_tokens(self, s: Strategy) -> float:
         if s.k == 0:
@@ -72,13 +77,21 @@ class AdaptiveStrategy:
         a = min(self.acceptance(s.drafter), 0.999)
         return (1 - a ** (s.k + 1)) / (1 - a)
 
+    def _slope(self, bucket: int) -> float:
+        if bucket in self.slope:
+            return self.slope[bucket].value
+        if not self.slope:
+            return self.marginal_cost
+        nearest = min(self.slope, key=lambda b: abs(b.bit_length() - bucket.bit_length()))
+        return self.slope[nearest].value
+
     def predicted_cost(self, bucket: int, s: Strategy) -> float:
         c = self.cost.get((bucket, s))
         if c is not None and c.value is not None:
             return c.value
         plain = self.cost.get((bucket, PLAIN))
         base = plain.value if plain is not None and plain.value is not None else 1.0
-        return base * (1 + self.marginal_cost * s.k)
+        return base * (1 + self._slope(bucket) * s.k)
 
     def predicted_throughput(self, batch_size: int, s: Strategy) -> float:
         return batch_size * self.expected_tokens(s) / self.predicted_cost(bucket_of(batch_size), s)
@@ -98,18 +111,22 @@ class AdaptiveStrategy:
             return arms[self._rng.choice([j for j in (i - 1, i + 1) if 0 <= j < len(arms)])]
         return best
 
-    def record(self, s: Strategy, batch_size: int, seconds: float, num_accepted: list[int] | None = None,
-               num_drafted: list[int] | None = None) -> None:
-        """One step's measurement. num_accepted/num_drafted per row for speculative steps."""
-        key = (bucket_of(batch_size), s)
-        self.cost.setdefault(key, _Ewma()).update(seconds, self.decay)
+    def record(self, s: Strategy, batch_size: int, seconds: float, num_accepted: list[int] | None = None) -> None:
+        """One step's measurement; num_accepted per row for speculative steps."""
+        bucket = bucket_of(batch_size)
+        self.cost.setdefault((bucket, s), _Ewma()).update(seconds, self.decay)
+        plain = self.cost.get((bucket, PLAIN))
+        if s.k and plain is not None:
+            m = max(0.0, (seconds / plain.value - 1) / s.k)
+            self.slope.setdefault(bucket, _Ewma()).update(m, self.decay)
         if s.k and num_accepted is not None:
             # Truncated-geometric estimate: a row with a accepted of k drafts saw a successes and, if a < k,
             # one failure. Rows whose drafter proposed fewer than k count the missing drafts as failures.
             successes = sum(num_accepted)
             trials = successes + sum(1 for a in num_accepted if a < s.k)
             if trials:
-                self.alpha.setdefault(s.drafter, _Ewma()).update(successes / trials, self.decay)
+                self.alpha.setdefault(s.drafter, _Ewma()).update(successes, self.decay)
+                self.trials.setdefault(s.drafter, _Ewma()).update(trials, self.decay)
 
     def snapshot(self) -> dict[str, float]:
         return {d: self.acceptance(d) for d in self.drafters}

@@ -45,7 +45,9 @@ def test_plain_when_full_deep_in_the_tail_and_back_off_on_collapse():
         i += n
     full, _, _, tail, stale = by_phase
     assert sum(s.k <= 1 for s in full) >= 0.8 * len(full)  # off or shallow while the batch is full
-    assert sum(s.k >= 4 for s in tail) >= 0.8 * len(tail)  # deep in the long tail
+    assert sum(s == PLAIN for s in full) >= 0.6 * len(full)
+    mean_k = sum(s.k for s in tail) / len(tail)
+    assert mean_k >= 3 and sum(s.k >= 3 for s in tail) >= 0.7 * len(tail)  # deep in the long tail
     assert sum(s == PLAIN for s in stale) >= 0.8 * len(stale)  # backs off when acceptance collapses
 
 
