@@ -70,6 +70,7 @@ def cmd_build_default(args: argparse.Namespace) -> int:
 def cmd_serve(args: argparse.Namespace) -> int:
     from service.api.generation import Limits
     from service.api.server import ServerConfig, run_server
+    from service.buffer.config import buffer_config_from_args
 
     engine_config = _engine_config(args)
     engine_config.drafter = args.drafter
@@ -79,7 +80,8 @@ def cmd_serve(args: argparse.Namespace) -> int:
     config = ServerConfig(
         host=args.host, http_port=args.http_port, grpc_port=args.grpc_port, admin_token=args.admin_token,
         api_token=args.api_token, redis_url=args.redis_url, served_model_name=args.served_model_name,
-        load_root=args.load_root, limits=limits,
+        load_root=args.load_root, limits=limits, reuse_weight_buffers=not args.free_replaced_weights,
+        buffer=buffer_config_from_args(args),
     )
     return run_server(engine_config, config)
 
@@ -101,8 +103,14 @@ def _serve_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-n", type=int, default=int(_env("max_n", "64")))
     p.add_argument("--max-request-mb", type=int, default=int(_env("max_request_mb", "16")))
     p.add_argument("--max-upload-gb", type=int, default=int(_env("max_upload_gb", "64")))
+    p.add_argument("--free-replaced-weights", action="store_true",
+                   default=_env("free_replaced_weights", "") not in ("", "0", "false"),
+                   help="free weights a push replaced instead of keeping them as the next push's buffer")
     p.add_argument("--max-message-mb", type=int, default=int(_env("max_message_mb", "8")),
                    help="gRPC message size limit (weight chunks are at most 4 MiB)")
+    from service.buffer.config import add_buffer_args
+
+    add_buffer_args(p)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -125,6 +133,10 @@ def build_parser() -> argparse.ArgumentParser:
     _engine_args(serve)
     _serve_args(serve)
     serve.set_defaults(func=cmd_serve)
+
+    from drafter_trainer.cli import add_subcommand
+
+    add_subcommand(sub)
 
     build = sub.add_parser("build-default-model", help="build (or find) the embedded default model; print its folder")
     build.set_defaults(func=cmd_build_default)

@@ -13,7 +13,7 @@ from collections import deque
 from collections.abc import Callable
 from concurrent.futures import Future
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, TypeVar
+from typing import TYPE_CHECKING, Any, TypeVar
 
 from service.api.dispatch import Dispatcher
 from service.api.events import Failed, GenRequest, RequestHandle
@@ -42,6 +42,7 @@ class SwapResult:
     swap_seconds: float
     wait_seconds: float
     aborted: list[str] = field(default_factory=list)
+    replaced: Any = None  # the model that served before (the caller frees or reuses it)
 
 
 @dataclass(slots=True)
@@ -165,8 +166,8 @@ class EngineLoop:
                 return
             start = time.perf_counter()
             aborted = self._abort_all(engine, "weight_push") if mode == "abort" else []
-            self._swap(engine, model, version)
-            fut.set_result(SwapResult(version, time.perf_counter() - start, 0.0, aborted))
+            old = self._swap(engine, model, version)
+            fut.set_result(SwapResult(version, time.perf_counter() - start, 0.0, aborted, old))
 
         self._post(run)
         return fut
@@ -252,12 +253,11 @@ class EngineLoop:
             self.metrics.aborted(reason, len(ids))
         return ids
 
-    def _swap(self, engine: LLMEngine, model: CausalLM, version: str) -> None:
+    def _swap(self, engine: LLMEngine, model: CausalLM, version: str) -> Any:
         old = getattr(getattr(engine, "runner", None), "model", None)
         engine.swap_target(model, version)
-        if old is not None:  # free the old weights off the engine thread
-            self.hooks.release(old)
         logger.info("now serving target weights version %s", version)
+        return old
 
     def _update_hold(self, engine: LLMEngine) -> None:
         engine.hold_admission = bool(self._swaps or self._pauses)
@@ -270,11 +270,12 @@ class EngineLoop:
         for sw in swaps:
             start = time.perf_counter()
             try:
-                self._swap(engine, sw.model, sw.version)
+                old = self._swap(engine, sw.model, sw.version)
             except Exception as exc:
                 sw.future.set_exception(exc)
                 continue
-            sw.future.set_result(SwapResult(sw.version, time.perf_counter() - start, time.monotonic() - sw.since))
+            sw.future.set_result(SwapResult(sw.version, time.perf_counter() - start, time.monotonic() - sw.since,
+                                            [], old))
         if self._pauses:
             engine.paused = True
             for fut in self._pauses:

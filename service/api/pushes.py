@@ -29,7 +29,14 @@ from service.api.weights import (
 )
 from service.config import ConfigError, ModelConfig
 from service.models.llama import CausalLM
-from service.models.loader import WeightError, build_model, check_tensors, iter_safetensors, safetensors_files
+from service.models.loader import (
+    WeightError,
+    build_model,
+    check_tensors,
+    iter_safetensors,
+    load_tensors,
+    safetensors_files,
+)
 
 if TYPE_CHECKING:
     from service.api.metrics import Metrics
@@ -47,6 +54,11 @@ def draft_model_of(engine: LLMEngine) -> tuple[str, CausalLM] | None:
     return None
 
 
+def _placed(model: CausalLM, dtype: torch.dtype, device: torch.device) -> bool:
+    p = next(model.parameters(), None)
+    return p is not None and p.dtype == dtype and p.device.type == device.type
+
+
 def check_mode_or_error(mode: str) -> str:
     try:
         return check_mode(mode)
@@ -56,11 +68,15 @@ def check_mode_or_error(mode: str) -> str:
 
 class WeightManager:
     def __init__(self, loop: EngineLoop, metrics: Metrics | None = None, max_push_bytes: int = 2**40,
-                 load_root: str | Path | None = None) -> None:
+                 load_root: str | Path | None = None, reuse_buffers: bool = True) -> None:
         self.loop = loop
         self.metrics = metrics
         self.max_push_bytes = max_push_bytes
         self.load_root = Path(load_root).resolve() if load_root else None
+        # Double buffering: the weights a swap replaced become the buffer the next push of that role is
+        # loaded into (no allocation, no page faults). The engine keeps no reference to replaced weights.
+        self.reuse_buffers = reuse_buffers
+        self._spare: dict[str, CausalLM] = {}
         self._locks: dict[str, asyncio.Lock] = {}
 
     # -- per role ---------------------------------------------------------------------------------------
@@ -76,24 +92,44 @@ class WeightManager:
         return found[1].config
 
     def _build(self, role: str, tensors: Iterable[tuple[str, torch.Tensor]]) -> CausalLM:
+        """The role's new weights, beside the serving ones (runs off the event loop and the engine thread)."""
         engine = self.loop.engine
-        return build_model(self.role_config(role), tensors, engine.dtype, engine.device)
+        cfg = self.role_config(role)
+        spare = self._spare.pop(role, None)
+        if spare is not None and spare.config == cfg and _placed(spare, engine.dtype, engine.device):
+            try:
+                load_tensors(spare, tensors)
+            except BaseException:
+                self._spare[role] = spare  # not serving: its contents do not matter, its memory does
+                raise
+            return spare
+        return build_model(cfg, tensors, engine.dtype, engine.device)
 
-    def _swap_drafter(self, engine: LLMEngine, model: CausalLM, version: str) -> None:
+    def _keep_or_free(self, role: str, replaced: Any) -> None:
+        if isinstance(replaced, CausalLM) and self.reuse_buffers:
+            self._spare[role] = replaced
+        elif replaced is not None:
+            self.loop.hooks.release(replaced)  # freed on the hooks thread, not the event loop
+
+    def _swap_drafter(self, engine: LLMEngine, model: CausalLM, version: str) -> CausalLM:
         found = draft_model_of(engine)
         if found is None:
             raise PushUnsupported("the draft model went away")
         engine.swap_drafter(found[0], model, version)
+        return found[1]
 
     async def _apply(self, role: str, version: str, model: CausalLM, mode: str, nbytes: int,
                      start: float) -> PushResult:
         if role == "target":
             swap: SwapResult = await asyncio.wrap_future(self.loop.swap_target(model, version, mode))
+            self._keep_or_free(role, swap.replaced)
             return PushResult(role, version, nbytes, time.perf_counter() - start, swap.swap_seconds,
                               swap.wait_seconds, swap.aborted)
         t0 = time.perf_counter()
-        await asyncio.wrap_future(self.loop.call(lambda engine: self._swap_drafter(engine, model, version)))
-        return PushResult(role, version, nbytes, time.perf_counter() - start, time.perf_counter() - t0)
+        replaced = await asyncio.wrap_future(self.loop.call(lambda e: self._swap_drafter(e, model, version)))
+        swap_seconds = time.perf_counter() - t0
+        self._keep_or_free(role, replaced)
+        return PushResult(role, version, nbytes, time.perf_counter() - start, swap_seconds)
 
     async def _locked(self, role: str, start: float, work: Any) -> PushResult:
         lock = self._locks.setdefault(role, asyncio.Lock())

@@ -26,6 +26,7 @@ from service.api.http_server import create_app
 from service.api.loop import EngineLoop
 from service.api.metrics import Metrics
 from service.api.pushes import WeightManager
+from service.buffer import BufferConfig, attach_buffer
 from service.config import EngineConfig
 
 if TYPE_CHECKING:
@@ -46,6 +47,8 @@ class ServerConfig:
     load_root: str | None = None
     limits: Limits = field(default_factory=Limits)
     shutdown_grace_s: float = 5.0
+    buffer: BufferConfig | None = None  # rollout buffer; None: Redis at redis_url, else in memory
+    reuse_weight_buffers: bool = True  # keep replaced weights as the buffer for the next push
 
 
 class _Uvicorn(uvicorn.Server):
@@ -71,7 +74,8 @@ class SpecrollServer:
         self.metrics = Metrics()
         self.loop = EngineLoop(engine_factory or default_factory, self.metrics, self.hooks)
         self.metrics.ready_fn = lambda: self.loop.ready.is_set() and self.loop.alive
-        weights = WeightManager(self.loop, self.metrics, config.limits.max_upload_bytes, config.load_root)
+        weights = WeightManager(self.loop, self.metrics, config.limits.max_upload_bytes, config.load_root,
+                                config.reuse_weight_buffers)
         self.ctx = ServiceContext(self.loop, weights, self.metrics, self.hooks,
                                   Auth(config.admin_token, config.api_token), config.limits,
                                   config.served_model_name or "")
@@ -80,8 +84,7 @@ class SpecrollServer:
         self._stop: asyncio.Event | None = None
         self._aloop: asyncio.AbstractEventLoop | None = None
         self.started = threading.Event()
-        if config.redis_url:
-            logger.info("redis url %s recorded; rollouts reach it through hooks.on_rollout_finished", config.redis_url)
+        self.buffer = attach_buffer(self)
 
     async def serve(self) -> None:
         """Start everything, serve until `stop()` is called, then shut down gracefully."""
@@ -115,6 +118,7 @@ class SpecrollServer:
             http.should_exit = True
             stopping = grpc_server.stop(cfg.shutdown_grace_s)
             await asyncio.to_thread(self.loop.stop)
+            await asyncio.to_thread(self.buffer.close)
             await stopping
             await http_task
 
