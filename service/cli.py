@@ -23,6 +23,10 @@ def _engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-num-seqs", type=int, default=int(_env("max_num_seqs", "64")))
     p.add_argument("--kv-cache-gb", type=float, default=float(_env("kv_cache_gb", "2.0")))
     p.add_argument("--seed", type=int, default=int(_env("seed", "0")))
+    p.add_argument("--spec", default=_env("spec", "adaptive"), choices=["adaptive", "fixed", "off"],
+                   help="speculative decoding: adaptive (drafter, k) per step, fixed k, or off")
+    p.add_argument("--spec-k", type=int, default=int(_env("spec_k", "4")), help="draft length for --spec fixed")
+    p.add_argument("--threads", type=int, default=int(_env("threads", "0")) or None, help="torch CPU threads")
 
 
 def _engine_config(args: argparse.Namespace):
@@ -31,7 +35,8 @@ def _engine_config(args: argparse.Namespace):
     return EngineConfig(
         model=args.model, dtype=args.dtype, device=args.device, max_model_len=args.max_model_len,
         max_num_seqs=args.max_num_seqs, kv_cache_memory_gb=args.kv_cache_gb, seed=args.seed,
-        max_num_batched_tokens=max(8192, args.max_model_len),
+        max_num_batched_tokens=max(8192, args.max_model_len), spec=args.spec, spec_k=args.spec_k,
+        num_threads=args.threads, drafter=getattr(args, "drafter", "none"),
     )
 
 
@@ -127,6 +132,7 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--top-k", type=int, default=0)
     gen.add_argument("--n", type=int, default=1)
     gen.add_argument("--sample-seed", type=int, default=None)
+    gen.add_argument("--drafter", default=_env("drafter", "none"), help="none | suffix | eagle[:DIR] | draft folder")
     gen.set_defaults(func=cmd_generate)
 
     serve = sub.add_parser("serve", help="serve gRPC and HTTP APIs over one engine")
