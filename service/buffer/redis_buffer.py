@@ -1,0 +1,170 @@
+"""Finished rollouts into a Redis stream, without ever making generation wait for Redis.
+
+The hooks thread hands records to `submit`, which only appends to an in-memory queue (or the spool file)
+and returns. A writer thread sends the queue to Redis in pipelined batches (XADD MAXLEN ~ for rollouts,
+SET EX for rewards) and removes records only once Redis took them. While Redis is down or slow the queue
+fills, and from then on records go to the spool until the writer has replayed all of it, so the order
+records reach Redis is the order they were submitted: queue first, then spool, then new records. A write
+that timed out may have reached Redis and is sent again, so delivery is at-least-once: consumers dedupe
+on rollout id. At shutdown whatever could not be written is kept in the spool for the next start.
+"""
+
+from __future__ import annotations
+
+import itertools
+import logging
+import threading
+import time
+from collections import deque
+from typing import Any
+
+import redis
+
+from service.api.protogen import pb2
+from service.buffer.codec import entry_fields, payload_of, spool_reward, spool_rollout
+from service.buffer.config import BufferConfig
+from service.buffer.spool import Spool
+
+logger = logging.getLogger(__name__)
+
+MAX_BACKOFF_S = 2.0
+
+
+class RedisBuffer:
+    def __init__(self, config: BufferConfig, client: redis.Redis | None = None) -> None:
+        if not config.redis_url and client is None:
+            raise ValueError("RedisBuffer needs a redis_url")
+        self.config = config
+        self.redis = client or redis.Redis.from_url(
+            config.redis_url or "", socket_timeout=config.socket_timeout_s,
+            socket_connect_timeout=config.socket_timeout_s)
+        self.spool = Spool(config.spool_path(), config.spool_max_bytes, config.spool_segment_bytes,
+                           config.spool_full)
+        self.written = {"rollout": 0, "reward": 0}
+        self.write_errors = 0
+        self.redis_up = True
+        self._q: deque[bytes] = deque()
+        self._cond = threading.Condition()
+        self._spooling = len(self.spool) > 0  # records from a previous run go out first
+        self._stopping = False
+        self._thread = threading.Thread(target=self._run, name="specroll-buffer", daemon=True)
+        self._thread.start()
+
+    # -- producer side (hooks thread) -------------------------------------------------------------
+    def on_rollout(self, record: Any) -> None:
+        self.submit(spool_rollout(payload_of(record, self.config.top_k)))
+
+    def on_reward(self, rollout_id: str, reward: float) -> None:
+        self.submit(spool_reward(rollout_id, reward))
+
+    def submit(self, data: bytes) -> None:
+        """Never blocks on Redis: queue the record, or spool it while Redis is behind."""
+        with self._cond:
+            if not self._spooling and len(self._q) < self.config.queue_max and not self._stopping:
+                self._q.append(data)
+                self._cond.notify()
+                return
+            if not self._spooling:
+                logger.warning("Redis is behind (%d records queued): spooling rollouts to %s", len(self._q),
+                               self.spool.path)
+                self._spooling = True
+            self.spool.append(data)
+            self._cond.notify()
+
+    @property
+    def queued(self) -> int:
+        return len(self._q)
+
+    # -- writer thread ------------------------------------------------------------------------------
+    def _run(self) -> None:
+        backoff = 0.05
+        while True:
+            with self._cond:
+                while not self._q and not self._spooling and not self._stopping:
+                    self._cond.wait(0.5)
+                if self._stopping and not self._q and not len(self.spool):
+                    return
+                from_queue = bool(self._q)
+                batch = list(itertools.islice(self._q, self.config.batch_size)) if from_queue else []
+            if not from_queue:
+                batch = self.spool.peek(self.config.batch_size)
+            if batch and not self._write(batch):
+                if self._stopping:
+                    return
+                time.sleep(backoff)
+                backoff = min(backoff * 2, MAX_BACKOFF_S)
+                continue
+            backoff = 0.05
+            with self._cond:
+                if from_queue:
+                    for _ in batch:
+                        self._q.popleft()
+                else:
+                    self.spool.commit(len(batch))
+                if self._spooling and not self._q and not len(self.spool):
+                    logger.info("spool replayed: writing to Redis directly again")
+                    self._spooling = False
+
+    def _write(self, batch: list[bytes]) -> bool:
+        cfg = self.config
+        try:
+            pipe = self.redis.pipeline(transaction=False)
+            kinds = []
+            for data in batch:
+                rec = pb2.SpoolRecord.FromString(data)
+                kind = rec.WhichOneof("kind")
+                kinds.append(kind)
+                if kind == "rollout":
+                    pipe.xadd(cfg.stream, entry_fields(rec.rollout), maxlen=cfg.maxlen, approximate=True)
+                elif kind == "reward":
+                    pipe.set(cfg.rewards_prefix + rec.reward.rollout_id, repr(rec.reward.reward),
+                             ex=cfg.reward_ttl_s)
+            pipe.execute()
+        except redis.RedisError as exc:
+            self.write_errors += 1
+            if self.redis_up:
+                logger.warning("cannot write to Redis (%s); keeping rollouts until it is back", exc)
+            self.redis_up = False
+            return False
+        if not self.redis_up:
+            logger.info("Redis is reachable again")
+        self.redis_up = True
+        for kind in kinds:
+            if kind in self.written:
+                self.written[kind] += 1
+        return True
+
+    # -- shutdown -----------------------------------------------------------------------------------
+    def flush(self, timeout: float = 10.0) -> bool:
+        """Wait until everything submitted so far reached Redis; False on timeout."""
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            with self._cond:
+                if not self._q and not self._spooling:
+                    return True
+            time.sleep(0.01)
+        return False
+
+    def close(self) -> None:
+        """Write what Redis takes within close_timeout_s; spool the rest for the next start."""
+        self.flush(self.config.close_timeout_s)
+        with self._cond:
+            self._stopping = True
+            self._cond.notify_all()
+        self._thread.join(self.config.close_timeout_s + 2 * self.config.socket_timeout_s)
+        with self._cond:
+            left = list(self._q)
+            self._q.clear()
+        if left:
+            logger.warning("Redis unreachable at shutdown: %d records kept in the spool %s", len(left),
+                           self.spool.path)
+            self.spool.prepend(left)
+        self.spool.close()
+        self.redis.close()
+
+    def stats(self) -> dict[str, float]:
+        return {"written_rollouts": self.written["rollout"], "written_rewards": self.written["reward"],
+                "spooled": self.spool.spooled, "replayed": self.spool.replayed, "dropped": self.spool.dropped,
+                "spool_records": len(self.spool), "spool_bytes": self.spool.nbytes, "queued": len(self._q),
+                "write_errors": self.write_errors, "redis_up": 1.0 if self.redis_up else 0.0,
+                "corrupt": self.spool.corrupt}
