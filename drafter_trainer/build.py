@@ -1,0 +1,71 @@
+"""Assemble a trainer: which drafter the server runs, the student that trains it, the teacher."""
+
+from __future__ import annotations
+
+import copy
+import logging
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+from drafter_trainer.students import DraftStudent, EagleStudent, Student
+from service.config import ModelConfig
+from service.drafters.eagle import init_head, load_head
+from service.models.loader import load_model
+
+if TYPE_CHECKING:
+    from service.engine import LLMEngine
+
+logger = logging.getLogger(__name__)
+
+
+class NothingToTrain(ValueError):
+    """The server runs no drafter with weights (none, or only the suffix drafter)."""
+
+
+def parse_drafter(spec: str) -> tuple[str, str | None]:
+    """("draft", DIR) or ("eagle", DIR | None) from a server's --drafter value (the first trainable item)."""
+    for item in (x.strip() for x in (spec or "").split(",")):
+        if item == "eagle" or item.startswith("eagle:"):
+            return "eagle", item.partition(":")[2] or None
+        if item and item not in ("none", "suffix") and (Path(item) / "config.json").is_file():
+            return "draft", item
+    raise NothingToTrain(f"drafter {spec!r} has no weights to train (give a draft-model folder or eagle[:DIR])")
+
+
+def build_student(spec: str, target_cfg: ModelConfig | None, vocab: int, max_positions: int, device: torch.device,
+                  seed: int = 0) -> Student:
+    """A student initialised the way the server initialised its drafter from the same --drafter value."""
+    kind, path = parse_drafter(spec)
+    if kind == "draft":
+        assert path is not None
+        return DraftStudent(load_model(path, torch.float32, device), Path(path), vocab, max_positions, device)
+    if target_cfg is None:
+        raise ValueError("training an EAGLE head needs the target model (--target-model DIR)")
+    head = load_head(Path(path), target_cfg) if path else init_head(target_cfg, seed)
+    return EagleStudent(head, vocab, max_positions, device)
+
+
+def student_from_engine(engine: LLMEngine, max_positions: int) -> Student:
+    """A trainable copy of the drafter an engine is serving right now (in-process trainer)."""
+    from service.drafters.draft_model import DraftModelDrafter
+    from service.drafters.eagle import EagleDrafter
+
+    vocab = engine.model_config.vocab_size
+    for drafter in engine.drafters.values():
+        if isinstance(drafter, DraftModelDrafter):
+            kind, path = parse_drafter(engine.config.drafter)
+            source = Path(path) if kind == "draft" and path else None
+            model: Any = copy.deepcopy(drafter.exec.model)
+            return DraftStudent(model, source, vocab, max_positions, engine.device)
+        if isinstance(drafter, EagleDrafter):
+            return EagleStudent(copy.deepcopy(drafter.head), vocab, max_positions, engine.device)
+    raise NothingToTrain(f"the engine's drafters {sorted(engine.drafters)} have no weights to train")
+
+
+def target_config(spec: str | None, version: str, fallback: str | None) -> ModelConfig | None:
+    for path in (spec.replace("{version}", version) if spec else None, fallback):
+        if path and (Path(path) / "config.json").is_file():
+            return ModelConfig.from_dir(path)
+    return None

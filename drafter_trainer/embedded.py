@@ -1,0 +1,83 @@
+"""The drafter trainer inside the server process (`specroll serve` without --redis-url).
+
+It reads the server's in-process buffer, uses the engine's serving model as the teacher (always at the
+served policy version), swaps improved drafters in on the engine loop, and reports its metrics on the
+server's /metrics. Same loop and accounting as the sidecar; checkpoints only with --trainer-dir.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+from drafter_trainer.config import TrainerConfig
+
+if TYPE_CHECKING:
+    from service.api.server import SpecrollServer
+    from service.buffer.memory import MemoryBuffer
+
+logger = logging.getLogger(__name__)
+
+
+class EmbeddedTrainer:
+    def __init__(self, server: SpecrollServer, buffer: MemoryBuffer, checkpoint_dir: str | None = None,
+                 config: TrainerConfig | None = None) -> None:
+        self.server, self.buffer = server, buffer
+        self.config = config or TrainerConfig(checkpoint_dir=checkpoint_dir, consumer="in-process")
+        self.trainer: Any = None
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="specroll-drafter-trainer", daemon=True)
+
+    def start(self) -> None:
+        self._thread.start()
+
+    def stop(self, timeout: float = 30.0) -> None:
+        self._stop.set()
+        if self._thread.is_alive():
+            self._thread.join(timeout)
+
+    def _build(self) -> Any:
+        from drafter_trainer.build import NothingToTrain, student_from_engine
+        from drafter_trainer.checkpoint import CheckpointStore
+        from drafter_trainer.metrics import TrainerMetrics
+        from drafter_trainer.remote import LocalServer
+        from drafter_trainer.source import MemorySource
+        from drafter_trainer.teacher import Teacher
+        from drafter_trainer.trainer import DrafterTrainer
+
+        loop, cfg = self.server.loop, self.config
+        engine = loop.engine
+        max_positions = cfg.max_seq_len + 1
+        try:
+            student = student_from_engine(engine, max_positions)
+        except NothingToTrain as exc:
+            logger.info("in-process drafter trainer is off: %s", exc)
+            return None
+
+        def serving_model(version: str) -> Any:
+            return engine.runner.model if str(engine.policy_version) == version else None
+
+        teacher = Teacher(serving_model, engine.device, max_positions)
+        store = CheckpointStore(cfg.checkpoint_dir) if cfg.checkpoint_dir else None
+        metrics = TrainerMetrics(self.server.metrics.registry)
+        logger.info("in-process drafter trainer: training the %s drafter on this server's rollouts", student.kind)
+        return DrafterTrainer(cfg, MemorySource(self.buffer, cfg.max_deliveries), LocalServer(loop), student,
+                              teacher, metrics, store)
+
+    def _run(self) -> None:
+        loop = self.server.loop
+        while not loop.loaded_or_failed.wait(0.5):
+            if self._stop.is_set():
+                return
+        if loop.error is not None or self._stop.is_set():
+            return
+        try:
+            with torch.inference_mode(False):
+                self.trainer = self._build()
+                if self.trainer is not None:
+                    self.trainer.run(self._stop)
+        except Exception:
+            logger.exception("the in-process drafter trainer stopped")

@@ -1,0 +1,87 @@
+"""The rollouts the trainer works from: a recency window to train on and a held-out set to measure on.
+
+One rollout in `holdout_every` (by a hash of its id, so a redelivered entry lands on the same side) is held
+out. Training samples take the rollouts that arrived since the last round first, then random ones from the
+window. Weights: 1 for the server's current policy version, `stale_weight` for the previous versions kept
+by `recency_versions`, 0 beyond; times 1 + reward_alpha * (z-scored reward) when rewards are known.
+"""
+
+from __future__ import annotations
+
+import random
+import zlib
+from collections import deque
+
+from drafter_trainer.config import TrainerConfig
+from service.buffer.codec import BufferedRollout
+
+MIN_REWARD_WEIGHT, MAX_REWARD_WEIGHT = 0.1, 3.0
+
+
+class RolloutPool:
+    def __init__(self, cfg: TrainerConfig) -> None:
+        self.cfg = cfg
+        self.window: deque[BufferedRollout] = deque(maxlen=cfg.window_rollouts)
+        self.heldout: deque[BufferedRollout] = deque(maxlen=cfg.heldout_max)
+        self.fresh: list[BufferedRollout] = []
+        self.versions: list[str] = []  # policy versions in the order the server served them
+
+    @property
+    def current(self) -> str | None:
+        return self.versions[-1] if self.versions else None
+
+    def note_version(self, version: str) -> bool:
+        if version in self.versions:
+            return False
+        self.versions.append(version)
+        return True
+
+    def role(self, rollout_id: str) -> str:
+        return "eval" if zlib.crc32(rollout_id.encode()) % self.cfg.holdout_every == 0 else "train"
+
+    def add(self, r: BufferedRollout, role: str) -> None:
+        if role == "eval":
+            self.heldout.append(r)
+        elif role == "train":
+            self.window.append(r)
+            self.fresh.append(r)
+
+    def recency_weight(self, r: BufferedRollout) -> float:
+        recent = self.versions[-self.cfg.recency_versions :]
+        if r.policy_version == self.current and all(v == self.current for v in r.policy_versions):
+            return 1.0
+        if r.policy_version in recent or (r.policy_version not in self.versions
+                                          and len(self.versions) < self.cfg.recency_versions):
+            return self.cfg.stale_weight  # older, or from before this trainer started
+        return 0.0
+
+    def sample(self, n: int, rng: random.Random) -> list[BufferedRollout]:
+        """Fresh rollouts first (each trained on at least once), then random ones from the window."""
+        out, self.fresh = self.fresh[:n], self.fresh[n:]
+        taken = {id(r) for r in out}
+        candidates = [r for r in self.window if id(r) not in taken and self.recency_weight(r) > 0]
+        if len(out) < n and candidates:
+            out += rng.sample(candidates, min(n - len(out), len(candidates)))
+        return [r for r in out if self.recency_weight(r) > 0]
+
+    def heldout_current(self) -> list[BufferedRollout]:
+        return [r for r in self.heldout if r.policy_version == self.current
+                and all(v == self.current for v in r.policy_versions)]
+
+    def weights(self, rollouts: list[BufferedRollout]) -> list[float]:
+        base = [self.recency_weight(r) for r in rollouts]
+        alpha = self.cfg.reward_alpha
+        known = [r.reward for r in rollouts if r.reward is not None]
+        if alpha <= 0 or len(known) < 2:
+            return base
+        mean = sum(known) / len(known)
+        std = (sum((x - mean) ** 2 for x in known) / len(known)) ** 0.5
+        if std == 0:
+            return base
+        out = []
+        for w, r in zip(base, rollouts, strict=True):
+            if r.reward is not None:
+                z = (r.reward - mean) / std
+                w *= min(max(1 + alpha * z, MIN_REWARD_WEIGHT), MAX_REWARD_WEIGHT)
+            out.append(w)
+        return out

@@ -1,0 +1,217 @@
+"""Where rollouts come from: a Redis consumer group (sidecar) or the server's in-process buffer (embedded).
+
+Redis: new entries with XREADGROUP ">"; this consumer's own pending entries from before a restart first
+(XREADGROUP "0"); entries a crashed consumer left pending are taken over with XAUTOCLAIM once idle for
+`claim_idle_ms`. An entry whose processing failed stays pending and comes back the same way; once it has
+been delivered more than `max_deliveries` times it is copied to the dead-letter stream and acked (in one
+MULTI). Entries the trainer still holds (read, not yet checkpointed) are re-claimed with JUSTID now and
+then, which resets their idle time without counting a delivery, so nobody takes them over.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any, Protocol
+
+import redis
+
+from drafter_trainer.config import TrainerConfig
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass(slots=True)
+class Entry:
+    entry_id: str
+    fields: Mapping[Any, Any]
+    deliveries: int = 1
+
+
+class Source(Protocol):
+    dead_lettered: int
+    claimed: int
+
+    def read(self, count: int, block_ms: int) -> list[Entry]: ...
+
+    def ack(self, entry_ids: list[str]) -> None: ...
+
+    def fail(self, entry: Entry, reason: str) -> None: ...
+
+    def hold(self, entry_ids: list[str]) -> None: ...
+
+    def lag(self) -> tuple[int, int]: ...
+
+    def rewards(self, rollout_ids: list[str]) -> dict[str, float]: ...
+
+
+def _sid(x: Any) -> str:
+    return x.decode() if isinstance(x, bytes) else str(x)
+
+
+class RedisSource:
+    def __init__(self, client: redis.Redis, cfg: TrainerConfig, start_id: str = "0") -> None:
+        self.r, self.cfg = client, cfg
+        self.stream, self.group, self.consumer = cfg.stream, cfg.group, cfg.consumer
+        self.dead_lettered = self.claimed = self.trimmed = 0
+        self._own_done = False
+        self._cursor = "0-0"
+        self._next_claim = 0.0
+        self._failures: dict[str, str] = {}
+        try:
+            self.r.xgroup_create(self.stream, self.group, id=start_id, mkstream=True)
+            logger.info("created consumer group %r on %r", self.group, self.stream)
+        except redis.ResponseError as exc:
+            if "BUSYGROUP" not in str(exc):
+                raise
+
+    def read(self, count: int, block_ms: int) -> list[Entry]:
+        out: list[Entry] = []
+        if not self._own_done:  # what this consumer name held when it last stopped
+            out = self._entries(self.r.xreadgroup(self.group, self.consumer, {self.stream: "0"}, count=count))
+            if len(out) < count:
+                self._own_done = True
+            if out:
+                logger.info("resuming %d entries this consumer had pending", len(out))
+                return self._with_deliveries(out)
+        if time.monotonic() >= self._next_claim:
+            out += self._claim(count)
+        if len(out) < count:
+            resp = self.r.xreadgroup(self.group, self.consumer, {self.stream: ">"}, count=count - len(out),
+                                     block=None if out else block_ms)
+            out += self._entries(resp)
+        return out
+
+    def _entries(self, resp: Any) -> list[Entry]:
+        out, gone = [], []
+        for _stream, items in resp or []:
+            for entry_id, fields in items:
+                if fields is None:  # trimmed away (MAXLEN) while pending
+                    gone.append(_sid(entry_id))
+                else:
+                    out.append(Entry(_sid(entry_id), fields))
+        if gone:
+            self.trimmed += len(gone)
+            self.r.xack(self.stream, self.group, *gone)
+        return out
+
+    def _claim(self, count: int) -> list[Entry]:
+        self._next_claim = time.monotonic() + max(self.cfg.claim_idle_ms / 4000, 0.1)
+        resp = self.r.xautoclaim(self.stream, self.group, self.consumer, self.cfg.claim_idle_ms,
+                                 start_id=self._cursor, count=count)
+        self._cursor = _sid(resp[0])
+        if len(resp) > 2 and resp[2]:
+            self.trimmed += len(resp[2])  # XAUTOCLAIM already removed them from the PEL
+        entries = [Entry(_sid(i), f) for i, f in resp[1] if f is not None]
+        if not entries:
+            return []
+        self.claimed += len(entries)
+        logger.info("took over %d pending entries idle for over %d ms", len(entries), self.cfg.claim_idle_ms)
+        kept = []
+        for e in self._with_deliveries(entries):
+            if e.deliveries > self.cfg.max_deliveries:
+                self._dead_letter(e, self._failures.pop(e.entry_id, "delivered too often"))
+            else:
+                kept.append(e)
+        return kept
+
+    def _with_deliveries(self, entries: list[Entry]) -> list[Entry]:
+        ids = [e.entry_id for e in entries]
+        rows = self.r.xpending_range(self.stream, self.group, min=min(ids, key=_key), max=max(ids, key=_key),
+                                     count=len(ids) + 1000, consumername=self.consumer)
+        counts = {_sid(r["message_id"]): int(r["times_delivered"]) for r in rows}
+        for e in entries:
+            e.deliveries = counts.get(e.entry_id, 1)
+        return entries
+
+    def _dead_letter(self, e: Entry, reason: str) -> None:
+        fields = {_sid(k): v for k, v in e.fields.items()}
+        fields.update({"dl_entry_id": e.entry_id, "dl_reason": reason[:500], "dl_deliveries": str(e.deliveries),
+                       "dl_consumer": self.consumer, "dl_at": repr(time.time())})
+        pipe = self.r.pipeline(transaction=True)
+        pipe.xadd(self.cfg.dead_letter_stream, fields)
+        pipe.xack(self.stream, self.group, e.entry_id)
+        pipe.execute()
+        self.dead_lettered += 1
+        logger.warning("entry %s dead-lettered to %r after %d deliveries: %s", e.entry_id,
+                       self.cfg.dead_letter_stream, e.deliveries, reason)
+
+    def fail(self, entry: Entry, reason: str) -> None:
+        """The N-th failed delivery goes to the dead-letter stream; earlier ones stay pending and are claimed
+        again after claim_idle_ms."""
+        if entry.deliveries >= self.cfg.max_deliveries:
+            self._failures.pop(entry.entry_id, None)
+            self._dead_letter(entry, reason)
+        else:
+            self._failures[entry.entry_id] = reason
+
+    def ack(self, entry_ids: list[str]) -> None:
+        for i in range(0, len(entry_ids), 1000):
+            self.r.xack(self.stream, self.group, *entry_ids[i : i + 1000])
+
+    def hold(self, entry_ids: list[str]) -> None:
+        for i in range(0, len(entry_ids), 1000):
+            self.r.xclaim(self.stream, self.group, self.consumer, 0, entry_ids[i : i + 1000], justid=True)
+
+    def lag(self) -> tuple[int, int]:
+        for g in self.r.xinfo_groups(self.stream):
+            if _sid(g.get("name")) == self.group:
+                return int(g.get("lag") or 0), int(g.get("pending") or 0)
+        return 0, 0
+
+    def rewards(self, rollout_ids: list[str]) -> dict[str, float]:
+        if not rollout_ids:
+            return {}
+        values = self.r.mget([self.cfg.rewards_prefix + r for r in rollout_ids])
+        return {r: float(v) for r, v in zip(rollout_ids, values, strict=True) if v is not None}
+
+
+def _key(entry_id: str) -> tuple[int, int]:
+    ms, _, seq = entry_id.partition("-")
+    return int(ms), int(seq or 0)
+
+
+class MemorySource:
+    """Reads the server's MemoryBuffer (embedded mode): same entries, no consumer group (one process)."""
+
+    def __init__(self, buffer: Any, max_deliveries: int = 3) -> None:
+        self.buffer = buffer
+        self.max_deliveries = max_deliveries
+        self.dead_lettered = self.claimed = 0
+        self.dead: list[tuple[Entry, str]] = []
+        self._last = 0
+        self._retry: list[Entry] = []
+        self._held = 0
+
+    def read(self, count: int, block_ms: int) -> list[Entry]:
+        out, self._retry = self._retry[:count], self._retry[count:]
+        if len(out) < count:
+            got = self.buffer.read_after(self._last, count - len(out), 0 if out else block_ms / 1000)
+            if got:
+                self._last = int(got[-1][0].split("-")[0])
+            out += [Entry(i, f) for i, f in got]
+        self._held += len(out)
+        return out
+
+    def fail(self, entry: Entry, reason: str) -> None:
+        self._held = max(0, self._held - 1)
+        if entry.deliveries >= self.max_deliveries:
+            self.dead.append((entry, reason))
+            self.dead_lettered += 1
+            logger.warning("entry %s dropped after %d deliveries: %s", entry.entry_id, entry.deliveries, reason)
+        else:
+            self._retry.append(Entry(entry.entry_id, entry.fields, entry.deliveries + 1))
+
+    def ack(self, entry_ids: list[str]) -> None:
+        self._held = max(0, self._held - len(entry_ids))
+
+    def hold(self, entry_ids: list[str]) -> None:
+        pass
+
+    def lag(self) -> tuple[int, int]:
+        return self.buffer.backlog(self._last), self._held
+
+    def rewards(self, rollout_ids: list[str]) -> dict[str, float]:
+        return dict(self.buffer.rewards(rollout_ids))

@@ -1,0 +1,325 @@
+"""The distillation loop: take rollouts in, train in the server's idle time, measure, push, checkpoint, ack.
+
+Accounting (what "every entry exactly once" means): a rollout is *taken in* when it is first read; its id
+goes into the ledger with its role (train, eval = held out, skip = nothing to learn from) at the next
+checkpoint, and its stream entry is acked only after that checkpoint. A crash before the checkpoint loses
+the training with the process, and the entry is delivered again; a crash after it finds the id in the
+ledger and acks the redelivered entry without training. Redelivered or duplicate ids (at-least-once writes)
+are acked as duplicates. `taken_total` counts ledger insertions, so it equals the number of distinct ids.
+"""
+
+from __future__ import annotations
+
+import logging
+import random
+import threading
+import time
+from collections import OrderedDict
+from dataclasses import dataclass
+from typing import Any, Protocol
+
+import torch
+
+from drafter_trainer.batch import build_batch, usable
+from drafter_trainer.checkpoint import CheckpointStore, load_optimizer
+from drafter_trainer.config import TrainerConfig
+from drafter_trainer.freshness import FreshnessAlarm
+from drafter_trainer.metrics import TrainerMetrics
+from drafter_trainer.objective import acceptance, distill_loss, expected_lengths
+from drafter_trainer.pool import RolloutPool
+from drafter_trainer.remote import PushRefused, ServerState
+from drafter_trainer.source import Entry, Source
+from drafter_trainer.students import Student
+from drafter_trainer.teacher import Teacher
+from service.buffer.codec import BufferedRollout, PayloadError, decode_entry
+
+logger = logging.getLogger(__name__)
+EVAL_BATCH = 32
+
+
+class Server(Protocol):
+    def state(self) -> ServerState: ...
+
+    def push(self, student: Student, module: torch.nn.Module, version: str) -> None: ...
+
+
+@dataclass(slots=True)
+class Measurement:
+    round: int
+    policy_version: str
+    served_version: str
+    before: float  # served drafter, expected tokens per step on held-out current rollouts
+    after: float  # trained drafter, same rollouts
+    heldout: int
+    pushed: bool = False
+
+
+class DrafterTrainer:
+    def __init__(self, cfg: TrainerConfig, source: Source, server: Server, student: Student, teacher: Teacher,
+                 metrics: TrainerMetrics | None = None, store: CheckpointStore | None = None) -> None:
+        self.cfg, self.source, self.server, self.student, self.teacher = cfg, source, server, student, teacher
+        self.metrics = metrics or TrainerMetrics()
+        self.store = store
+        self.optim = torch.optim.AdamW(student.module.parameters(), lr=cfg.lr)
+        self.served = student.frozen_copy()
+        self.served_version: str | None = None  # None: the drafter the server started with
+        self.pool = RolloutPool(cfg)
+        self.alarm = FreshnessAlarm(cfg.alarm_ratio, cfg.recover_ratio, self.metrics)
+        self.ledger: OrderedDict[str, str] = OrderedDict()
+        self.taken_total = 0
+        self.pending: dict[str, str] = {}  # taken in since the last checkpoint
+        self.held: list[str] = []  # entry ids to ack after the next checkpoint
+        self.round = self.pushes = 0
+        self.history: list[Measurement] = []
+        self.rng = random.Random(cfg.seed)
+        self._state: ServerState | None = None
+        self._state_at = self._held_at = 0.0
+        self._last_round = time.monotonic()
+        self._backoff = cfg.backoff_s
+        self._repush = False
+        self._resume()
+
+    # -- the loop -------------------------------------------------------------------------------------
+    def run(self, stop: threading.Event | None = None) -> None:
+        stop = stop or threading.Event()
+        while not stop.is_set() and (self.cfg.max_rounds is None or self.round < self.cfg.max_rounds):
+            try:
+                self.tick()
+            except Exception:
+                logger.exception("trainer step failed; retrying")
+                stop.wait(self._backoff)
+
+    def tick(self) -> None:
+        st = self.server_state()
+        entries = self.source.read(self.cfg.read_count, self.cfg.block_ms)
+        self.take_in(entries)
+        lag, pending = self.source.lag()
+        self.metrics.lag.set(lag)
+        self.metrics.pending.set(pending)
+        if self.held and time.monotonic() - self._held_at > self.cfg.claim_idle_ms / 3000:
+            self.source.hold(self.held)
+            self._held_at = time.monotonic()
+        if not self.due():
+            return
+        if not self.gate_open(st):
+            time.sleep(self._backoff)
+            self.metrics.backoff.inc(self._backoff)
+            self._backoff = min(self._backoff * 2, self.cfg.max_backoff_s)
+            return
+        self._backoff = self.cfg.backoff_s
+        self.train_round()
+
+    def server_state(self) -> ServerState | None:
+        if time.monotonic() - self._state_at >= self.cfg.info_interval_s or self._state is None:
+            try:
+                self._state = self.server.state()
+            except Exception as exc:
+                logger.warning("cannot read the server's state: %s", exc)
+            self._state_at = time.monotonic()
+            if self._state is not None:
+                self.follow_policy(self._state)
+        return self._state
+
+    def follow_policy(self, st: ServerState) -> None:
+        if self.pool.note_version(st.policy_version):
+            logger.info("server serves policy version %s", st.policy_version)
+            self.teacher.sync(st.policy_version)
+            self.alarm.policy_changed(st.policy_version)
+        if self._repush and self.served_version and self.served_version not in st.drafter_version:
+            self._repush = False
+            self._push(self.served, self.served_version)
+
+    def take_in(self, entries: list[Entry]) -> None:
+        for e in entries:
+            self.metrics.consumed.inc()
+            try:
+                r = decode_entry(e.entry_id, e.fields)
+            except PayloadError as exc:
+                self.metrics.failed.inc()
+                before = self.source.dead_lettered
+                self.source.fail(e, str(exc))
+                self.metrics.dead.inc(self.source.dead_lettered - before)
+                continue
+            if r.rollout_id in self.ledger or r.rollout_id in self.pending:
+                self.metrics.duplicates.inc()
+                if r.rollout_id in self.ledger:
+                    self._ack([e.entry_id])
+                else:
+                    self.held.append(e.entry_id)
+                continue
+            role = self.pool.role(r.rollout_id) if usable(r, self.cfg.max_seq_len, self.student.min_col) else "skip"
+            self.pending[r.rollout_id] = role
+            self.held.append(e.entry_id)
+            self.metrics.taken.labels(role).inc()
+            self.pool.add(r, role)
+
+    def due(self) -> bool:
+        waited = time.monotonic() - self._last_round >= self.cfg.max_wait_s
+        return len(self.pool.fresh) >= self.cfg.min_new or (bool(self.held) and waited)
+
+    def gate_open(self, st: ServerState | None) -> bool:
+        cfg = self.cfg
+        if cfg.gate == "always" or st is None:
+            ok = True
+        else:
+            idle = st.paused or (st.num_running == 0 and st.num_waiting == 0)
+            tail = st.num_waiting == 0 and st.num_running <= cfg.tail_max_running
+            ok = idle or (cfg.gate == "tail" and tail)
+        if not ok and cfg.max_defer_s > 0 and time.monotonic() - self._last_round > cfg.max_defer_s:
+            ok = True
+        self.metrics.gate.set(1 if ok else 0)
+        return ok
+
+    # -- one round ------------------------------------------------------------------------------------
+    def train_round(self) -> Measurement | None:
+        self.round += 1
+        self.metrics.rounds.inc()
+        losses = []
+        steps = self.cfg.steps_per_round if self.pool.fresh else 0
+        for _ in range(steps):
+            rollouts = self.pool.sample(self.cfg.batch_rollouts, self.rng)
+            if rollouts:  # rewards reported since the rollout was read count too
+                got = self.source.rewards([r.rollout_id for r in rollouts])
+                for r in rollouts:
+                    r.reward = got.get(r.rollout_id, r.reward)
+            loss = self.train_step(rollouts) if rollouts else None
+            if loss is not None:
+                losses.append(loss)
+        self.pool.fresh.clear()
+        if losses:
+            self.metrics.loss.set(sum(losses) / len(losses))
+        m = self.evaluate()
+        self.commit()
+        self._last_round = time.monotonic()
+        return m
+
+    def _forward(self, rollouts: list[BufferedRollout], weights: list[float]) -> tuple[Any, Any, Any] | None:
+        batch = build_batch(rollouts, weights, self.teacher.version, self.student.vocab, self.cfg.max_seq_len,
+                            self.student.device, self.student.min_col)
+        if batch.size == 0:
+            return None
+        hidden = teacher_lp = None
+        if self.teacher.model is not None and (self.student.needs_target or bool(batch.teacher_ok.any())):
+            hidden = self.teacher.hidden(batch.ids)
+            teacher_lp = self.teacher.logprobs(hidden, batch)
+        if self.student.needs_target:
+            if hidden is None:
+                return None
+            batch.weights = batch.weights * batch.teacher_ok
+        return batch, hidden, teacher_lp
+
+    def train_step(self, rollouts: list[BufferedRollout]) -> float | None:
+        got = self._forward(rollouts, self.pool.weights(rollouts))
+        if got is None or float(got[0].weights.sum()) == 0:
+            return None
+        batch, hidden, teacher_lp = got
+        logits = self.student.logits(self.student.module, batch, hidden, self.teacher.model)
+        loss = distill_loss(logits, batch, teacher_lp)
+        self.optim.zero_grad(set_to_none=True)
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(self.student.module.parameters(), 1.0)
+        self.optim.step()
+        self.metrics.steps.inc()
+        return float(loss.detach())
+
+    @torch.no_grad()
+    def measure(self, modules: list[torch.nn.Module], rollouts: list[BufferedRollout]) -> list[float]:
+        """Expected tokens per verify step (k drafts) of each module on the same rollouts."""
+        lengths: list[list[torch.Tensor]] = [[] for _ in modules]
+        for i in range(0, len(rollouts), EVAL_BATCH):
+            chunk = rollouts[i : i + EVAL_BATCH]
+            got = self._forward(chunk, [1.0] * len(chunk))
+            if got is None:
+                continue
+            batch, hidden, teacher_lp = got
+            keep = batch.weights > 0
+            for j, module in enumerate(modules):
+                beta = acceptance(self.student.logits(module, batch, hidden, self.teacher.model), batch, teacher_lp)
+                lengths[j].append(expected_lengths(beta[keep], batch.owner[keep], self.cfg.k))
+        return [float(torch.cat(ls).mean()) if ls and sum(t.numel() for t in ls) else 1.0 for ls in lengths]
+
+    def evaluate(self) -> Measurement | None:
+        held = self.pool.heldout_current()
+        if len(held) < self.cfg.min_heldout:
+            return None
+        self.student.module.eval()
+        before, after = self.measure([self.served, self.student.module], held)
+        self.student.module.train()
+        self.metrics.before.set(before)
+        self.metrics.after.set(after)
+        m = Measurement(self.round, self.pool.current or "", self.served_version or "initial", before, after,
+                        len(held))
+        if after > before + self.cfg.push_margin:
+            version = f"{self.cfg.version_prefix}-{self.pushes + 1}"
+            if self._push(self.student.module, version):
+                self.served = self.student.frozen_copy()
+                m.pushed = True
+        self.alarm.observe(after if m.pushed else before)
+        logger.info("round %d: accepted length %.3f (served %s) -> %.3f (trained) on %d held-out rollouts of "
+                    "policy %s%s", self.round, before, m.served_version, after, len(held), m.policy_version,
+                    f"; pushed {self.served_version}" if m.pushed else "")
+        self.history.append(m)
+        return m
+
+    def _push(self, module: torch.nn.Module, version: str) -> bool:
+        try:
+            self.server.push(self.student, module, version)
+        except PushRefused as exc:
+            self.metrics.pushes.labels("unsupported").inc()
+            logger.warning("drafter not pushed: %s", exc)
+            self._save_served(module)
+            return False
+        except Exception as exc:
+            self.metrics.pushes.labels("error").inc()
+            logger.warning("drafter push %s failed: %s", version, exc)
+            return False
+        self.metrics.pushes.labels("ok").inc()
+        self.pushes += 1
+        self.served_version = version
+        self._save_served(module)
+        return True
+
+    def _save_served(self, module: torch.nn.Module) -> None:
+        if self.store is not None:
+            self.student.save_folder(module, self.store.served_dir())
+
+    # -- accounting -----------------------------------------------------------------------------------
+    def commit(self) -> None:
+        """Checkpoint what was taken in, then ack its entries."""
+        self.ledger.update(self.pending)
+        self.taken_total += len(self.pending)
+        while len(self.ledger) > self.cfg.dedupe_window:
+            self.ledger.popitem(last=False)
+        if self.store is not None:
+            state = {"round": self.round, "pushes": self.pushes, "served_version": self.served_version,
+                     "taken_total": self.taken_total, "ledger": list(self.ledger.items()),
+                     "versions": self.pool.versions,
+                     "history": [vars_of(m) for m in self.history[-100:]]}
+            self.store.save(self.round, self.student.module.state_dict(), self.served.state_dict(), self.optim,
+                            state)
+        self.pending.clear()
+        held, self.held = self.held, []
+        self._ack(held)
+
+    def _ack(self, entry_ids: list[str]) -> None:
+        if entry_ids:
+            self.source.ack(entry_ids)
+            self.metrics.acked.inc(len(entry_ids))
+
+    def _resume(self) -> None:
+        loaded = self.store.load() if self.store is not None else None
+        if loaded is None:
+            return
+        candidate, served, optim, state = loaded
+        self.student.load_weights(self.student.module, candidate)
+        self.student.load_weights(self.served, served)
+        load_optimizer(self.optim, optim, state["param_groups"])
+        self.round, self.pushes = int(state["round"]), int(state["pushes"])
+        self.served_version = state.get("served_version")
+        self.taken_total = int(state["taken_total"])
+        self.ledger = OrderedDict((rid, role) for rid, role in state["ledger"])
+        self._repush = self.served_version is not None
+
+
+def vars_of(m: Measurement) -> dict[str, Any]:
+    return {f: getattr(m, f) for f in Measurement.__dataclass_fields__}
