@@ -59,7 +59,8 @@ class AsyncSpecrollClient:
         self._api = (("authorization", f"Bearer {api_token or admin_token}"),) if (api_token or admin_token) else ()
         self._channel = grpc.aio.insecure_channel(target, options=[
             ("grpc.max_send_message_length", max_message_bytes),
-            ("grpc.max_receive_message_length", max_message_bytes)])
+            ("grpc.max_receive_message_length", max_message_bytes),
+            ("grpc.http2.max_frame_size", 16 * 2**20 - 1), ("grpc.http2.write_buffer_size", 64 * 2**20)])
         self._stub = pb2_grpc.RolloutStub(self._channel)
         self._health = health_pb2_grpc.HealthStub(self._channel)
         self._push = self._channel.stream_unary("/specroll.v1.Rollout/PushWeights",

@@ -191,6 +191,7 @@ def build_grpc_server(ctx: ServiceContext, address: str) -> tuple[grpc.aio.Serve
     limit = ctx.limits.max_message_bytes
     server = grpc.aio.server(options=[("grpc.max_receive_message_length", limit),
                                       ("grpc.max_send_message_length", limit),
+                                      ("grpc.http2.max_frame_size", 16 * 2**20 - 1),
                                       ("grpc.so_reuseport", 0)])
     add_rollout_servicer(RolloutServicer(ctx), server)
     health_servicer = health.aio.HealthServicer()
