@@ -163,7 +163,10 @@ class WeightManager:
         except BaseException:
             receiver.cancel()
             raise
+        received = time.perf_counter()
         model = await asyncio.to_thread(receiver.finish)
+        logger.debug("push %s: bytes received after %.3f s, weights built %.3f s later", manifest.version,
+                     received - start, time.perf_counter() - received)
         return await self._apply(manifest.role, manifest.version, model, manifest.mode, manifest.total_bytes, start)
 
     async def push_tensors(self, role: str, version: str, tensors: dict[str, torch.Tensor], mode: str = "wait",
