@@ -134,8 +134,9 @@ class AsyncSpecrollClient:
         chunks: dict[int, list[TokenChunk]] = {}
         for attempt in range(self.retries + 1):
             got_any = False
+            call = self._stub.Generate(req, metadata=self._api, timeout=self.timeout_s)
             try:
-                async for msg in self._stub.Generate(req, metadata=self._api, timeout=self.timeout_s):
+                async for msg in call:
                     got_any = True
                     if msg.WhichOneof("kind") == "chunk":
                         c = _chunk(msg.request_id, msg.chunk)
@@ -149,6 +150,8 @@ class AsyncSpecrollClient:
                 if got_any or not isinstance(err, Unavailable) or attempt == self.retries:
                     raise err from None
                 await asyncio.sleep(self.backoff_s * 2**attempt)
+            finally:
+                call.cancel()  # a consumer that stops early ends the request (no-op once finished)
 
     async def generate_one(self, prompt: Prompt, *, n: int = 1, **kw: Any) -> Completion:
         samples: list[Sample] = []

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import json
 import time
 from collections.abc import Iterator
@@ -12,7 +13,7 @@ import torch
 from helpers import make_checkpoint
 from service_utils import ADMIN, auth, engine_config, start_server
 
-from client import InvalidArgument, SpecrollClient
+from client import AsyncSpecrollClient, InvalidArgument, SpecrollClient
 from service.api.server import BackgroundServer
 from service.engine import LLMEngine
 from service.sequence import SamplingParams
@@ -293,13 +294,22 @@ def test_dashboard_and_deploy_files_match_the_metrics(http):
         assert list(yaml.safe_load_all(f.read_text())), f
 
 
-def test_client_disconnect_aborts_the_request(client, http):
+def test_client_disconnect_aborts_the_request(server, client, http):
     before = scrape(http).get('specroll:requests_aborted_total{reason=client}', 0.0)
     stream = client.stream(PROMPT, max_tokens=200, temperature=1.0, ignore_eos=True)
     for i, _ in enumerate(stream):
         if i == 2:
             break
     stream.close()
+
+    async def stop_early() -> None:
+        async with AsyncSpecrollClient(server.grpc_target) as ac:
+            events = ac.stream(PROMPT, max_tokens=200, temperature=1.0, ignore_eos=True)
+            async for _ in events:
+                break
+            await events.aclose()
+
+    asyncio.run(stop_early())
     with httpx.stream("POST", http.base_url.join("/v1/completions"),
                       json={"prompt": PROMPT, "max_tokens": 200, "ignore_eos": True, "stream": True}) as r:
         next(r.iter_lines())
@@ -310,4 +320,4 @@ def test_client_disconnect_aborts_the_request(client, http):
             break
         time.sleep(0.05)
     assert info.num_running == 0
-    assert scrape(http)['specroll:requests_aborted_total{reason=client}'] - before == 2
+    assert scrape(http)['specroll:requests_aborted_total{reason=client}'] - before == 3
