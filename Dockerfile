@@ -27,6 +27,7 @@ print('\n'.join(x for x in d['project']['dependencies'] if not x.startswith('tor
 COPY proto ./proto
 COPY service ./service
 COPY client ./client
+COPY drafter_trainer ./drafter_trainer
 RUN python3 -m pip install --no-deps -e . && \
     python3 -m service.api.protogen && \
     specroll build-default-model && \
