@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import logging
 import threading
+from dataclasses import replace
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -26,7 +27,8 @@ class EmbeddedTrainer:
     def __init__(self, server: SpecrollServer, buffer: MemoryBuffer, checkpoint_dir: str | None = None,
                  config: TrainerConfig | None = None) -> None:
         self.server, self.buffer = server, buffer
-        self.config = config or TrainerConfig(checkpoint_dir=checkpoint_dir, consumer="in-process")
+        config = config or TrainerConfig(consumer="in-process")
+        self.config = replace(config, checkpoint_dir=checkpoint_dir or config.checkpoint_dir)
         self.trainer: Any = None
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name="specroll-drafter-trainer", daemon=True)

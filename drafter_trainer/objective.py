@@ -37,8 +37,8 @@ def distill_loss(logits: torch.Tensor, batch: Batch, teacher_lp: torch.Tensor | 
         p = teacher_lp.exp()
         kl = torch.where(p > 0, p * (teacher_lp - lq), 0.0).sum(-1)  # tokens the target excludes add 0
         per_token = torch.where(batch.teacher_ok, kl, per_token)
-    w = batch.weights
-    return (w * per_token).sum() / w.sum().clamp_min(1e-8)
+    # Normalised by rows, not by the weights: a batch of old-policy rollouts keeps its smaller say.
+    return (batch.weights * per_token).sum() / max(batch.size, 1)
 
 
 @torch.no_grad()

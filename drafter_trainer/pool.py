@@ -56,12 +56,15 @@ class RolloutPool:
         return 0.0
 
     def sample(self, n: int, rng: random.Random) -> list[BufferedRollout]:
-        """Fresh rollouts first (each trained on at least once), then random ones from the window."""
+        """Fresh rollouts first (each trained on at least once), then random ones from the window, more
+        likely the more recent their policy version."""
         out, self.fresh = self.fresh[:n], self.fresh[n:]
         taken = {id(r) for r in out}
-        candidates = [r for r in self.window if id(r) not in taken and self.recency_weight(r) > 0]
-        if len(out) < n and candidates:
-            out += rng.sample(candidates, min(n - len(out), len(candidates)))
+        candidates = [(r, w) for r in self.window if id(r) not in taken and (w := self.recency_weight(r)) > 0]
+        want = min(n - len(out), len(candidates))
+        if want > 0:  # without replacement, in proportion to recency weight (Efraimidis-Spirakis keys)
+            keyed = sorted(candidates, key=lambda rw: rng.random() ** (1.0 / rw[1]), reverse=True)
+            out += [r for r, _ in keyed[:want]]
         return [r for r in out if self.recency_weight(r) > 0]
 
     def heldout_current(self) -> list[BufferedRollout]:

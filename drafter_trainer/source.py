@@ -2,10 +2,11 @@
 
 Redis: new entries with XREADGROUP ">"; this consumer's own pending entries from before a restart first
 (XREADGROUP "0"); entries a crashed consumer left pending are taken over with XAUTOCLAIM once idle for
-`claim_idle_ms`. An entry whose processing failed stays pending and comes back the same way; once it has
-been delivered more than `max_deliveries` times it is copied to the dead-letter stream and acked (in one
-MULTI). Entries the trainer still holds (read, not yet checkpointed) are re-claimed with JUSTID now and
-then, which resets their idle time without counting a delivery, so nobody takes them over.
+`claim_idle_ms`. An entry whose processing failed stays pending and comes back the same way; its
+`max_deliveries`-th failure (or a claim past that many deliveries: a consumer crashed on it each time)
+copies it to the dead-letter stream and acks it, in one MULTI. Entries this consumer holds (read, not yet
+acked) are re-claimed with JUSTID before every XAUTOCLAIM, which resets their idle time without counting a
+delivery, so they are not taken over while being worked on (claim_idle_ms must exceed a training round).
 """
 
 from __future__ import annotations
@@ -40,8 +41,6 @@ class Source(Protocol):
 
     def fail(self, entry: Entry, reason: str) -> None: ...
 
-    def hold(self, entry_ids: list[str]) -> None: ...
-
     def lag(self) -> tuple[int, int]: ...
 
     def rewards(self, rollout_ids: list[str]) -> dict[str, float]: ...
@@ -60,6 +59,7 @@ class RedisSource:
         self._cursor = "0-0"
         self._next_claim = 0.0
         self._failures: dict[str, str] = {}
+        self._inflight: set[str] = set()  # delivered to us, not yet acked or failed
         try:
             self.r.xgroup_create(self.stream, self.group, id=start_id, mkstream=True)
             logger.info("created consumer group %r on %r", self.group, self.stream)
@@ -75,13 +75,16 @@ class RedisSource:
                 self._own_done = True
             if out:
                 logger.info("resuming %d entries this consumer had pending", len(out))
-                return self._with_deliveries(out)
+                out = self._with_deliveries(out)
+                self._inflight.update(e.entry_id for e in out)
+                return out
         if time.monotonic() >= self._next_claim:
             out += self._claim(count)
         if len(out) < count:
             resp = self.r.xreadgroup(self.group, self.consumer, {self.stream: ">"}, count=count - len(out),
                                      block=None if out else block_ms)
             out += self._entries(resp)
+        self._inflight.update(e.entry_id for e in out)
         return out
 
     def _entries(self, resp: Any) -> list[Entry]:
@@ -99,6 +102,7 @@ class RedisSource:
 
     def _claim(self, count: int) -> list[Entry]:
         self._next_claim = time.monotonic() + max(self.cfg.claim_idle_ms / 4000, 0.1)
+        self._refresh(sorted(self._inflight, key=_key))
         resp = self.r.xautoclaim(self.stream, self.group, self.consumer, self.cfg.claim_idle_ms,
                                  start_id=self._cursor, count=count)
         self._cursor = _sid(resp[0])
@@ -134,6 +138,7 @@ class RedisSource:
         pipe.xadd(self.cfg.dead_letter_stream, fields)
         pipe.xack(self.stream, self.group, e.entry_id)
         pipe.execute()
+        self._inflight.discard(e.entry_id)
         self.dead_lettered += 1
         logger.warning("entry %s dead-lettered to %r after %d deliveries: %s", e.entry_id,
                        self.cfg.dead_letter_stream, e.deliveries, reason)
@@ -141,6 +146,7 @@ class RedisSource:
     def fail(self, entry: Entry, reason: str) -> None:
         """The N-th failed delivery goes to the dead-letter stream; earlier ones stay pending and are claimed
         again after claim_idle_ms."""
+        self._inflight.discard(entry.entry_id)
         if entry.deliveries >= self.cfg.max_deliveries:
             self._failures.pop(entry.entry_id, None)
             self._dead_letter(entry, reason)
@@ -150,8 +156,10 @@ class RedisSource:
     def ack(self, entry_ids: list[str]) -> None:
         for i in range(0, len(entry_ids), 1000):
             self.r.xack(self.stream, self.group, *entry_ids[i : i + 1000])
+        self._inflight.difference_update(entry_ids)
 
-    def hold(self, entry_ids: list[str]) -> None:
+    def _refresh(self, entry_ids: list[str]) -> None:
+        """Reset the idle time of entries we hold (JUSTID: no delivery is counted)."""
         for i in range(0, len(entry_ids), 1000):
             self.r.xclaim(self.stream, self.group, self.consumer, 0, entry_ids[i : i + 1000], justid=True)
 
@@ -206,9 +214,6 @@ class MemorySource:
 
     def ack(self, entry_ids: list[str]) -> None:
         self._held = max(0, self._held - len(entry_ids))
-
-    def hold(self, entry_ids: list[str]) -> None:
-        pass
 
     def lag(self) -> tuple[int, int]:
         return self.buffer.backlog(self._last), self._held

@@ -73,7 +73,7 @@ class DrafterTrainer:
         self.history: list[Measurement] = []
         self.rng = random.Random(cfg.seed)
         self._state: ServerState | None = None
-        self._state_at = self._held_at = 0.0
+        self._state_at = 0.0
         self._last_round = time.monotonic()
         self._backoff = cfg.backoff_s
         self._repush = False
@@ -96,9 +96,6 @@ class DrafterTrainer:
         lag, pending = self.source.lag()
         self.metrics.lag.set(lag)
         self.metrics.pending.set(pending)
-        if self.held and time.monotonic() - self._held_at > self.cfg.claim_idle_ms / 3000:
-            self.source.hold(self.held)
-            self._held_at = time.monotonic()
         if not self.due():
             return
         if not self.gate_open(st):
@@ -249,12 +246,13 @@ class DrafterTrainer:
         self.metrics.after.set(after)
         m = Measurement(self.round, self.pool.current or "", self.served_version or "initial", before, after,
                         len(held))
+        self.alarm.observe(before)  # what the server's drafter does on the current policy right now
         if after > before + self.cfg.push_margin:
             version = f"{self.cfg.version_prefix}-{self.pushes + 1}"
             if self._push(self.student.module, version):
                 self.served = self.student.frozen_copy()
                 m.pushed = True
-        self.alarm.observe(after if m.pushed else before)
+                self.alarm.observe(after)
         logger.info("round %d: accepted length %.3f (served %s) -> %.3f (trained) on %d held-out rollouts of "
                     "policy %s%s", self.round, before, m.served_version, after, len(held), m.policy_version,
                     f"; pushed {self.served_version}" if m.pushed else "")

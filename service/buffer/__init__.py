@@ -94,7 +94,7 @@ def attach_buffer(server: SpecrollServer) -> BufferAttachment:
     if isinstance(buffer, MemoryBuffer) and cfg.embedded_trainer:
         from drafter_trainer.embedded import EmbeddedTrainer
 
-        trainer = EmbeddedTrainer(server, buffer, cfg.trainer_dir)
+        trainer = EmbeddedTrainer(server, buffer, cfg.trainer_dir, cfg.trainer)
         trainer.start()
     return BufferAttachment(buffer, trainer)
 

@@ -6,6 +6,7 @@ import argparse
 import os
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 SPOOL_FULL_POLICIES = ("drop_oldest", "drop_newest")
 
@@ -42,6 +43,7 @@ class BufferConfig:
     memory_maxlen: int = 20_000
     embedded_trainer: bool = True  # without redis_url: run the drafter trainer in the server process
     trainer_dir: str | None = None  # embedded trainer checkpoints (None: no checkpoints)
+    trainer: Any = None  # a drafter_trainer.TrainerConfig for the embedded trainer (None: defaults)
 
     def __post_init__(self) -> None:
         if self.spool_full not in SPOOL_FULL_POLICIES:

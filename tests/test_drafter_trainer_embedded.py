@@ -1,0 +1,58 @@
+"""Without Redis the server keeps rollouts in memory and trains its own drafter in-process: a draft model
+(swapped through engine.swap_drafter) and an EAGLE head (swapped through EagleDrafter.swap_head)."""
+
+from __future__ import annotations
+
+import logging
+import time
+
+import pytest
+from helpers import make_checkpoint
+from service_utils import ADMIN, checkpoint_tensors, perturbed, start_server, write_checkpoint
+from test_drafter_trainer_align import server_tokens_per_step
+
+from client import SpecrollClient
+from drafter_trainer.config import TrainerConfig
+from service.buffer import BufferConfig
+
+logger = logging.getLogger(__name__)
+
+
+def embedded(tmp_path) -> BufferConfig:
+    trainer = TrainerConfig(gate="tail", tail_max_running=64, min_new=16, max_wait_s=0.2, block_ms=50,
+                            min_heldout=8, info_interval_s=0.1, lr=3e-3, consumer="in-process")
+    return BufferConfig(embedded_trainer=True, trainer=trainer, trainer_dir=str(tmp_path / "ckpt"))
+
+
+@pytest.mark.parametrize("kind", ["draft", "eagle"])
+def test_in_process_trainer_improves_the_served_drafter(kind, tmp_path):
+    target = make_checkpoint("qwen2", tied=True, init_std=0.1, seed=3)
+    if kind == "draft":
+        drafter = str(write_checkpoint(target, perturbed(checkpoint_tensors(target), seed=5, scale=1.0),
+                                       tmp_path / "draft"))
+    else:
+        drafter = "eagle"  # a freshly initialised head: drafts are almost never accepted
+    srv = start_server(target, buffer=embedded(tmp_path), engine_kw={"drafter": drafter, "spec": "fixed",
+                                                                     "spec_k": 4})
+    try:
+        with SpecrollClient(srv.grpc_target, admin_token=ADMIN) as c:
+            before = server_tokens_per_step(c, seed=1)
+            deadline = time.monotonic() + 90
+            while "distill-3" not in c.server_info().drafter_version:
+                assert time.monotonic() < deadline, "the in-process trainer pushed fewer than 3 drafters"
+                server_tokens_per_step(c, seed=int(time.monotonic() * 1000) % 10_000)
+                time.sleep(0.2)
+            after = server_tokens_per_step(c, seed=2)
+            info = c.server_info()
+        trainer = srv.server.buffer.trainer.trainer
+        logger.info("in-process %s drafter: server tokens/step on fresh rollouts %.2f -> %.2f (%s); sidecar "
+                    "estimate %.2f -> %.2f", kind, before, after, info.drafter_version, trainer.history[0].before,
+                    trainer.history[-1].after)
+        assert after > before + 0.2
+        assert info.drafter_version.startswith(f"{kind}@distill-")
+        metrics = srv.server.metrics.render().decode()
+        assert 'specroll:trainer_pushes_total{result="ok"}' in metrics
+        assert "specroll:buffer_memory_entries" in metrics
+        assert (tmp_path / "ckpt" / "served" / "model.safetensors").is_file()
+    finally:
+        srv.stop()
