@@ -56,6 +56,7 @@ class RedisSource:
         self.stream, self.group, self.consumer = cfg.stream, cfg.group, cfg.consumer
         self.dead_lettered = self.claimed = self.trimmed = 0
         self._own_done = False
+        self._own_cursor = "0"
         self._cursor = "0-0"
         self._next_claim = 0.0
         self._failures: dict[str, str] = {}
@@ -69,11 +70,13 @@ class RedisSource:
 
     def read(self, count: int, block_ms: int) -> list[Entry]:
         out: list[Entry] = []
-        if not self._own_done:  # what this consumer name held when it last stopped
-            out = self._entries(self.r.xreadgroup(self.group, self.consumer, {self.stream: "0"}, count=count))
+        if not self._own_done:  # what this consumer name held when it last stopped, after a cursor
+            resp = self.r.xreadgroup(self.group, self.consumer, {self.stream: self._own_cursor}, count=count)
+            out = self._entries(resp)
             if len(out) < count:
                 self._own_done = True
             if out:
+                self._own_cursor = out[-1].entry_id
                 logger.info("resuming %d entries this consumer had pending", len(out))
                 out = self._with_deliveries(out)
                 self._inflight.update(e.entry_id for e in out)

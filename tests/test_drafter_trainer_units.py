@@ -4,6 +4,7 @@ Hugging Face names for pushes, and checkpoints with optimizer state."""
 from __future__ import annotations
 
 import random
+import time
 from types import SimpleNamespace
 
 import pytest
@@ -132,3 +133,20 @@ def test_eagle_heads_are_not_pushed_over_grpc():
     with pytest.raises(PushRefused, match="eagle:DIR"):
         GrpcServer(None).push(student, student.module, "v1")  # type: ignore[arg-type]
     assert set(student.push_tensors(student.module)) >= {"fc.weight", "norm.weight"}
+
+
+def test_gate_follows_the_running_batch():
+    from drafter_trainer.metrics import TrainerMetrics
+    from drafter_trainer.remote import ServerState
+    from drafter_trainer.trainer import DrafterTrainer
+
+    def gate(st: ServerState, **kw) -> bool:
+        fake = SimpleNamespace(cfg=TrainerConfig(**kw), metrics=TrainerMetrics(), _last_round=time.monotonic())
+        return DrafterTrainer.gate_open(fake, st)  # type: ignore[arg-type]
+
+    busy, tail = ServerState("0", "d", 40, 12, False), ServerState("0", "d", 3, 0, False)
+    idle, paused = ServerState("0", "d", 0, 0, False), ServerState("0", "d", 40, 0, True)
+    assert not gate(busy) and gate(tail) and gate(idle) and gate(paused)
+    assert not gate(tail, gate="idle") and gate(idle, gate="idle") and gate(busy, gate="always")
+    assert not gate(ServerState("0", "d", 9, 0, False), tail_max_running=8)
+    assert gate(busy, max_defer_s=1e-9)  # waited long enough: train anyway
