@@ -84,6 +84,6 @@ def run(args: argparse.Namespace) -> int:
         signal.signal(sig, lambda *_: stop.set())
     trainer.run(stop)
     logger.info("stopped after %d rounds, %d pushes, %d rollouts taken in", trainer.round, trainer.pushes,
-                trainer.taken_total)
+                trainer.ledger.taken_total)
     trainer.server.client.close()
     return 0

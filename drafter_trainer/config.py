@@ -84,11 +84,17 @@ _HELP = {
 }
 
 
+_SHARED_ENV = ("admin_token", "redis_url")
+
+
 def add_args(p: argparse.ArgumentParser) -> None:
-    """One flag per TrainerConfig field (--field-name), defaulting to SPECROLL_TRAINER_<FIELD> or the default."""
+    """One flag per TrainerConfig field (--field-name), defaulting to SPECROLL_TRAINER_<FIELD> (SPECROLL_<FIELD>
+    for the admin token and Redis URL) or the default."""
     for f in fields(TrainerConfig):
         default = f.default
         env = os.environ.get(f"SPECROLL_TRAINER_{f.name.upper()}")
+        if env is None and f.name in _SHARED_ENV:  # the same settings `specroll serve` reads
+            env = os.environ.get(f"SPECROLL_{f.name.upper()}")
         kind = type(default) if default is not None else str
         if f.name in ("metrics_port", "max_rounds"):
             kind = int

@@ -1,11 +1,9 @@
 """The distillation loop: take rollouts in, train in the server's idle time, measure, push, checkpoint, ack.
 
-Accounting (what "every entry exactly once" means): a rollout is *taken in* when it is first read; its id
-goes into the ledger with its role (train, eval = held out, skip = nothing to learn from) at the next
-checkpoint, and its stream entry is acked only after that checkpoint. A crash before the checkpoint loses
-the training with the process, and the entry is delivered again; a crash after it finds the id in the
-ledger and acks the redelivered entry without training. Redelivered or duplicate ids (at-least-once writes)
-are acked as duplicates. `taken_total` counts ledger insertions, so it equals the number of distinct ids.
+Accounting (what "every entry exactly once" means, see ledger.py): a rollout's id enters the ledger at
+the checkpoint after it was read, and its stream entry is acked only after that checkpoint. A crash before
+the checkpoint loses the training with the process, and the entry is delivered again; a crash after it
+finds the id in the ledger and acks the redelivered entry without training it again.
 """
 
 from __future__ import annotations
@@ -14,7 +12,6 @@ import logging
 import random
 import threading
 import time
-from collections import OrderedDict
 from dataclasses import dataclass
 from typing import Any, Protocol
 
@@ -24,6 +21,7 @@ from drafter_trainer.batch import build_batch, usable
 from drafter_trainer.checkpoint import CheckpointStore, load_optimizer
 from drafter_trainer.config import TrainerConfig
 from drafter_trainer.freshness import FreshnessAlarm
+from drafter_trainer.ledger import Ledger
 from drafter_trainer.metrics import TrainerMetrics
 from drafter_trainer.objective import acceptance, distill_loss, expected_lengths
 from drafter_trainer.pool import RolloutPool
@@ -65,10 +63,7 @@ class DrafterTrainer:
         self.served_version: str | None = None  # None: the drafter the server started with
         self.pool = RolloutPool(cfg)
         self.alarm = FreshnessAlarm(cfg.alarm_ratio, cfg.recover_ratio, self.metrics)
-        self.ledger: OrderedDict[str, str] = OrderedDict()
-        self.taken_total = 0
-        self.pending: dict[str, str] = {}  # taken in since the last checkpoint
-        self.held: list[str] = []  # entry ids to ack after the next checkpoint
+        self.ledger = Ledger(cfg.dedupe_window)
         self.round = self.pushes = 0
         self.history: list[Measurement] = []
         self.rng = random.Random(cfg.seed)
@@ -137,22 +132,22 @@ class DrafterTrainer:
                 self.source.fail(e, str(exc))
                 self.metrics.dead.inc(self.source.dead_lettered - before)
                 continue
-            if r.rollout_id in self.ledger or r.rollout_id in self.pending:
+            seen = self.ledger.seen(r.rollout_id)
+            if seen is not None:
                 self.metrics.duplicates.inc()
-                if r.rollout_id in self.ledger:
+                if seen == "settled":
                     self._ack([e.entry_id])
                 else:
-                    self.held.append(e.entry_id)
+                    self.ledger.hold(e.entry_id)
                 continue
             role = self.pool.role(r.rollout_id) if usable(r, self.cfg.max_seq_len, self.student.min_col) else "skip"
-            self.pending[r.rollout_id] = role
-            self.held.append(e.entry_id)
+            self.ledger.take(r.rollout_id, role, e.entry_id)
             self.metrics.taken.labels(role).inc()
             self.pool.add(r, role)
 
     def due(self) -> bool:
         waited = time.monotonic() - self._last_round >= self.cfg.max_wait_s
-        return len(self.pool.fresh) >= self.cfg.min_new or (bool(self.held) and waited)
+        return len(self.pool.fresh) >= self.cfg.min_new or (bool(self.ledger.held) and waited)
 
     def gate_open(self, st: ServerState | None) -> bool:
         cfg = self.cfg
@@ -284,19 +279,13 @@ class DrafterTrainer:
     # -- accounting -----------------------------------------------------------------------------------
     def commit(self) -> None:
         """Checkpoint what was taken in, then ack its entries."""
-        self.ledger.update(self.pending)
-        self.taken_total += len(self.pending)
-        while len(self.ledger) > self.cfg.dedupe_window:
-            self.ledger.popitem(last=False)
+        held = self.ledger.settle()
         if self.store is not None:
             state = {"round": self.round, "pushes": self.pushes, "served_version": self.served_version,
-                     "taken_total": self.taken_total, "ledger": list(self.ledger.items()),
-                     "versions": self.pool.versions,
-                     "history": [vars_of(m) for m in self.history[-100:]]}
+                     "versions": self.pool.versions, "history": [vars_of(m) for m in self.history[-100:]],
+                     **self.ledger.state()}
             self.store.save(self.round, self.student.module.state_dict(), self.served.state_dict(), self.optim,
                             state)
-        self.pending.clear()
-        held, self.held = self.held, []
         self._ack(held)
 
     def _ack(self, entry_ids: list[str]) -> None:
@@ -314,8 +303,7 @@ class DrafterTrainer:
         load_optimizer(self.optim, optim, state["param_groups"])
         self.round, self.pushes = int(state["round"]), int(state["pushes"])
         self.served_version = state.get("served_version")
-        self.taken_total = int(state["taken_total"])
-        self.ledger = OrderedDict((rid, role) for rid, role in state["ledger"])
+        self.ledger.load(state)
         self._repush = self.served_version is not None
 
 
