@@ -13,6 +13,7 @@ import uuid
 import pytest
 from helpers import make_checkpoint
 from service_utils import ADMIN, checkpoint_tensors, perturbed, start_server, write_checkpoint
+from trainer_utils import pump, server_tokens_per_step
 
 from client import SpecrollClient
 from drafter_trainer.cli import build
@@ -21,29 +22,6 @@ from service.buffer import BufferConfig
 
 logger = logging.getLogger(__name__)
 K = 4
-
-
-def server_tokens_per_step(c: SpecrollClient, seed: int, n_prompts: int = 40) -> float:
-    """Generate fresh rollouts; the server's tokens per decode step (prefill step excluded), token-weighted."""
-    comps = c.generate([[7 + i, 11 + (i * 5) % 97, 13] for i in range(n_prompts)], max_tokens=48, temperature=1.0,
-                       seed=seed, ignore_eos=True)
-    tokens = steps = 0.0
-    for comp in comps:
-        for s in comp.samples:
-            n_steps = round(s.num_output_tokens / s.tokens_per_step)
-            tokens += s.num_output_tokens - 1
-            steps += n_steps - 1
-    return tokens / steps
-
-
-def pump(trainer, rounds: int = 1) -> None:
-    """Let the trainer read everything in the stream and run at least `rounds` rounds."""
-    start = trainer.round
-    for _ in range(200):
-        trainer.tick()
-        if trainer.source.lag()[0] == 0 and not trainer.pool.fresh and trainer.round - start >= rounds:
-            return
-    raise AssertionError("the trainer did not catch up with the stream")
 
 
 @pytest.fixture(scope="module")

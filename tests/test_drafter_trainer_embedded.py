@@ -9,7 +9,7 @@ import time
 import pytest
 from helpers import make_checkpoint
 from service_utils import ADMIN, checkpoint_tensors, perturbed, start_server, write_checkpoint
-from test_drafter_trainer_align import server_tokens_per_step
+from trainer_utils import server_tokens_per_step
 
 from client import SpecrollClient
 from drafter_trainer.config import TrainerConfig
