@@ -10,9 +10,11 @@ import redis
 from drafter_trainer.config import TrainerConfig
 from drafter_trainer.source import RedisSource
 
+IDLE = 0.7  # seconds; claim_idle_ms is 100 ms less
+
 
 def config(redis_url: str, stream: str, consumer: str, **kw) -> TrainerConfig:
-    return TrainerConfig(redis_url=redis_url, stream=stream, consumer=consumer, claim_idle_ms=300,
+    return TrainerConfig(redis_url=redis_url, stream=stream, consumer=consumer, claim_idle_ms=int(IDLE * 1000) - 100,
                          max_deliveries=3, **kw)
 
 
@@ -30,16 +32,15 @@ def test_resume_failures_dead_letter_and_in_flight_entries(redis_server):
     assert again.lag() == (0, 7)
 
     other = RedisSource(r, config(redis_server, stream, "b"))
-    time.sleep(0.2)
+    time.sleep(IDLE)  # everything "a" holds has been idle long enough to be taken over ...
     again._next_claim = 0.0
-    assert again.read(10, 10) == []  # "a" refreshes what it holds (XCLAIM JUSTID) before claiming
-    time.sleep(0.2)
+    assert again.read(10, 10) == []  # ... but "a" refreshes what it holds (XCLAIM JUSTID) before claiming
     assert other.read(10, 10) == []  # so "b" finds nothing idle for claim_idle_ms
     again.ack(ids[4:])
     [bad] = again._with_deliveries(again._entries([[stream, r.xrange(stream, ids[3], ids[3])]]))
     assert bad.deliveries == 2  # read by "a", then again from its own pending list after the restart
     again.fail(bad, "boom")  # stays pending; "a" no longer holds it
-    time.sleep(0.4)
+    time.sleep(IDLE)
     [claimed] = other.read(10, 10)  # taken over by "b" once idle (XAUTOCLAIM counts a delivery)
     assert claimed.entry_id == ids[3] and claimed.deliveries == 3
     other.fail(claimed, "boom again")  # the max_deliveries-th failure: dead-lettered and acked
@@ -50,7 +51,7 @@ def test_resume_failures_dead_letter_and_in_flight_entries(redis_server):
     r.xadd(stream, {"n": "late"})
     assert [e.fields for e in other.read(1, 10)] == [{b"n": b"late"}]
     r.xtrim(stream, maxlen=0)  # pending entries trimmed away are acked, not retried forever
-    time.sleep(0.4)
+    time.sleep(IDLE)
     gone = RedisSource(r, config(redis_server, stream, "c"))
     assert gone.read(10, 10) == [] and gone.trimmed > 0
     r.close()
