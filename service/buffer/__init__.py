@@ -63,24 +63,28 @@ class BufferCollector(Collector):
 
 
 class BufferAttachment:
-    """The buffer of one server and, in embedded mode, its in-process drafter trainer."""
+    """The buffer of one server (None: rollouts are not kept) and, embedded, its in-process drafter trainer."""
 
-    def __init__(self, buffer: RedisBuffer | MemoryBuffer, trainer: Any = None) -> None:
+    def __init__(self, buffer: RedisBuffer | MemoryBuffer | None, trainer: Any = None) -> None:
         self.buffer = buffer
         self.trainer = trainer
 
     def close(self) -> None:
         if self.trainer is not None:
             self.trainer.stop()
-        self.buffer.close()
+        if self.buffer is not None:
+            self.buffer.close()
 
 
 def attach_buffer(server: SpecrollServer) -> BufferAttachment:
-    """Create the buffer a server's config asks for and hook it to finished rollouts and rewards."""
+    """Create the buffer a server's config asks for and hook it to finished rollouts and rewards. Without Redis
+    and without the in-process trainer no rollouts are kept (nothing would read them)."""
     sc = server.config
     cfg: BufferConfig = sc.buffer or BufferConfig(redis_url=sc.redis_url, embedded_trainer=False)
     if cfg.redis_url is None and sc.redis_url:
         cfg.redis_url = sc.redis_url
+    if not cfg.redis_url and not cfg.embedded_trainer:
+        return BufferAttachment(None)
     buffer: RedisBuffer | MemoryBuffer
     if cfg.redis_url:
         buffer = RedisBuffer(cfg)
