@@ -32,7 +32,8 @@ from service.sequence import SamplingParams
 logger = logging.getLogger("bench.spec_decode")
 
 
-def write_models(root: Path, hidden: int, layers: int, draft_layers: int, vocab: int, align: float, seed: int):
+def write_models(root: Path, hidden: int, layers: int, draft_layers: int, vocab: int, align: float, seed: int,
+                 embed_std: float = 0.1):
     """Target with `layers` layers; draft = its first `draft_layers`. Later target layers are scaled by
     `align` (smaller = closer to the draft)."""
     g = torch.Generator().manual_seed(seed)
@@ -47,7 +48,8 @@ def write_models(root: Path, hidden: int, layers: int, draft_layers: int, vocab:
     def rnd(*shape: int, std: float) -> torch.Tensor:
         return torch.randn(*shape, generator=g) * std
 
-    tensors = {"model.embed_tokens.weight": rnd(vocab, hidden, std=1.0), "model.norm.weight": torch.ones(hidden)}
+    # embed_std sets how peaked next-token distributions are (tied head: logits ~ sqrt(hidden) * embed_std).
+    tensors = {"model.embed_tokens.weight": rnd(vocab, hidden, std=embed_std), "model.norm.weight": torch.ones(hidden)}
     for i in range(layers):
         p = f"model.layers.{i}."
         out_scale = 1.0 if i < draft_layers else align
@@ -124,11 +126,12 @@ def run(target: Path, drafter: str, spec: str, k: int, prompts, lengths, per_pro
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--hidden", type=int, default=512)
-    ap.add_argument("--layers", type=int, default=8)
+    ap.add_argument("--hidden", type=int, default=768)
+    ap.add_argument("--layers", type=int, default=12)
     ap.add_argument("--draft-layers", type=int, default=1)
     ap.add_argument("--vocab", type=int, default=4096)
-    ap.add_argument("--align", type=float, default=0.15, help="scale of the target's extra layers")
+    ap.add_argument("--align", type=float, default=0.1, help="scale of the target's extra layers")
+    ap.add_argument("--embed-std", type=float, default=0.1, help="embedding scale (peakedness of the model)")
     ap.add_argument("--prompts", type=int, default=8)
     ap.add_argument("--per-prompt", type=int, default=8)
     ap.add_argument("--median", type=int, default=48)
@@ -144,7 +147,7 @@ def main(argv: list[str] | None = None) -> int:
         args.hidden, args.layers, args.prompts, args.per_prompt, args.cap, args.median = 128, 4, 4, 4, 96, 16
     with tempfile.TemporaryDirectory() as tmp:
         target, draft = write_models(Path(tmp), args.hidden, args.layers, args.draft_layers, args.vocab, args.align,
-                                     args.seed)
+                                     args.seed, args.embed_std)
         prompts, lengths = workload(args.prompts, args.per_prompt, args.median, args.sigma, args.cap, args.vocab,
                                     args.seed)
         max_len = 40 + max(lengths)

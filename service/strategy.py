@@ -3,10 +3,11 @@
 Two things are measured: the cost of a step (wall seconds, EWMA per batch-size bucket and strategy) and each
 drafter's per-token acceptance rate alpha (EWMA, shared across buckets). The expected tokens a row emits with
 k drafts is (1 - alpha^(k+1)) / (1 - alpha), so the predicted throughput of a strategy is
-batch * E[tokens] / cost. A cost not yet measured is extrapolated as plain * (1 + k * m), where m, the relative
-cost of one more draft position, is learned per bucket from the speculative steps measured there (or taken
-from the nearest bucket that has one). A small exploration rate re-measures neighbours of the best strategy,
-so the choice follows a drifting target and drafter, and backs off when acceptance collapses. Torch-free.
+batch * E[tokens] / cost. A cost not yet measured is extrapolated as plain * (1 + k * m), where m, the
+relative cost of one more draft position, is learned per bucket from the speculative steps measured there
+(or taken from the nearest bucket that has one, scaled down for smaller batches). A small exploration rate
+re-measures neighbours of the best strategy, so the choice follows a drifting target and drafter, and backs
+off when acceptance collapses. Torch-free.
 """
 
 from __future__ import annotations
@@ -83,7 +84,9 @@ class AdaptiveStrategy:
         if not self.slope:
             return self.marginal_cost
         nearest = min(self.slope, key=lambda b: abs(b.bit_length() - bucket.bit_length()))
-        return self.slope[nearest].value
+        # Extra draft positions cost compute in proportion to the batch while a step's fixed cost does not,
+        # so a smaller batch than the nearest measured one pays relatively less for them.
+        return self.slope[nearest].value * min(1.0, bucket / nearest)
 
     def predicted_cost(self, bucket: int, s: Strategy) -> float:
         c = self.cost.get((bucket, s))

@@ -82,6 +82,7 @@ class Dispatcher:
             num_prompt_tokens=out.num_prompt_tokens, num_output_tokens=out.num_output_tokens,
             metadata=dict(tr.metadata), policy_version=engine.policy_version,
             drafter_version=engine.drafter_version, created_at=tr.handle.created_at, raw_logprobs=raw,
+            params=seq.params, top_logprobs=list(seq.top_logprobs) if seq.params.top_logprobs else None,
         ))
         return SampleDone(
             index=i, rollout_id=rollout_id, finish_reason=reason, num_prompt_tokens=out.num_prompt_tokens,

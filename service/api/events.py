@@ -89,6 +89,8 @@ class RolloutRecord:
     created_at: float
     finished_at: float = field(default_factory=time.time)
     raw_logprobs: list[float] | None = None
+    params: SamplingParams | None = None  # how the sample was drawn (the distillation target's processing)
+    top_logprobs: list[dict[int, float]] | None = None
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)

@@ -117,6 +117,7 @@ class SpecrollServer:
             await set_health(health, False)
             http.should_exit = True
             stopping = grpc_server.stop(cfg.shutdown_grace_s)
+            await asyncio.to_thread(self.buffer.stop_trainer)  # before the engine: its last push has a server
             await asyncio.to_thread(self.loop.stop)
             await asyncio.to_thread(self.buffer.close)
             await stopping

@@ -69,9 +69,13 @@ class BufferAttachment:
         self.buffer = buffer
         self.trainer = trainer
 
-    def close(self) -> None:
+    def stop_trainer(self) -> None:
         if self.trainer is not None:
             self.trainer.stop()
+            self.trainer = None
+
+    def close(self) -> None:
+        self.stop_trainer()
         if self.buffer is not None:
             self.buffer.close()
 
