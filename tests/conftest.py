@@ -12,8 +12,15 @@ import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
+# The test models are tiny: extra threads only add synchronisation, and the servers tests start share the
+# cores with pytest (with two threads each, a descheduled thread stalls every op). Subprocesses inherit this.
+os.environ.setdefault("OMP_NUM_THREADS", "1")
+
 import pytest
+import torch
 from helpers import free_port, make_checkpoint, set_checkpoint_root
+
+torch.set_num_threads(int(os.environ["OMP_NUM_THREADS"]))
 
 logger = logging.getLogger(__name__)
 
