@@ -69,6 +69,7 @@ class DrafterTrainer:
         self.rng = random.Random(cfg.seed)
         self._state: ServerState | None = None
         self._state_at = 0.0
+        self._round_steps = 0  # training steps done in the round under way (a closed gate pauses a round)
         self._last_round = time.monotonic()
         self._backoff = cfg.backoff_s
         self._repush = False
@@ -101,8 +102,8 @@ class DrafterTrainer:
         self._backoff = self.cfg.backoff_s
         self.train_round()
 
-    def server_state(self) -> ServerState | None:
-        if time.monotonic() - self._state_at >= self.cfg.info_interval_s or self._state is None:
+    def server_state(self, fresh: bool = False) -> ServerState | None:
+        if fresh or time.monotonic() - self._state_at >= self.cfg.info_interval_s or self._state is None:
             try:
                 self._state = self.server.state()
             except Exception as exc:
@@ -163,12 +164,19 @@ class DrafterTrainer:
         return ok
 
     # -- one round ------------------------------------------------------------------------------------
+    def _still_open(self) -> bool:
+        return self.cfg.gate == "always" or self.gate_open(self.server_state(fresh=True))
+
     def train_round(self) -> Measurement | None:
-        self.round += 1
-        self.metrics.rounds.inc()
+        """Train `steps_per_round` steps, then measure and maybe push. The gate is checked again before every
+        step: when it closes (say the server got busy again) the round pauses and goes on at the next opening,
+        so training never holds the compute decoding needs for longer than one step."""
         losses = []
         steps = self.cfg.steps_per_round if self.pool.fresh else 0
-        for _ in range(steps):
+        while self._round_steps < steps:
+            if self._round_steps and not self._still_open():
+                return None
+            self._round_steps += 1
             rollouts = self.pool.sample(self.cfg.batch_rollouts, self.rng)
             if rollouts:  # rewards reported since the rollout was read count too
                 got = self.source.rewards([r.rollout_id for r in rollouts])
@@ -177,6 +185,11 @@ class DrafterTrainer:
             loss = self.train_step(rollouts) if rollouts else None
             if loss is not None:
                 losses.append(loss)
+        if steps and not self._still_open():
+            return None  # measure at the next opening (the held-out measure is several forwards)
+        self._round_steps = 0
+        self.round += 1
+        self.metrics.rounds.inc()
         self.pool.fresh.clear()
         if losses:
             self.metrics.loss.set(sum(losses) / len(losses))

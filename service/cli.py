@@ -81,7 +81,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
     engine_config.drafter = args.drafter
     limits = Limits(max_tokens=args.max_tokens_per_request, max_n=args.max_n,
                     max_request_bytes=args.max_request_mb * 2**20, max_upload_bytes=args.max_upload_gb * 2**30,
-                    max_message_bytes=args.max_message_mb * 2**20)
+                    max_message_bytes=args.max_message_mb * 2**20, stream_interval=args.stream_interval)
     config = ServerConfig(
         host=args.host, http_port=args.http_port, grpc_port=args.grpc_port, admin_token=args.admin_token,
         api_token=args.api_token, redis_url=args.redis_url, served_model_name=args.served_model_name,
@@ -92,8 +92,9 @@ def cmd_serve(args: argparse.Namespace) -> int:
 
 
 def _serve_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--drafter", default=_env("drafter", "none"),
-                   help="none | suffix | draft-model folder (comma-separated for several)")
+    p.add_argument("--drafter", default=_env("drafter", "auto"),
+                   help="auto (suffix + the model folder's draft/ model, if any) | none | suffix | eagle[:DIR] | "
+                        "draft-model folder; comma-separated for several")
     p.add_argument("--host", default=_env("host", "127.0.0.1"))
     p.add_argument("--http-port", type=int, default=int(_env("http_port", "8000")))
     p.add_argument("--grpc-port", type=int, default=int(_env("grpc_port", "50051")))
@@ -111,6 +112,9 @@ def _serve_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--free-replaced-weights", action="store_true",
                    default=_env("free_replaced_weights", "") not in ("", "0", "false"),
                    help="free weights a push replaced instead of keeping them as the next push's buffer")
+    p.add_argument("--stream-interval", type=int, default=int(_env("stream_interval", "8")),
+                   help="gRPC Generate streams a sample's tokens in chunks of this many (1: every step); "
+                        "fewer, larger messages leave more CPU to decoding")
     p.add_argument("--max-message-mb", type=int, default=int(_env("max_message_mb", "8")),
                    help="gRPC message size limit (weight chunks are at most 4 MiB)")
     from service.buffer.config import add_buffer_args

@@ -1,87 +1,32 @@
-"""Build the embedded default model without any model hub and without ``transformers``.
+"""The embedded default model: the trained demo model, built on first use without any model hub.
 
-The default model is a small Qwen2-architecture checkpoint: a byte-level BPE tokenizer trained on a
-deterministic synthetic corpus (English-like sentences and worked arithmetic) plus randomly
-initialised weights drawn from a fixed seed, stored with the exact Hugging Face Qwen2 parameter names.
-It is built once into the cache directory (``$SPECROLL_CACHE`` or ``~/.cache/specroll``) and reused.
+``specroll serve`` without ``--model`` serves it. It is a small Qwen2-architecture model trained by
+``service.demo`` on worked solutions of the demo task (running sums, ``service/demo/task.py``), with a
+2-layer draft model in ``draft/`` and an EAGLE-style head in ``eagle/`` next to it. It is built once,
+deterministically (fixed seeds, deterministic kernels; a tqdm bar shows progress), into the cache directory
+(``$SPECROLL_CACHE`` or ``~/.cache/specroll``) and reused. ``$SPECROLL_DEMO_SIZE=tiny`` builds a tiny
+untrained-quality variant in seconds (tests), cached under its own name.
 """
 
 from __future__ import annotations
 
-import json
 import logging
 import os
-import random
 import shutil
 import tempfile
-from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 import torch
-from safetensors.torch import save_file
-from tqdm import tqdm
-
-from service.tokenizer import ENDOFTEXT, IM_END, IM_START, Tokenizer, train_bpe_tokenizer
 
 logger = logging.getLogger(__name__)
 
-DEFAULT_MODEL_NAME = "default-v1"
-DEFAULT_VOCAB_SIZE = 2048
-CORPUS_SEED = 1234
-WEIGHT_SEED = 0
-CORPUS_EXAMPLES = 12000
+DEFAULT_MODEL_NAME = "default-v2"
 REQUIRED_FILES = ("config.json", "generation_config.json", "model.safetensors", "tokenizer.json",
-                  "tokenizer_config.json")
-
-ARCH: dict[str, Any] = {
-    "hidden_size": 256,
-    "intermediate_size": 704,
-    "num_hidden_layers": 4,
-    "num_attention_heads": 4,
-    "num_key_value_heads": 2,
-    "head_dim": 64,
-    "max_position_embeddings": 2048,
-    "rope_theta": 10000.0,
-    "rms_norm_eps": 1e-6,
-}
+                  "tokenizer_config.json", "demo.json", "draft/model.safetensors", "eagle/model.safetensors")
+WEIGHT_SEED = 0
 INIT_STD = 0.02
 BIAS_STD = 0.01
-
-
-def _words(text: str) -> list[str]:
-    return text.split()
-
-
-_NOUNS = _words(
-    "apple bird boat book box bread bridge car cat chair city cloud coat cup door dog field fish flower "
-    "forest garden glass hill horse house island key lake lamp letter map moon mountain paper pen river "
-    "road rock room school ship shoe star stone street table tree train wall water window teacher farmer "
-    "student robot child doctor baker sailor"
-)
-_ADJECTIVES = _words(
-    "big small red blue green old new quiet bright dark warm cold happy tall short long empty full soft "
-    "heavy yellow strange busy gentle"
-)
-_VERBS = _words(
-    "sees likes finds builds reads writes counts carries paints opens follows helps visits watches moves "
-    "checks cleans draws fixes holds"
-)
-_PLACES = _words("near behind under above beside inside across")
-_ADVERBS = ["today", "slowly", "every morning", "again", "at night", "with care", "after lunch", "quickly"]
-_QUESTIONS = ["What is", "Compute", "Please add", "Find"]
-_SYLLABLES = _words(
-    "ka lo mi ra te su no bi del mar an ri to vel sa go lin fe qua zo ben tor is ul dra pen chi wen ho mo"
-)
-_N_NAMES = 700
-
-
-def _names(rng: random.Random) -> list[str]:
-    """A fixed lexicon of made-up proper names, built from syllables."""
-    names: set[str] = set()
-    while len(names) < _N_NAMES:
-        names.add("".join(rng.choice(_SYLLABLES) for _ in range(rng.randint(2, 3))).capitalize())
-    return sorted(names)
 
 
 def default_cache_root() -> Path:
@@ -90,74 +35,17 @@ def default_cache_root() -> Path:
     return Path(env).expanduser() if env else Path.home() / ".cache" / "specroll"
 
 
+def model_name(size: str | None = None) -> str:
+    """Folder name of the default model of a demo size (``full`` is plain ``default-v2``)."""
+    from service.demo.build import demo_size
+
+    name = demo_size(size).name
+    return DEFAULT_MODEL_NAME if name == "full" else f"{DEFAULT_MODEL_NAME}-{name}"
+
+
 def default_model_dir() -> Path:
     """Where the default model lives (it may not have been built yet)."""
-    return default_cache_root() / DEFAULT_MODEL_NAME
-
-
-def _arithmetic(rng: random.Random) -> str:
-    a, b = rng.randint(0, 99), rng.randint(0, 99)
-    op = rng.choice("+-*")
-    if op == "-" and b > a:
-        a, b = b, a
-    value = a + b if op == "+" else a - b if op == "-" else a * b
-    return f"{a} {op} {b} = {value}"
-
-
-def _sentence(rng: random.Random, names: list[str]) -> str:
-    subject = rng.choice(names) if rng.random() < 0.5 else f"the {rng.choice(_NOUNS)}"
-    text = f"{subject} {rng.choice(_VERBS)} the {rng.choice(_ADJECTIVES)} {rng.choice(_NOUNS)}"
-    roll = rng.random()
-    if roll < 0.4:
-        text += f" {rng.choice(_PLACES)} {rng.choice(names)}"
-    elif roll < 0.7:
-        text += f" {rng.choice(_ADVERBS)}"
-    return text[0].upper() + text[1:] + rng.choice([".", ".", ".", "!", "?"])
-
-
-def _chat(rng: random.Random) -> str:
-    a, b = rng.randint(0, 99), rng.randint(0, 99)
-    return (f"{IM_START}user\n{rng.choice(_QUESTIONS)} {a} + {b}?{IM_END}\n"
-            f"{IM_START}assistant\n{a} + {b} = {a + b}{IM_END}\n")
-
-
-def synthetic_corpus(n_examples: int = CORPUS_EXAMPLES, seed: int = CORPUS_SEED) -> list[str]:
-    """A deterministic corpus of short documents mixing prose, arithmetic and chat turns."""
-    rng = random.Random(seed)
-    names = _names(rng)
-    docs: list[str] = []
-    for _ in range(n_examples):
-        kind = rng.random()
-        if kind < 0.45:
-            doc = " ".join(_sentence(rng, names) for _ in range(rng.randint(1, 4)))
-        elif kind < 0.9:
-            doc = "\n".join(_arithmetic(rng) for _ in range(rng.randint(1, 5)))
-        else:
-            doc = _chat(rng)
-        docs.append(doc + ENDOFTEXT)
-    return docs
-
-
-def build_config(vocab_size: int, eos_token_id: int, bos_token_id: int | None) -> dict[str, Any]:
-    """A Hugging Face compatible Qwen2 ``config.json`` for the default model."""
-    return {
-        "architectures": ["Qwen2ForCausalLM"],
-        "model_type": "qwen2",
-        **ARCH,
-        "hidden_act": "silu",
-        "vocab_size": vocab_size,
-        "tie_word_embeddings": True,
-        "rope_scaling": None,
-        "use_sliding_window": False,
-        "sliding_window": None,
-        "max_window_layers": ARCH["num_hidden_layers"],
-        "attention_dropout": 0.0,
-        "initializer_range": INIT_STD,
-        "use_cache": True,
-        "torch_dtype": "float32",
-        "bos_token_id": bos_token_id,
-        "eos_token_id": eos_token_id,
-    }
+    return default_cache_root() / model_name()
 
 
 def init_qwen2_weights(config: dict[str, Any], seed: int = WEIGHT_SEED) -> dict[str, torch.Tensor]:
@@ -195,45 +83,6 @@ def init_qwen2_weights(config: dict[str, Any], seed: int = WEIGHT_SEED) -> dict[
     return weights
 
 
-def _write_json(path: Path, data: dict[str, Any]) -> None:
-    path.write_text(json.dumps(data, indent=2) + "\n", encoding="utf-8")
-
-
-def build_default_model(out_dir: Path) -> None:
-    """Write the complete default model (tokenizer, configs, weights) into ``out_dir``."""
-    out_dir.mkdir(parents=True, exist_ok=True)
-    state: dict[str, Any] = {}
-
-    def make_tokenizer() -> None:
-        train_bpe_tokenizer(synthetic_corpus(), DEFAULT_VOCAB_SIZE, out_dir)
-        tok = Tokenizer.from_dir(out_dir)
-        if tok is None or tok.eos_token_id is None:
-            raise RuntimeError("tokenizer build produced no usable tokenizer.json")
-        state["tok"] = tok
-
-    def make_configs() -> None:
-        tok: Tokenizer = state["tok"]
-        eos = tok.eos_token_id
-        assert eos is not None
-        config = build_config(tok.vocab_size, eos, tok.bos_token_id)
-        _write_json(out_dir / "config.json", config)
-        _write_json(out_dir / "generation_config.json",
-                    {"bos_token_id": tok.bos_token_id, "eos_token_id": eos, "do_sample": True})
-        state["config"] = config
-
-    def make_weights() -> None:
-        weights = init_qwen2_weights(state["config"])
-        save_file(weights, str(out_dir / "model.safetensors"), metadata={"format": "pt"})
-
-    steps: list[tuple[str, Callable[[], None]]] = [
-        ("tokenizer", make_tokenizer), ("config", make_configs), ("weights", make_weights)]
-    with tqdm(total=len(steps), desc="building default model", unit="step") as bar:
-        for name, step in steps:
-            bar.set_postfix_str(name)
-            step()
-            bar.update(1)
-
-
 def is_complete(model_dir: Path) -> bool:
     """Whether ``model_dir`` holds every file the default model consists of."""
     return all((model_dir / name).is_file() for name in REQUIRED_FILES)
@@ -243,21 +92,25 @@ def ensure_default_model(cache_dir: Path | None = None) -> Path:
     """Return the default model directory, building it first if it is missing.
 
     ``cache_dir`` is the cache root (default: :func:`default_cache_root`); the model lives in
-    ``cache_dir / "default-v1"``. The build happens in a temporary sibling directory that is renamed
-    into place, so concurrent callers never observe a half-written model.
+    ``cache_dir / model_name()``. The build happens in a temporary sibling directory that is renamed into
+    place, so concurrent callers never observe a half-written model.
     """
+    from service.demo.build import build_demo, demo_size
+
+    size = demo_size()
+    name = model_name(size.name)
     root = Path(cache_dir).expanduser() if cache_dir is not None else default_cache_root()
-    target = root / DEFAULT_MODEL_NAME
+    target = root / name
     if is_complete(target):
         logger.debug("default model found at %s", target)
         return target
     root.mkdir(parents=True, exist_ok=True)
-    logger.info("building default model into %s", target)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{DEFAULT_MODEL_NAME}.tmp-", dir=root))
+    logger.info("building the default model (demo size %s) into %s", size.name, target)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{name}.tmp-", dir=root))
     try:
-        build_default_model(tmp)
+        build_demo(tmp, size)
         if target.exists() and not is_complete(target):
-            stale = Path(tempfile.mkdtemp(prefix=f".{DEFAULT_MODEL_NAME}.stale-", dir=root))
+            stale = Path(tempfile.mkdtemp(prefix=f".{name}.stale-", dir=root))
             logger.warning("replacing incomplete default model directory %s", target)
             os.replace(target, stale / "old")
             shutil.rmtree(stale, ignore_errors=True)
@@ -272,3 +125,12 @@ def ensure_default_model(cache_dir: Path | None = None) -> Path:
             shutil.rmtree(tmp, ignore_errors=True)
     logger.info("default model ready at %s", target)
     return target
+
+
+def default_drafters(model_dir: Path) -> dict[str, str]:
+    """The ``--drafter`` values for the default model's own drafters."""
+    return {"draft": str(model_dir / "draft"), "eagle": f"eagle:{model_dir / 'eagle'}", "suffix": "suffix"}
+
+
+__all__ = ["DEFAULT_MODEL_NAME", "default_cache_root", "default_drafters", "default_model_dir",
+           "ensure_default_model", "init_qwen2_weights", "is_complete", "model_name"]

@@ -14,7 +14,7 @@ import torch
 from tqdm import tqdm
 
 from service.config import EngineConfig, ModelConfig
-from service.drafters import build_drafters
+from service.drafters import build_drafters, expand_auto
 from service.drafters.base import Drafter
 from service.drafters.draft_model import DraftModelDrafter
 from service.kv_cache import KVCache, slots_for_budget
@@ -32,12 +32,13 @@ from service.sequence import (
     completion_of,
 )
 from service.stats import EngineStats, StepRecord
-from service.strategy import PLAIN, AdaptiveStrategy, Strategy
+from service.strategy import PLAIN, AdaptiveStrategy, Ewma, Strategy
 from service.tokenizer import Tokenizer
 
 logger = logging.getLogger(__name__)
 
 SPEC_HEADROOM = 16  # cache positions past max_model_len that speculative verification may write
+BETWEEN_STEPS_MAX_S = 0.05  # a longer gap between two steps is idle time, not per-step overhead
 
 
 def sample_seed(base: int, index: int) -> int:
@@ -75,7 +76,10 @@ class LLMEngine:
         self._rng = random.Random(config.seed)
         self._aborted: list[Sequence] = []
         self.policy_version = str(config.extra.get("policy_version", "0"))
+        config.drafter = expand_auto(config.drafter, self.model_path)
         self.drafters: dict[str, Drafter] = build_drafters(config.drafter, self)
+        self._last_step_end: float | None = None
+        self._between_steps = Ewma()
         self.runner.drafters = list(self.drafters.values())
         fixed = None
         if config.spec == "off" or not self.drafters:
@@ -166,6 +170,21 @@ class LLMEngine:
 
     # -- the step ---------------------------------------------------------------------------------
     def step(self) -> list[StepOutput]:
+        start = time.perf_counter()
+        if self._last_step_end is not None and start - self._last_step_end < BETWEEN_STEPS_MAX_S:
+            # Work between two steps (streaming the last step's tokens out, API threads holding the GIL) is
+            # paid once per step, so it is part of what a step costs when strategies are compared.
+            self._between_steps.update(start - self._last_step_end, 0.1)
+        try:
+            return self._step(start)
+        finally:
+            self._last_step_end = time.perf_counter()
+
+    @property
+    def between_steps_s(self) -> float:
+        return self._between_steps.value or 0.0
+
+    def _step(self, start: float) -> list[StepOutput]:
         outputs = self._drain_aborted()
         if self.paused:
             return outputs
@@ -173,7 +192,6 @@ class LLMEngine:
         if sched.kind == "idle":
             self.runner.apply_copies(sched.moves)
             return outputs
-        start = time.perf_counter()
         strategy = self.strategy.choose(len(sched.seqs)) if sched.kind == "decode" else PLAIN
         self.spec_strategy = strategy.name
         if strategy.k:
@@ -182,7 +200,7 @@ class LLMEngine:
         outputs += self._postprocess(sched.kind, seqs, [[r] for r in results])
         seconds = time.perf_counter() - start
         if sched.kind == "decode":
-            self.strategy.record(PLAIN, len(seqs), seconds)
+            self.strategy.record(PLAIN, len(seqs), seconds + self.between_steps_s)
         self.stats.record_step(sched.kind, sched, len(seqs), seconds)
         return outputs
 
@@ -194,7 +212,7 @@ class LLMEngine:
         drafter.after_step(seqs, prev_tokens, accepted, k)
         outputs = self._postprocess("decode", seqs, per_seq)
         seconds = time.perf_counter() - start
-        self.strategy.record(strategy, len(seqs), seconds, accepted)
+        self.strategy.record(strategy, len(seqs), seconds + self.between_steps_s, accepted)
         emitted = sum(s.num_tokens - t for s, t in zip(seqs, prev_tokens, strict=True))
         record = StepRecord("spec", len(seqs), seconds, strategy.name, k, sum(drafted), sum(accepted), emitted,
                             draft_s, seconds - draft_s)

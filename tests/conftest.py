@@ -15,6 +15,8 @@ from pathlib import Path
 # The test models are tiny: extra threads only add synchronisation, and the servers tests start share the
 # cores with pytest (with two threads each, a descheduled thread stalls every op). Subprocesses inherit this.
 os.environ.setdefault("OMP_NUM_THREADS", "1")
+# Anything that falls back to the embedded default model builds its tiny demo size (seconds), never the full one.
+os.environ.setdefault("SPECROLL_DEMO_SIZE", "tiny")
 
 import pytest
 import torch

@@ -150,3 +150,23 @@ def test_gate_follows_the_running_batch():
     assert not gate(tail, gate="idle") and gate(idle, gate="idle") and gate(busy, gate="always")
     assert not gate(ServerState("0", "d", 9, 0, False), tail_max_running=8)
     assert gate(busy, max_defer_s=1e-9)  # waited long enough: train anyway
+
+
+def test_a_closing_gate_pauses_the_round_between_steps():
+    from drafter_trainer.metrics import TrainerMetrics
+    from drafter_trainer.trainer import DrafterTrainer
+
+    opens = iter([False, True, True, False, True])
+    sampled: list[int] = []
+    fake = SimpleNamespace(
+        cfg=TrainerConfig(steps_per_round=3, gate="idle"), _round_steps=0, round=0, rng=random.Random(0),
+        metrics=TrainerMetrics(), _last_round=0.0, _still_open=lambda: next(opens),
+        pool=SimpleNamespace(fresh=["r1"], sample=lambda n, rng: sampled.append(n) or []),
+        evaluate=lambda: "measured", commit=lambda: None)
+    round_ = DrafterTrainer.train_round.__get__(fake)
+    assert round_() is None  # one step, then the server got busy: paused, nothing measured
+    assert (fake._round_steps, fake.round, fake.pool.fresh, len(sampled)) == (1, 0, ["r1"], 1)
+    assert round_() is None  # steps 2 and 3, then busy again before the measure
+    assert (fake._round_steps, fake.round, len(sampled)) == (3, 0, 3)
+    assert round_() == "measured"  # no training left: measure, and the round is done
+    assert (fake._round_steps, fake.round, fake.pool.fresh, len(sampled)) == (0, 1, [], 3)

@@ -14,11 +14,20 @@ from service.default_model import (
     DEFAULT_MODEL_NAME,
     default_model_dir,
     ensure_default_model,
-    synthetic_corpus,
+    model_name,
 )
+from service.demo.build import SIZE_ENV, tokenizer_corpus
 from service.tokenizer import Tokenizer, train_bpe_tokenizer
 
 TEXTS = ["12 + 35 = 47", "The cat sees a new book today.", "héllo wörld 🙂", "  spaces\tand\nnewlines  "]
+
+
+@pytest.fixture(scope="module", autouse=True)
+def tiny_demo() -> object:
+    """The default model is the trained demo model; its tiny size builds in seconds."""
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv(SIZE_ENV, "tiny")
+        yield mp
 
 
 @pytest.fixture(scope="module")
@@ -28,24 +37,26 @@ def default_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 def test_default_model_dir_honours_env(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
     monkeypatch.setenv("SPECROLL_CACHE", str(tmp_path))
-    assert default_model_dir() == tmp_path / DEFAULT_MODEL_NAME
+    assert default_model_dir() == tmp_path / model_name()
     monkeypatch.delenv("SPECROLL_CACHE")
-    assert default_model_dir() == Path.home() / ".cache" / "specroll" / DEFAULT_MODEL_NAME
+    assert default_model_dir() == Path.home() / ".cache" / "specroll" / model_name()
+    monkeypatch.delenv(SIZE_ENV)
+    assert default_model_dir().name == DEFAULT_MODEL_NAME
 
 
-def test_synthetic_corpus_is_deterministic() -> None:
-    assert synthetic_corpus(200) == synthetic_corpus(200)
-    assert any(" = " in doc for doc in synthetic_corpus(200))
+def test_tokenizer_corpus_is_deterministic() -> None:
+    assert tokenizer_corpus() == tokenizer_corpus()
+    assert all(doc.startswith("Add: ") and "Answer: " in doc for doc in tokenizer_corpus()[:50])
 
 
 def test_default_model_files_and_config(default_model: Path) -> None:
-    assert default_model.name == DEFAULT_MODEL_NAME
+    assert default_model.name == model_name()
     config = json.loads((default_model / "config.json").read_text())
     tok = Tokenizer.from_dir(default_model)
     assert tok is not None
     assert config["architectures"] == ["Qwen2ForCausalLM"]
     assert config["vocab_size"] == tok.vocab_size
-    assert 1024 <= tok.vocab_size <= 2048
+    assert 259 < tok.vocab_size <= 512  # 256 bytes + 3 special tokens + labelled digits (a1..z9) + a few words
     assert config["eos_token_id"] == tok.eos_token_id
     gen = json.loads((default_model / "generation_config.json").read_text())
     assert gen["eos_token_id"] == tok.eos_token_id
@@ -53,7 +64,7 @@ def test_default_model_files_and_config(default_model: Path) -> None:
         keys = set(f.keys())
         assert f.get_tensor("model.layers.0.self_attn.q_proj.bias").abs().sum() > 0
     assert "lm_head.weight" not in keys
-    assert "model.layers.3.self_attn.k_proj.bias" in keys
+    assert "model.layers.1.self_attn.k_proj.bias" in keys
 
 
 def test_default_model_loads_in_transformers(default_model: Path) -> None:
@@ -68,7 +79,7 @@ def test_default_model_loads_in_transformers(default_model: Path) -> None:
     assert ours is not None
     for text in TEXTS:
         assert hf_tok(text)["input_ids"] == ours.encode(text)
-    ids = torch.tensor([ours.encode("12 + 35 =")])
+    ids = torch.tensor([ours.encode("Add: a1 b2\n")])
     with torch.no_grad():
         logits = model(ids).logits
     assert logits.shape == (1, ids.shape[1], ours.vocab_size)
@@ -90,7 +101,7 @@ def test_default_model_build_is_deterministic(default_model: Path, tmp_path: Pat
 
 
 def test_incomplete_dir_is_rebuilt(tmp_path: Path) -> None:
-    broken = tmp_path / DEFAULT_MODEL_NAME
+    broken = tmp_path / model_name()
     broken.mkdir()
     (broken / "config.json").write_text("{}")
     out = ensure_default_model(tmp_path)

@@ -6,7 +6,7 @@ import time
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
-from service.api.events import Chunk, Failed, RequestHandle, RolloutRecord, SampleDone
+from service.api.events import Chunk, Failed, RequestHandle, RolloutRecord, SampleDone, deliver
 from service.api.hooks import Hooks
 from service.sequence import Request, StepOutput, VersionSpan
 
@@ -60,11 +60,13 @@ class Dispatcher:
                 tr.last_token_time[i] = now
             if out.finished:
                 events.append(self._finish(engine, tr, i, out, now))
+        deliveries = []
         for rid, events in batches.items():
             tr = self.tracked[rid]
-            tr.handle.put_many(events)
+            deliveries.append((tr.handle, events))
             if tr.remaining == 0:
                 del self.tracked[rid]
+        deliver(deliveries)
 
     def _finish(self, engine: LLMEngine, tr: Tracked, i: int, out: StepOutput, now: float) -> SampleDone:
         seq = tr.request.seqs[i]

@@ -96,6 +96,32 @@ class RolloutRecord:
         return asdict(self)
 
 
+def coalesce(events: list[Event]) -> list[Event]:
+    """Merge each sample's consecutive chunks produced by the same weight versions; a sample's chunks stay
+    before its SampleDone, in order."""
+    out: list[Event] = []
+    open_chunk: dict[int, int] = {}  # sample index -> position in `out` of its chunk still open for merging
+    for ev in events:
+        if isinstance(ev, Chunk):
+            at = open_chunk.get(ev.index)
+            last = out[at] if at is not None else None
+            if isinstance(last, Chunk) and (last.policy_version, last.drafter_version) == (
+                    ev.policy_version, ev.drafter_version) and (last.raw_logprobs is None) == (
+                    ev.raw_logprobs is None) and (last.top_logprobs is None) == (ev.top_logprobs is None):
+                out[at] = Chunk(ev.index, last.token_ids + ev.token_ids, last.logprobs + ev.logprobs,
+                                None if last.raw_logprobs is None else last.raw_logprobs + (ev.raw_logprobs or []),
+                                None if last.top_logprobs is None else last.top_logprobs + (ev.top_logprobs or []),
+                                ev.policy_version, ev.drafter_version)
+                continue
+            open_chunk[ev.index] = len(out)
+        elif isinstance(ev, SampleDone):
+            open_chunk.pop(ev.index, None)
+        else:
+            open_chunk.clear()
+        out.append(ev)
+    return out
+
+
 class RequestHandle:
     """Events of one request, pushed by the engine thread and read by one consumer (async or not)."""
 
@@ -123,11 +149,24 @@ class RequestHandle:
             remaining -= 1
         return 0 if isinstance(ev, Failed) else remaining
 
-    async def events(self) -> AsyncIterator[Event]:
+    async def events(self, stream_interval: int = 1) -> AsyncIterator[Event]:
+        """The request's events. Chunks that queued up while the consumer was busy are merged per sample, and
+        with `stream_interval` > 1 held back until a sample has that many new tokens or something else (a
+        finish, a failure) must go out: fewer, larger messages."""
         assert self._aq is not None, "handle was created without an event loop"
         remaining = self.n
+        pending: list[Event] = []
         while remaining > 0:
-            for ev in await self._aq.get():
+            pending.extend(await self._aq.get())
+            while not self._aq.empty():
+                pending.extend(self._aq.get_nowait())
+            if len(pending) > 1:
+                pending = coalesce(pending)
+            if stream_interval > 1 and all(isinstance(e, Chunk) and len(e.token_ids) < stream_interval
+                                           for e in pending):
+                continue
+            out, pending = pending, []
+            for ev in out:
                 remaining = self._done(ev, remaining)
                 yield ev
         self.finished = True
@@ -139,3 +178,23 @@ class RequestHandle:
                 remaining = self._done(ev, remaining)
                 yield ev
         self.finished = True
+
+
+def _put_all(puts: list[tuple[asyncio.Queue[list[Event]], list[Event]]]) -> None:
+    for q, events in puts:
+        q.put_nowait(events)
+
+
+def deliver(items: list[tuple[RequestHandle, list[Event]]]) -> None:
+    """Hand one step's events to their consumers (engine thread), waking each event loop once rather than once
+    per request."""
+    by_loop: dict[asyncio.AbstractEventLoop, list[tuple[asyncio.Queue[list[Event]], list[Event]]]] = {}
+    for handle, events in items:
+        if handle._aq is not None and handle._aloop is not None:
+            by_loop.setdefault(handle._aloop, []).append((handle._aq, events))
+        else:
+            handle.put_many(events)
+    for aloop, puts in by_loop.items():
+        # RuntimeError: the consumers' event loop is closed, nobody listens any more
+        with contextlib.suppress(RuntimeError):
+            aloop.call_soon_threadsafe(_put_all, puts)

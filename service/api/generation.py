@@ -39,6 +39,7 @@ class Limits:
     max_request_bytes: int = 16 * 2**20  # JSON bodies
     max_upload_bytes: int = 64 * 2**30  # safetensors uploads
     max_message_bytes: int = 8 * 2**20  # gRPC messages (weight chunks are at most 4 MiB)
+    stream_interval: int = 8  # gRPC streams send a sample's new tokens once this many are pending (or it ends)
 
 
 def make_params(limits: Limits, **kw: Any) -> SamplingParams:

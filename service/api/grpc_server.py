@@ -91,7 +91,7 @@ class RolloutServicer(pb2_grpc.RolloutServicer):  # type: ignore[misc]
         handle = RequestHandle(rid, params.n, _running_loop())
         ctx.loop.submit(GenRequest(prompt, params, rid, request.group_id or None, dict(request.metadata)), handle)
         try:
-            async for ev in handle.events():
+            async for ev in handle.events(ctx.limits.stream_interval):
                 if isinstance(ev, Chunk):
                     yield pb2.GenerateResponse(request_id=rid, chunk=_chunk(ev))
                 elif isinstance(ev, SampleDone):

@@ -100,9 +100,16 @@ def attach_buffer(server: SpecrollServer) -> BufferAttachment:
     server.metrics.registry.register(BufferCollector(buffer))
     trainer = None
     if isinstance(buffer, MemoryBuffer) and cfg.embedded_trainer:
+        from drafter_trainer.config import TrainerConfig
         from drafter_trainer.embedded import EmbeddedTrainer
 
-        trainer = EmbeddedTrainer(server, buffer, cfg.trainer_dir, cfg.trainer)
+        trainer_cfg = cfg.trainer
+        if trainer_cfg is None:
+            gate = cfg.trainer_gate
+            if gate == "auto":
+                gate = "idle" if str(server.engine_config.device).startswith("cpu") else "tail"
+            trainer_cfg = TrainerConfig(consumer="in-process", gate=gate)
+        trainer = EmbeddedTrainer(server, buffer, cfg.trainer_dir, trainer_cfg)
         trainer.start()
     return BufferAttachment(buffer, trainer)
 

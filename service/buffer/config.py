@@ -44,8 +44,11 @@ class BufferConfig:
     embedded_trainer: bool = True  # without redis_url: run the drafter trainer in the server process
     trainer_dir: str | None = None  # embedded trainer checkpoints (None: no checkpoints)
     trainer: Any = None  # a drafter_trainer.TrainerConfig for the embedded trainer (None: defaults)
+    trainer_gate: str = "auto"  # the embedded trainer's gate when `trainer` is None (auto: by device)
 
     def __post_init__(self) -> None:
+        if self.trainer_gate not in ("auto", "always", "tail", "idle"):
+            raise ValueError(f"trainer_gate must be auto, always, tail or idle, got {self.trainer_gate!r}")
         if self.spool_full not in SPOOL_FULL_POLICIES:
             raise ValueError(f"spool_full must be one of {SPOOL_FULL_POLICIES}, got {self.spool_full!r}")
         if self.maxlen < 1 or self.queue_max < 1 or self.batch_size < 1:
@@ -79,6 +82,11 @@ def add_buffer_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--no-drafter-trainer", action="store_true",
                    help="without --redis-url, do not run the drafter trainer in-process")
     g.add_argument("--trainer-dir", default=_env("trainer_dir"), help="checkpoints of the in-process trainer")
+    g.add_argument("--drafter-trainer-gate", choices=("auto", "always", "tail", "idle"),
+                   default=_env("drafter_trainer_gate", "auto"),
+                   help="when the in-process trainer may train: in the long tail (few sequences running), only "
+                        "when the engine is idle, or always; auto = tail on CUDA, idle on CPU (where training "
+                        "would take cores from decoding)")
 
 
 def buffer_config_from_args(args: argparse.Namespace) -> BufferConfig:
@@ -87,4 +95,5 @@ def buffer_config_from_args(args: argparse.Namespace) -> BufferConfig:
         top_k=args.buffer_top_k, spool_dir=args.spool_dir, spool_max_bytes=args.spool_max_mb << 20,
         spool_segment_bytes=min(8 << 20, args.spool_max_mb << 20), spool_full=args.spool_full,
         embedded_trainer=not args.no_drafter_trainer, trainer_dir=args.trainer_dir,
+        trainer_gate=getattr(args, "drafter_trainer_gate", "auto"),
     )

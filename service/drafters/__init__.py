@@ -12,14 +12,28 @@ if TYPE_CHECKING:
     from service.engine import LLMEngine
 
 
+def expand_auto(spec: str, model_dir: Path) -> str:
+    """Resolve "auto" in a --drafter setting: the suffix drafter, plus the model folder's own ``draft/`` model
+    when it ships one (the embedded demo model does)."""
+    items = []
+    for item in [x.strip() for x in (spec or "none").split(",") if x.strip()]:
+        if item == "auto":
+            items.append("suffix")
+            if (model_dir / "draft" / "config.json").is_file():
+                items.append(str(model_dir / "draft"))
+        else:
+            items.append(item)
+    return ",".join(dict.fromkeys(items)) or "none"
+
+
 def build_drafters(spec: str, engine: LLMEngine) -> dict[str, Drafter]:
-    """"none" | comma-separated items: "suffix", "eagle[:DIR]" or a draft-model folder. Drafters by name."""
+    """"none" | comma-separated items: "auto", "suffix", "eagle[:DIR]" or a draft-model folder. Drafters by name."""
     from service.drafters.draft_model import DraftModelDrafter
     from service.drafters.suffix import SuffixDrafter
     from service.models.loader import load_model
 
     drafters: dict[str, Drafter] = {}
-    for item in [x.strip() for x in (spec or "none").split(",") if x.strip()]:
+    for item in expand_auto(spec, engine.model_path).split(","):
         if item == "none":
             continue
         if item == "suffix":

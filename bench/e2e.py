@@ -1,0 +1,171 @@
+"""End-to-end benchmark: the same GRPO run (examples/grpo) with speculative decoding off, with a fixed k, adaptive
+over the suffix drafter and the demo draft model with the drafter-distillation trainer on, and adaptive over
+the suffix drafter alone. Same model, prompts and sampling seeds in every run.
+
+Per step it records rollout time, tail time (after 75% of the samples finished), whole-step time, tokens per
+engine step (accepted length), drafter versions and rewards; it writes a JSON summary and PNG plots and prints
+one JSON line. Lossless SD means the reward curves agree up to sampling noise.
+
+    python -m bench.e2e                       # the default configuration (CPU, about a minute per run)
+    python -m bench.e2e --quick               # smoke run
+    python -m bench.e2e --device cuda --steps 30 --prompts-per-step 32 ...   # larger, on a GPU
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import statistics
+import sys
+import time
+from dataclasses import replace
+from pathlib import Path
+from typing import Any
+
+from examples.grpo.grpo import GRPOConfig, StepRecord, record_dict, run
+from examples.grpo.server import ServerProcess
+
+logger = logging.getLogger("bench.e2e")
+REPO = Path(__file__).resolve().parent.parent
+
+
+def configs(args: argparse.Namespace, model: Path) -> dict[str, dict[str, Any]]:
+    """Server settings per run: SD off, a fixed (drafter, k), adaptive over all drafters + the trainer."""
+    from service.default_model import default_drafters
+
+    d = default_drafters(model)
+    fixed = d[args.fixed_drafter]
+    adaptive = ",".join(d[x] for x in args.adaptive_drafters.split(","))
+    return {
+        "off": {"drafter": "none", "spec": "off", "drafter_trainer": False},
+        f"fixed_{args.fixed_drafter}_k{args.k}": {"drafter": fixed, "spec": "fixed", "spec_k": args.k,
+                                                   "drafter_trainer": False},
+        "adaptive": {"drafter": adaptive, "spec": "adaptive", "drafter_trainer": not args.no_trainer},
+        "adaptive-suffix": {"drafter": d["suffix"], "spec": "adaptive", "drafter_trainer": False},
+    }
+
+
+def run_config(name: str, server_kw: dict[str, Any], cfg: GRPOConfig, args: argparse.Namespace,
+               model: Path, log_dir: Path) -> list[StepRecord]:
+    extra = ["--device", args.device] if args.device != "cpu" else []
+    with ServerProcess(str(model), threads=args.server_threads, max_model_len=cfg.max_tokens + 256,
+                       max_num_seqs=max(64, cfg.prompts_per_step * cfg.group_size), extra_args=extra,
+                       log_path=log_dir / f"server_{name}.log", **server_kw) as server:
+        run_cfg = replace(cfg, server=server.grpc_target, admin_token=server.admin_token, model=str(model))
+        start = time.perf_counter()
+        records = run(run_cfg)
+        logger.warning("%s: %d steps in %.1f s, rewards %s", name, len(records), time.perf_counter() - start,
+                       [round(r.reward, 2) for r in records])
+        return records
+
+
+def _mean(xs: list[float]) -> float:
+    return round(statistics.fmean(xs), 4) if xs else 0.0
+
+
+def summarize(results: dict[str, list[StepRecord]], skip: int) -> dict[str, Any]:
+    """Per run: mean times over the steps after `skip` warm-up steps, accepted lengths, reward curve."""
+    out: dict[str, Any] = {}
+    for name, recs in results.items():
+        timed = recs[skip:] or recs
+        out[name] = {
+            "rollout_s": _mean([r.rollout_s for r in timed]), "tail_s": _mean([r.tail_s for r in timed]),
+            "update_s": _mean([r.update_s for r in timed]), "push_s": _mean([r.push_s for r in timed]),
+            "step_s": _mean([r.step_s for r in timed]),
+            "tokens_per_step": [round(r.tokens_per_step, 3) for r in recs],
+            "drafter_versions": [r.drafter_versions for r in recs],
+            "reward": [round(r.reward, 4) for r in recs], "mean_reward": _mean([r.reward for r in recs]),
+            "output_tokens": sum(r.output_tokens for r in recs),
+            "logprob_max_abs_diff": max((r.logprob_max_abs_diff for r in recs), default=0.0),
+        }
+    base = out.get("off")
+    if base:
+        for s in out.values():
+            s["rollout_speedup"] = round(base["rollout_s"] / s["rollout_s"], 3) if s["rollout_s"] else None
+            s["tail_speedup"] = round(base["tail_s"] / s["tail_s"], 3) if s["tail_s"] else None
+            s["step_speedup"] = round(base["step_s"] / s["step_s"], 3) if s["step_s"] else None
+    return out
+
+
+def recovery_steps(recs: list[StepRecord], frac: float = 0.8) -> list[int]:
+    """For each step whose accepted length fell below `frac` of the previous step's, how many steps it took to
+    get back above that level (0 = it did not fall)."""
+    out = []
+    for i in range(1, len(recs)):
+        ref = recs[i - 1].tokens_per_step
+        if recs[i].tokens_per_step >= frac * ref:
+            out.append(0)
+            continue
+        n = next((j - i for j in range(i + 1, len(recs)) if recs[j].tokens_per_step >= frac * ref), len(recs) - i)
+        out.append(n)
+    return out
+
+
+def parse(argv: list[str] | None) -> argparse.Namespace:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--steps", type=int, default=16)
+    ap.add_argument("--prompts-per-step", type=int, default=8)
+    ap.add_argument("--group-size", type=int, default=8)
+    ap.add_argument("--max-tokens", type=int, default=640)
+    ap.add_argument("--min-terms", type=int, default=3)
+    ap.add_argument("--max-terms", type=int, default=16)
+    ap.add_argument("--lr", type=float, default=1e-4)
+    ap.add_argument("--pool", type=int, default=16, help="fixed prompt pool size (epochs); 0 = fresh prompts")
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--k", type=int, default=4)
+    ap.add_argument("--fixed-drafter", default="draft", choices=["draft", "eagle", "suffix"])
+    ap.add_argument("--adaptive-drafters", default="suffix,draft")
+    ap.add_argument("--no-trainer", action="store_true", help="adaptive run without the drafter trainer")
+    ap.add_argument("--runs", default="off,fixed,adaptive,adaptive-suffix", help="which runs, in order")
+    ap.add_argument("--skip", type=int, default=2, help="warm-up steps left out of the time means")
+    ap.add_argument("--device", default="cpu")
+    ap.add_argument("--server-threads", type=int, default=None)
+    ap.add_argument("--threads", type=int, default=None, help="trainer torch threads")
+    ap.add_argument("--out-dir", type=Path, default=REPO / "docs")
+    ap.add_argument("--tag", default="e2e", help="file name prefix of the JSON summary and plots")
+    ap.add_argument("--no-plots", action="store_true")
+    ap.add_argument("--quick", action="store_true", help="tiny smoke run")
+    args = ap.parse_args(argv)
+    if args.quick:
+        args.steps, args.prompts_per_step, args.max_tokens, args.max_terms, args.skip = 3, 2, 160, 5, 0
+    return args
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse(argv)
+    logging.basicConfig(level=logging.WARNING, stream=sys.stderr, format="%(asctime)s %(name)s: %(message)s")
+    from service.default_model import ensure_default_model
+
+    model = ensure_default_model()
+    cfg = GRPOConfig(steps=args.steps, prompts_per_step=args.prompts_per_step, group_size=args.group_size,
+                     max_tokens=args.max_tokens, min_terms=args.min_terms, max_terms=args.max_terms, lr=args.lr,
+                     pool=args.pool, seed=args.seed, threads=args.threads)
+    args.out_dir.mkdir(parents=True, exist_ok=True)
+    log_dir = args.out_dir / f"{args.tag}_logs"
+    log_dir.mkdir(exist_ok=True)
+    all_configs = configs(args, model)
+    wanted = [w.strip() for w in args.runs.split(",")]
+    chosen = {n: c for n, c in all_configs.items() if any(n == w or n.startswith(w + "_") for w in wanted)}
+    results = {name: run_config(name, kw, cfg, args, model, log_dir) for name, kw in chosen.items()}
+    runs = summarize(results, args.skip)
+    adaptive = results.get("adaptive")
+    summary = {
+        "bench": "e2e", "device": args.device, "model": str(model), "steps": args.steps,
+        "prompts_per_step": args.prompts_per_step, "group_size": args.group_size, "max_tokens": args.max_tokens,
+        "terms": [args.min_terms, args.max_terms], "pool": args.pool, "seed": args.seed, "runs": runs,
+        "recovery_steps_adaptive": recovery_steps(adaptive) if adaptive else None,
+    }
+    (args.out_dir / f"{args.tag}.json").write_text(json.dumps(
+        {"summary": summary, "records": {n: [record_dict(r) for r in rs] for n, rs in results.items()}}, indent=1))
+    if not args.no_plots:
+        from bench.e2e_plots import write_plots
+
+        summary["plots"] = [str(p.relative_to(REPO)) if p.is_relative_to(REPO) else str(p)
+                            for p in write_plots(results, args.out_dir, args.tag)]
+    sys.stdout.write(json.dumps(summary) + "\n")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,1 @@
+"""Examples that use specroll as an external service."""
