@@ -16,6 +16,7 @@ from __future__ import annotations
 import argparse
 import json
 import logging
+import os
 import statistics
 import sys
 import time
@@ -49,7 +50,8 @@ def configs(args: argparse.Namespace, model: Path) -> dict[str, dict[str, Any]]:
 def run_config(name: str, server_kw: dict[str, Any], cfg: GRPOConfig, args: argparse.Namespace,
                model: Path, log_dir: Path) -> list[StepRecord]:
     extra = ["--device", args.device] if args.device != "cpu" else []
-    with ServerProcess(str(model), threads=args.server_threads, max_model_len=cfg.max_tokens + 256,
+    with ServerProcess(str(model), threads=args.server_threads, cpus=args.server_cpus,
+                       max_model_len=cfg.max_tokens + 256,
                        max_num_seqs=max(64, cfg.prompts_per_step * cfg.group_size), extra_args=extra,
                        log_path=log_dir / f"server_{name}.log", **server_kw) as server:
         run_cfg = replace(cfg, server=server.grpc_target, admin_token=server.admin_token, model=str(model))
@@ -126,7 +128,20 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
     ap.add_argument("--tag", default="e2e", help="file name prefix of the JSON summary and plots")
     ap.add_argument("--no-plots", action="store_true")
     ap.add_argument("--quick", action="store_true", help="tiny smoke run")
+    ap.add_argument("--no-pin", action="store_true",
+                    help="on CPU, do not split the cores between the server (and its drafter trainer) and the "
+                         "GRPO trainer")
     args = ap.parse_args(argv)
+    args.server_cpus = None
+    cores = sorted(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else []
+    if args.device == "cpu" and not args.no_pin and len(cores) >= 2:
+        # As in a deployment, the rollout server and the trainer get their own compute: half the cores each,
+        # so the server's idle time (the trainer's update) is really idle and its drafter trainer uses it.
+        half = len(cores) // 2
+        args.server_cpus = set(cores[:half])
+        os.sched_setaffinity(0, set(cores[half:]))
+        args.server_threads = args.server_threads or half
+        args.threads = args.threads or len(cores) - half
     if args.quick:
         args.steps, args.prompts_per_step, args.max_tokens, args.max_terms, args.skip = 3, 2, 160, 5, 0
     return args

@@ -38,6 +38,7 @@ class ServerProcess:
     seed: int = 0
     extra_args: list[str] = field(default_factory=list)
     log_path: Path | None = None
+    cpus: set[int] | None = None  # pin the server process to these CPU cores (Linux)
     admin_token: str = field(default_factory=lambda: secrets.token_hex(16))
     http_port: int = field(default_factory=free_port)
     grpc_port: int = field(default_factory=free_port)
@@ -62,7 +63,9 @@ class ServerProcess:
     def start(self, timeout_s: float = 600.0) -> ServerProcess:
         env = dict(os.environ, SPECROLL_ADMIN_TOKEN=self.admin_token)
         log = open(self.log_path, "wb") if self.log_path else subprocess.DEVNULL  # noqa: SIM115
-        self.proc = subprocess.Popen(self.command(), env=env, stdout=log, stderr=subprocess.STDOUT)
+        cpus = self.cpus
+        pin = (lambda: os.sched_setaffinity(0, cpus)) if cpus else None
+        self.proc = subprocess.Popen(self.command(), env=env, stdout=log, stderr=subprocess.STDOUT, preexec_fn=pin)
         deadline = time.monotonic() + timeout_s
         url = f"http://127.0.0.1:{self.http_port}/ready"
         while True:

@@ -1,0 +1,29 @@
+"""bench/e2e.py end to end on the tiny demo model: real servers, the GRPO example, the JSON line and the plots."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from bench import e2e
+
+
+def test_quick_e2e_run_writes_summary_records_and_plots(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+                                                         capsys: pytest.CaptureFixture[str]) -> None:
+    monkeypatch.setenv("SPECROLL_CACHE", str(tmp_path / "cache"))
+    out = tmp_path / "out"
+    assert e2e.main(["--quick", "--no-pin", "--runs", "off,adaptive-suffix", "--out-dir", str(out)]) == 0
+    summary = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    runs = summary["runs"]
+    assert list(runs) == ["off", "adaptive-suffix"]
+    assert runs["off"]["tokens_per_step"] == [1.0, 1.0, 1.0] and runs["off"]["rollout_speedup"] == 1.0
+    assert all(t >= 1.0 for t in runs["adaptive-suffix"]["tokens_per_step"])
+    assert runs["adaptive-suffix"]["drafter_versions"][0] == ["suffix@0"]
+    for r in runs.values():
+        assert r["output_tokens"] > 0 and r["logprob_max_abs_diff"] < 1e-3 and len(r["reward"]) == 3
+    saved = json.loads((out / "e2e.json").read_text())
+    assert [rec["policy_version"] for rec in saved["records"]["off"]] == ["0", "step-1", "step-2"]
+    assert sorted(p.name for p in out.glob("*.png")) == ["e2e_accepted_length.png", "e2e_lengths.png",
+                                                         "e2e_reward.png", "e2e_rollout_time.png"]
