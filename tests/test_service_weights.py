@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import functools
 import hashlib
 from collections.abc import Iterator
 from pathlib import Path
@@ -21,10 +22,14 @@ from client import weights as wt
 from service.api.protogen import pb2
 from service.api.server import BackgroundServer
 from service.engine import LLMEngine
+from service.models.llama import causal_meta
+from service.models.loader import load_model
+from service.models.rope import Rope
 from service.sequence import SamplingParams
 
 N_STREAMS = 32
-PARAMS: dict[str, Any] = {"temperature": 1.0, "top_p": 0.95, "seed": 77, "max_tokens": 160, "ignore_eos": True}
+PARAMS: dict[str, Any] = {"temperature": 1.0, "top_p": 0.95, "seed": 77, "max_tokens": 160, "ignore_eos": True,
+                          "raw_logprobs": True}
 PROBE = [9, 8, 7, 6]
 PROBE_PARAMS: dict[str, Any] = {"temperature": 0.9, "seed": 5, "max_tokens": 12, "ignore_eos": True}
 
@@ -106,31 +111,68 @@ async def push_mid_generation(target: str, base: dict, new: dict, mode: str) -> 
         return result, list(finals), later
 
 
+@functools.cache
+def _model(model_dir: Path) -> tuple[Any, Rope]:
+    model = load_model(model_dir, torch.float32, torch.device("cpu"))
+    return model, Rope(model.config, 512, torch.device("cpu"), torch.float32)
+
+
+def raw_logprobs_under(model_dir: Path, prompt: list[int], tokens: list[int]) -> torch.Tensor:
+    """log_softmax of the raw logits at each output token under the weights in `model_dir` ([len(tokens)])."""
+    model, rope = _model(model_dir)
+    ids = torch.tensor([prompt + tokens])
+    with torch.no_grad():
+        hidden = model(ids[:, :-1], causal_meta(rope.cos, rope.sin, 1, ids.shape[1] - 1), None, None)
+        logp = torch.log_softmax(model.logits(hidden)[0, len(prompt) - 1 :].float(), dim=-1)
+    return logp.gather(-1, torch.tensor(tokens)[:, None]).squeeze(-1)
+
+
+def produced_by(s: Sample, prompt: list[int], spans: list[tuple[Path, int, int]]) -> float:
+    """Largest |server raw logprob - recompute| over the sample, recomputing each span under its weights."""
+    got = torch.tensor(s.raw_logprobs)
+    assert len(got) == len(s.token_ids)
+    worst = 0.0
+    for model_dir, a, b in spans:
+        want = raw_logprobs_under(model_dir, prompt, s.token_ids)[a:b]
+        worst = max(worst, float((got[a:b] - want).abs().max()))
+    return worst
+
+
 @pytest.mark.parametrize("mode", ["wait", "abort", "keep"])
-def test_push_while_32_requests_stream(server, client, base, new, ref_old, ref_new, mode):
+def test_push_while_32_requests_stream(server, client, base, new, base_dir, new_dir, ref_old, ref_new, mode):
     result, finals, later = asyncio.run(push_mid_generation(server.grpc_target, base, new, mode))
     old_v, new_v = f"base-{mode}", f"new-{mode}"
     assert result.version == new_v and client.server_info().policy_version == new_v
-    for s, want in zip(finals, ref_old, strict=True):
+    # Which weights produced every token is checked by recomputing its raw logprob under each version (the
+    # versions differ by far more than 1e-3 per token), not by comparing sampled tokens to a reference run:
+    # seeded sampling is not bitwise reproducible across different batch compositions.
+    ps = prompts()
+    matches = 0
+    for s, want, prompt in zip(finals, ref_old, ps, strict=True):
         spans = [(v.policy_version, v.start, v.end) for v in s.version_spans]
         k = len(s.token_ids)
+        old_end = spans[0][2]  # tokens made by the old weights
+        matches += s.token_ids[:old_end] == want[:old_end]
         if mode == "wait":
-            assert s.finish_reason == "length" and s.token_ids == want and spans == [(old_v, 0, 160)]
+            assert s.finish_reason == "length" and spans == [(old_v, 0, 160)]
+            assert produced_by(s, prompt, [(base_dir, 0, k)]) < 1e-3 < produced_by(s, prompt, [(new_dir, 0, k)])
         elif mode == "abort":
-            assert s.finish_reason == "abort" and 1 <= k < 160 and s.token_ids == want[:k]
-            assert spans == [(old_v, 0, k)]
+            assert s.finish_reason == "abort" and 1 <= k < 160 and spans == [(old_v, 0, k)]
+            assert produced_by(s, prompt, [(base_dir, 0, k)]) < 1e-3
         else:
             assert s.finish_reason == "length" and len(spans) == 2, spans
-            (v0, a0, b0), (v1, a1, b1) = spans
-            assert (v0, a0, v1, b1) == (old_v, 0, new_v, 160) and b0 == a1 and 1 <= b0 < 160
-            assert s.token_ids[:b0] == want[:b0]
+            (v0, a0, v1, b1) = (spans[0][0], spans[0][1], spans[1][0], spans[1][2])
+            b0 = spans[0][2]
+            assert (v0, a0, v1, b1) == (old_v, 0, new_v, 160) and b0 == spans[1][1] and 1 <= b0 < 160
+            assert produced_by(s, prompt, [(base_dir, 0, b0)]) < 1e-3
+            # The tail came from the new weights (over the prefix's old-weight KV, which `keep` keeps).
+            assert produced_by(s, prompt, [(base_dir, b0, k)]) > 1e-2
+    assert matches >= N_STREAMS - 2  # and the samples are the reference's (a rare numerical flip aside)
     if mode == "wait":
         assert result.wait_seconds > 0
     if mode == "abort":
         assert sorted(result.aborted) == sorted(f"abort-{i}" for i in range(N_STREAMS))
-    if mode == "keep":
-        assert any(s.token_ids != want for s, want in zip(finals, ref_old, strict=True))
-    assert [c.samples[0].token_ids for c in later] == ref_new
+    assert sum(c.samples[0].token_ids == want for c, want in zip(later, ref_new, strict=False)) >= len(later) - 1
     assert all(c.samples[0].version_spans[0].policy_version == new_v for c in later)
 
 
