@@ -124,15 +124,12 @@ class AdaptiveStrategy:
             return arms[self._rng.choice([j for j in (i - 1, i + 1) if 0 <= j < len(arms)])]
         return best
 
-    def record(self, s: Strategy, batch_size: int, seconds: float | None,
-               num_accepted: list[int] | None = None) -> None:
-        """One step's measurement (seconds None: a one-off cost, acceptance only); num_accepted per row for
-        speculative steps."""
+    def record(self, s: Strategy, batch_size: int, seconds: float, num_accepted: list[int] | None = None) -> None:
+        """One step's measurement; num_accepted per row for speculative steps."""
         bucket = bucket_of(batch_size)
-        if seconds is not None:
-            self.cost.setdefault((bucket, s), Ewma()).update(seconds, self.decay)
+        self.cost.setdefault((bucket, s), Ewma()).update(seconds, self.decay)
         plain = self.cost.get((bucket, PLAIN))
-        if seconds is not None and s.k and s.drafter and plain is not None and plain.value:
+        if s.k and s.drafter and plain is not None and plain.value:
             m = max(0.0, (seconds / plain.value - 1) / s.k)
             self.slope.setdefault((bucket, s.drafter), Ewma()).update(m, self.decay)
         if s.k and num_accepted is not None:
