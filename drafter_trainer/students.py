@@ -22,38 +22,8 @@ from drafter_trainer.batch import Batch
 from service.config import ModelConfig
 from service.drafters.eagle import EagleHead
 from service.models.llama import CausalLM, causal_meta
-from service.models.loader import check_tensors
+from service.models.loader import hf_state_dict
 from service.models.rope import Rope
-
-
-def hf_tensors(model: CausalLM) -> dict[str, torch.Tensor]:
-    """A CausalLM's weights under Hugging Face names (the fused q/k/v and gate/up split again)."""
-    cfg = model.config
-    q, kv, inter = cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim, cfg.intermediate_size
-    out = {"model.embed_tokens.weight": model.embed_tokens.weight, "model.norm.weight": model.norm.weight}
-    if not cfg.tie_word_embeddings:
-        out["lm_head.weight"] = model.lm_head.weight
-    for i, layer in enumerate(model.layers):
-        p = f"model.layers.{i}."
-        attn, mlp = layer.self_attn, layer.mlp
-        qkv = attn.qkv_proj.weight
-        out.update({p + "self_attn.q_proj.weight": qkv[:q], p + "self_attn.k_proj.weight": qkv[q : q + kv],
-                    p + "self_attn.v_proj.weight": qkv[q + kv :], p + "self_attn.o_proj.weight": attn.o_proj.weight,
-                    p + "mlp.gate_proj.weight": mlp.gate_up_proj.weight[:inter],
-                    p + "mlp.up_proj.weight": mlp.gate_up_proj.weight[inter:],
-                    p + "mlp.down_proj.weight": mlp.down_proj.weight,
-                    p + "input_layernorm.weight": layer.input_layernorm.weight,
-                    p + "post_attention_layernorm.weight": layer.post_attention_layernorm.weight})
-        if cfg.attention_bias:
-            b = attn.qkv_proj.bias
-            out.update({p + "self_attn.q_proj.bias": b[:q], p + "self_attn.k_proj.bias": b[q : q + kv],
-                        p + "self_attn.v_proj.bias": b[q + kv :]})
-        if cfg.qk_norm:
-            out[p + "self_attn.q_norm.weight"] = attn.q_norm.weight
-            out[p + "self_attn.k_norm.weight"] = attn.k_norm.weight
-    tensors = {k: v.detach().to("cpu", torch.float32).contiguous().clone() for k, v in out.items()}
-    check_tensors(cfg, {k: tuple(v.shape) for k, v in tensors.items()})
-    return tensors
 
 
 def _fit_vocab(logits: torch.Tensor, vocab: int) -> torch.Tensor:
@@ -108,7 +78,7 @@ class DraftStudent(Student):
 
     def push_tensors(self, module: nn.Module) -> dict[str, torch.Tensor]:
         assert isinstance(module, CausalLM)
-        return hf_tensors(module)
+        return hf_state_dict(module)
 
     def save_folder(self, module: nn.Module, path: Path) -> None:
         path.mkdir(parents=True, exist_ok=True)

@@ -18,10 +18,10 @@ from drafter_trainer.config import TrainerConfig
 from drafter_trainer.objective import acceptance, distill_loss, expected_lengths, mean_beta_length
 from drafter_trainer.pool import RolloutPool
 from drafter_trainer.remote import GrpcServer, PushRefused
-from drafter_trainer.students import EagleStudent, hf_tensors
+from drafter_trainer.students import EagleStudent
 from service.buffer.codec import decode_entry, entry_fields, payload_of
 from service.drafters.eagle import init_head
-from service.models.loader import load_model
+from service.models.loader import hf_state_dict, load_model
 from service.sequence import SamplingParams, VersionSpan
 
 CPU = torch.device("cpu")
@@ -108,7 +108,7 @@ def test_hf_tensors_round_trip_and_checkpoint_with_optimizer(tmp_path):
     path = make_checkpoint("qwen2", tied=False)
     model = load_model(path, torch.float32, CPU)
     original = load_file(str(path / "model.safetensors"))
-    tensors = hf_tensors(model)
+    tensors = hf_state_dict(model)
     assert set(tensors) == set(original) and all(torch.equal(tensors[k], original[k]) for k in original)
     model.requires_grad_(True)
     optim = torch.optim.AdamW(model.parameters(), lr=1e-3)

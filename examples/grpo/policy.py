@@ -13,9 +13,8 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-from service.demo.export import hf_state_dict
 from service.models.llama import causal_meta
-from service.models.loader import load_model
+from service.models.loader import hf_state_dict, load_model
 from service.models.rope import Rope
 from service.tokenizer import Tokenizer
 

@@ -12,6 +12,7 @@ from safetensors.torch import save_file
 
 from service.config import ModelConfig
 from service.models.llama import CausalLM
+from service.models.loader import hf_state_dict
 
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json")
 
@@ -56,35 +57,6 @@ def init_weights(model: CausalLM, gen: torch.Generator, std: float = 0.02) -> No
             else:
                 s = out_std if name.endswith(("o_proj.weight", "down_proj.weight")) else std
                 p.copy_(torch.randn(p.shape, generator=gen) * s)
-
-
-def hf_state_dict(model: CausalLM) -> dict[str, torch.Tensor]:
-    """The model's weights under Hugging Face names (fused q/k/v and gate/up split), float32 CPU copies."""
-    cfg = model.config
-    q, kv, inter = cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim, cfg.intermediate_size
-    out = {"model.embed_tokens.weight": model.embed_tokens.weight, "model.norm.weight": model.norm.weight}
-    if not cfg.tie_word_embeddings:
-        out["lm_head.weight"] = model.lm_head.weight
-    for i, layer in enumerate(model.layers):
-        p = f"model.layers.{i}."
-        attn, mlp = layer.self_attn, layer.mlp
-        w = attn.qkv_proj.weight
-        out |= {
-            p + "self_attn.q_proj.weight": w[:q], p + "self_attn.k_proj.weight": w[q : q + kv],
-            p + "self_attn.v_proj.weight": w[q + kv :], p + "self_attn.o_proj.weight": attn.o_proj.weight,
-            p + "mlp.gate_proj.weight": mlp.gate_up_proj.weight[:inter],
-            p + "mlp.up_proj.weight": mlp.gate_up_proj.weight[inter:], p + "mlp.down_proj.weight": mlp.down_proj.weight,
-            p + "input_layernorm.weight": layer.input_layernorm.weight,
-            p + "post_attention_layernorm.weight": layer.post_attention_layernorm.weight,
-        }
-        if cfg.attention_bias:
-            b = attn.qkv_proj.bias
-            out |= {p + "self_attn.q_proj.bias": b[:q], p + "self_attn.k_proj.bias": b[q : q + kv],
-                    p + "self_attn.v_proj.bias": b[q + kv :]}
-        if cfg.qk_norm:
-            out[p + "self_attn.q_norm.weight"] = attn.q_norm.weight
-            out[p + "self_attn.k_norm.weight"] = attn.k_norm.weight
-    return {k: v.detach().to("cpu", torch.float32).contiguous().clone() for k, v in out.items()}
 
 
 def write_json(path: Path, data: dict[str, Any]) -> None:

@@ -73,6 +73,16 @@ def _target(model: CausalLM, name: str) -> tuple[torch.Tensor, slice | None]:
     return layer.get_parameter(rest), None
 
 
+def hf_state_dict(model: CausalLM) -> dict[str, torch.Tensor]:
+    """The model's weights under Hugging Face names (fused q/k/v and gate/up split again), as float32 CPU
+    copies: what a checkpoint of its config holds, and what a weight push sends."""
+    out = {}
+    for name in checkpoint_shapes(model.config):
+        param, rows = _target(model, name)
+        out[name] = (param if rows is None else param[rows]).detach().to("cpu", torch.float32).contiguous().clone()
+    return out
+
+
 def check_tensors(cfg: ModelConfig, shapes: dict[str, tuple[int, ...]], *, partial: bool = False) -> None:
     """Raise WeightError naming unknown, missing or misshaped tensors."""
     expected = checkpoint_shapes(cfg)
