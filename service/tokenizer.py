@@ -144,15 +144,16 @@ class Tokenizer:
                 f"bos_token_id={self.bos_token_id})")
 
 
-def build_bpe_tokenizer(texts: Iterable[str], vocab_size: int) -> HFTokenizer:
-    """Train a byte-level BPE tokenizer in memory; special tokens take ids 0, 1, 2."""
+def build_bpe_tokenizer(texts: Iterable[str], vocab_size: int, pretokenize: str = PRETOKENIZE_REGEX) -> HFTokenizer:
+    """Train a byte-level BPE tokenizer in memory; special tokens take ids 0, 1, 2. `pretokenize` is the regex
+    that splits text into the pieces BPE merges within."""
     min_size = len(SPECIAL_TOKENS) + len(pre_tokenizers.ByteLevel.alphabet())
     if vocab_size < min_size:
         raise ValueError(f"byte-level BPE needs vocab_size >= {min_size}, got {vocab_size}")
     tok = HFTokenizer(models.BPE())
     tok.normalizer = normalizers.NFC()
     tok.pre_tokenizer = pre_tokenizers.Sequence([
-        pre_tokenizers.Split(Regex(PRETOKENIZE_REGEX), behavior="isolated", invert=False),
+        pre_tokenizers.Split(Regex(pretokenize), behavior="isolated", invert=False),
         pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False),
     ])
     tok.decoder = decoders.ByteLevel()
