@@ -11,7 +11,8 @@
 ARG BASE=python:3.11-slim
 FROM ${BASE}
 
-# TORCH_INDEX empty: torch only from PIP_FIND_LINKS (no index). PIP_INDEX_URL: the other dependencies.
+# TORCH_INDEX empty: the torch wheel comes from PIP_FIND_LINKS (a folder in the context or a URL), its
+# dependencies and the others from PIP_INDEX_URL (a PyPI mirror in an air-gapped cluster).
 ARG TORCH_INDEX=https://download.pytorch.org/whl/cpu
 ARG PIP_FIND_LINKS=
 ARG PIP_INDEX_URL=https://pypi.org/simple
@@ -23,17 +24,19 @@ RUN if ! command -v python3 >/dev/null || ! python3 -m pip --version >/dev/null 
         apt-get update && apt-get install -y --no-install-recommends python3 python3-pip && \
         rm -rf /var/lib/apt/lists/*; \
     fi && \
-    useradd --create-home --uid 10001 specroll && mkdir -p /opt/specroll/cache && chown -R specroll /opt/specroll
+    useradd --create-home --uid 10001 specroll && mkdir -p /opt/specroll/cache /opt/specroll/checkpoints && chown -R specroll /opt/specroll
 
 WORKDIR /opt/specroll/app
-# Dependencies first, so code changes do not reinstall torch.
+# Dependencies first (torch before anything is copied), so code or pyproject changes do not reinstall torch.
+RUN if [ -n "$TORCH_INDEX" ]; then \
+        env -u PIP_FIND_LINKS python3 -m pip install --index-url "$TORCH_INDEX" torch==2.13.0; \
+    else \
+        env -u PIP_FIND_LINKS python3 -m pip install --no-index --no-deps --find-links "$PIP_FIND_LINKS" torch==2.13.0; \
+    fi
 COPY pyproject.toml README.md ./
-RUN if [ -n "$TORCH_INDEX" ]; then src="--index-url $TORCH_INDEX"; else src="--no-index"; fi && \
-    links="${PIP_FIND_LINKS:+--find-links $PIP_FIND_LINKS}" && \
-    env -u PIP_FIND_LINKS -u PIP_INDEX_URL python3 -m pip install $src $links torch==2.13.0 && \
-    python3 -c "import tomllib; d = tomllib.load(open('pyproject.toml', 'rb')); \
-print('\n'.join(x for x in d['project']['dependencies'] if not x.startswith('torch')))" > /tmp/req.txt && \
-    env -u PIP_FIND_LINKS python3 -m pip install --index-url "$PIP_INDEX_URL" $links -r /tmp/req.txt
+RUN python3 -c "import tomllib; d = tomllib.load(open('pyproject.toml', 'rb')); \
+print('\n'.join(x for x in d['project']['dependencies']))" > /tmp/req.txt && \
+    env -u PIP_FIND_LINKS python3 -m pip install --index-url "$PIP_INDEX_URL" -r /tmp/req.txt
 
 COPY proto ./proto
 COPY service ./service
