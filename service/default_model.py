@@ -6,8 +6,8 @@
 deterministically (fixed seeds, deterministic kernels; a tqdm bar shows progress), into the cache directory
 (``$SPECROLL_CACHE`` or ``~/.cache/specroll``) and reused. The full size also ships inside the package
 (``service/demo/weights``, built by ``python3 -m service.demo.ship``): when its files match their SHA256SUMS
-it is served as it is, so the first start takes seconds, not the minutes of training. ``$SPECROLL_DEMO_SIZE=tiny`` builds a tiny
-untrained-quality variant in seconds (tests), cached under its own name.
+it is served as it is, so the first start takes seconds, not the minutes of training.
+``$SPECROLL_DEMO_SIZE=tiny`` builds a tiny untrained-quality variant in seconds (tests), cached under its own name.
 """
 
 from __future__ import annotations
@@ -98,7 +98,6 @@ def ensure_default_model(cache_dir: Path | None = None) -> Path:
     place, so concurrent callers never observe a half-written model.
     """
     from service.demo.build import build_demo, demo_size
-
     from service.demo.ship import shipped_dir
 
     size = demo_size()
