@@ -172,3 +172,17 @@ def test_docker_compose_config_validates(tmp_path: Path) -> None:
     out = subprocess.run([binary, "-f", str(bad), "config"], env=env, cwd=DEPLOY, capture_output=True, text=True,
                          timeout=120)
     assert out.returncode != 0 and "restart" in out.stderr, out.stderr
+
+
+def _dockerfile_tail(path: Path) -> list[str]:
+    """The instructions from USER on (user, ports, HEALTHCHECK, ENTRYPOINT), continuation lines joined."""
+    text = path.read_text().replace("\\\n", " ")
+    lines = [" ".join(line.split()) for line in text.splitlines() if line.strip() and not line.startswith("#")]
+    return lines[next(i for i, line in enumerate(lines) if line.startswith("USER ")):]
+
+
+def test_cuda_dockerfile_runs_like_the_cpu_image() -> None:
+    """The CUDA variant cannot be built here (no GPU, no registry): it must at least start the same way."""
+    cpu, cuda = REPO / "Dockerfile", DEPLOY / "docker" / "Dockerfile.cuda"
+    assert _dockerfile_tail(cuda) == _dockerfile_tail(cpu)
+    assert "torch==2.13.0" in cuda.read_text() and "ARG BASE=nvidia/cuda" in cuda.read_text()
