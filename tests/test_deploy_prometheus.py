@@ -169,12 +169,13 @@ def _abort_running(client: SpecrollClient, grpc_port: int, http_port: int) -> No
 
 
 @pytest.fixture(scope="module")
-def workload(stack: dict[str, Any]) -> float:
+def window(stack: dict[str, Any]) -> tuple[float, float]:
     """Generation with SD for WORKLOAD_S seconds (gRPC and HTTP), two target pushes, aborts and rewards; returns
-    the time to evaluate the panels at (the end of the workload, once Prometheus scraped past it)."""
+    its wall-clock start and end; the panels are evaluated at the end, once Prometheus scraped past it."""
     client = SpecrollClient(f"127.0.0.1:{stack['grpc']}", admin_token=TOKEN)
     base = f"http://127.0.0.1:{stack['http']}"
     tensors = checkpoint_tensors(stack["model"])
+    wall_start = time.time()
     start = time.monotonic()
     step = 0
     pushed = aborted = rewarded = 0
@@ -198,7 +199,12 @@ def workload(stack: dict[str, Any]) -> float:
     client.close()
     end = time.time()
     time.sleep(3 * SCRAPE_S)  # let Prometheus scrape past the end
-    return end
+    return wall_start, end
+
+
+@pytest.fixture(scope="module")
+def workload(window: tuple[float, float]) -> float:
+    return window[1]
 
 
 def _query(api: str, promql: str, at: float) -> list[dict[str, Any]]:
@@ -247,3 +253,16 @@ def test_instance_variable_and_alert_rules_load(stack: dict[str, Any], workload:
     assert rules and all(rule["health"] == "ok" for rule in rules), rules
     firing = {rule["name"] for rule in rules if rule["state"] != "inactive"}
     assert not firing & {"SpecrollDown", "SpecrollRedisDown", "SpecrollBufferDropping"}
+
+
+def test_key_panels_render(stack: dict[str, Any], window: tuple[float, float], tmp_path: Path) -> None:
+    """deploy/grafana/render_panels.py draws the key panels from this Prometheus ($SPECROLL_DASHBOARD_PNG: where
+    to keep the picture, e.g. docs/dashboard.png)."""
+    out = Path(os.environ.get("SPECROLL_DASHBOARD_PNG") or tmp_path / "dashboard.png")
+    api = stack["api"].removesuffix("/api/v1")
+    cmd = [sys.executable, str(DEPLOY / "grafana" / "render_panels.py"), "--prometheus", api,
+           "--start", f"{window[0] - 5:.3f}", "--end", f"{window[1] + 2:.3f}", "--out", str(out),
+           "--rate-interval", RATE_INTERVAL]
+    result = subprocess.run(cmd, capture_output=True, text=True, timeout=300, cwd=REPO)
+    assert result.returncode == 0, result.stdout + result.stderr
+    assert out.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
