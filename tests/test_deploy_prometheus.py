@@ -2,7 +2,8 @@
 (`python3 -m service.cli serve`, tiny demo model, speculative decoding on, Redis buffer) and the drafter-trainer
 sidecar's metrics port, with the scrape config derived from deploy/prometheus/prometheus.yml and the alert rules
 loaded. A workload with SD, two weight pushes, aborts and rewards runs; then every panel query of
-deploy/grafana/specroll-dashboard.json is evaluated through Prometheus' HTTP API and must return data."""
+deploy/grafana/specroll-dashboard.json (the server) and specroll-rollouts-dashboard.json (rollout buffer and
+drafter trainer) is evaluated through Prometheus' HTTP API and must return data."""
 
 from __future__ import annotations
 
@@ -39,12 +40,16 @@ SERVER_JOB, TRAINER_JOB = "specroll", "specroll-drafter-trainer"
 PROMPTS = ["3+a4=", "12+b7+c1=", "5+d2=", "a9+8+e3=", "1+2+3+f4="]
 
 
-def _dashboard() -> dict[str, Any]:
-    return json.loads((DEPLOY / "grafana" / "specroll-dashboard.json").read_text())
+DASHBOARDS = ("specroll-dashboard.json", "specroll-rollouts-dashboard.json")
+
+
+def _dashboard(name: str = DASHBOARDS[0]) -> dict[str, Any]:
+    return json.loads((DEPLOY / "grafana" / name).read_text())
 
 
 def _panel_queries() -> list[tuple[str, str]]:
-    return [(p["title"], t["expr"]) for p in _dashboard()["panels"] for t in p.get("targets", [])]
+    return [(p["title"], t["expr"]) for name in DASHBOARDS for p in _dashboard(name)["panels"]
+            for t in p.get("targets", [])]
 
 
 def _grafana_to_promql(expr: str) -> str:
@@ -244,10 +249,12 @@ def test_panels_show_the_workload(stack: dict[str, Any], workload: float) -> Non
 
 
 def test_instance_variable_and_alert_rules_load(stack: dict[str, Any], workload: float) -> None:
-    variable = next(v for v in _dashboard()["templating"]["list"] if v["name"] == "instance")
-    metric = variable["query"]["query"].split("(")[1].split(",")[0]
-    r = httpx.get(f"{stack['api']}/series", params={"match[]": metric}, timeout=10).json()
-    assert {s["instance"] for s in r["data"]} == {f"127.0.0.1:{stack['http']}"}
+    assert sorted(p.name for p in (DEPLOY / "grafana").glob("*.json")) == sorted(DASHBOARDS)
+    for name in DASHBOARDS:
+        variable = next(v for v in _dashboard(name)["templating"]["list"] if v["name"] == "instance")
+        metric = variable["query"]["query"].split("(")[1].split(",")[0]
+        r = httpx.get(f"{stack['api']}/series", params={"match[]": metric}, timeout=10).json()
+        assert {s["instance"] for s in r["data"]} == {f"127.0.0.1:{stack['http']}"}
     groups = httpx.get(f"{stack['api']}/rules", timeout=10).json()["data"]["groups"]
     rules = [rule for g in groups for rule in g["rules"]]
     assert rules and all(rule["health"] == "ok" for rule in rules), rules

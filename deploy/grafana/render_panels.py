@@ -3,7 +3,7 @@
     python3 deploy/grafana/render_panels.py --prometheus http://127.0.0.1:9090 --start 1700000000 \\
         --end 1700000060 --out dashboard.png [--rate-interval 20s] [--panel TITLE ...]
 
-Each panel's queries (deploy/grafana/specroll-dashboard.json) are evaluated with /api/v1/query_range, with
+Each panel's queries (deploy/grafana/specroll*-dashboard.json) are evaluated with /api/v1/query_range, with
 ``$__rate_interval`` and ``$instance`` substituted, and drawn one series per line.
 """
 
@@ -21,7 +21,7 @@ import httpx
 
 logger = logging.getLogger("render_panels")
 
-DASHBOARD = Path(__file__).resolve().parent / "specroll-dashboard.json"
+DASHBOARDS = sorted(Path(__file__).resolve().parent.glob("specroll*-dashboard.json"))
 KEY_PANELS = ("Tokens / s", "Speculative decoding: acceptance", "Decoding strategy (steps / s)",
               "Time to first token", "Weight pushes", "Rollout buffer")
 
@@ -54,7 +54,7 @@ def render(api: str, start: float, end: float, out: Path, titles: tuple[str, ...
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    panels = {p["title"]: p for p in json.loads(DASHBOARD.read_text())["panels"]}
+    panels = {p["title"]: p for path in DASHBOARDS for p in json.loads(path.read_text())["panels"]}
     missing = [t for t in titles if t not in panels]
     if missing:
         raise ValueError(f"no such panels: {missing}")
