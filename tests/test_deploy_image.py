@@ -126,8 +126,10 @@ def image(docker: None, wheel_server: str | None) -> str:
 
 
 @pytest.fixture(scope="module")
-def container(image: str, tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, int | str]]:
-    """A container on the host network (loopback only, free ports), the admin token mounted as a secret file."""
+def container(image: str, redis_server: str,
+              tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, int | str]]:
+    """A container on the host network (loopback only, free ports), the admin token mounted as a secret file,
+    its rollout buffer in a real redis-server."""
     secrets = tmp_path_factory.mktemp("secrets")
     (secrets / "admin-token").write_text(TOKEN)
     os.chmod(secrets / "admin-token", 0o644)
@@ -136,9 +138,11 @@ def container(image: str, tmp_path_factory: pytest.TempPathFactory) -> Iterator[
     _docker("run", "-d", "--name", name, "--network", "host", "--health-interval", "2s",
             "-e", "SPECROLL_HOST=127.0.0.1", "-e", f"SPECROLL_HTTP_PORT={http_port}",
             "-e", f"SPECROLL_GRPC_PORT={grpc_port}", "-e", "SPECROLL_ADMIN_TOKEN_FILE=/run/secrets/admin-token",
+            "-e", f"SPECROLL_REDIS_URL={redis_server}",
             "-v", f"{secrets / 'admin-token'}:/run/secrets/admin-token:ro", image)
     try:
-        yield {"name": name, "http": http_port, "grpc": grpc_port}
+        yield {"name": name, "http": http_port, "grpc": grpc_port, "secret": str(secrets / "admin-token"),
+               "redis": redis_server, "image": image}
     finally:
         logs = _docker("logs", name, check=False)
         logger.info("container logs:\n%s", (logs.stdout + logs.stderr)[-4000:])
@@ -209,3 +213,40 @@ def test_entrypoint_runs_subcommands_and_refuses_a_missing_secret(image: str) ->
     out = _docker("run", "--rm", "--network", "none", "-e", "SPECROLL_ADMIN_TOKEN_FILE=/nonexistent", image,
                   timeout=120, check=False)
     assert out.returncode == 2 and "SPECROLL_ADMIN_TOKEN_FILE" in out.stderr
+
+
+def _trainer_metric(port: int, name: str) -> float | None:
+    # Prometheus' own Accept header: the names must come back as defined (specroll:..., not specroll_...)
+    accept = "application/openmetrics-text;version=1.0.0,text/plain;version=0.0.4;q=0.5,*/*;q=0.1"
+    text = httpx.get(f"http://127.0.0.1:{port}/metrics", headers={"accept": accept}, timeout=5).text
+    values = [float(line.rsplit(" ", 1)[1]) for line in text.splitlines() if line.startswith(name + " ")]
+    return values[0] if values else None
+
+
+def test_sidecar_container_reads_the_rollout_stream(container: dict[str, int | str]) -> None:
+    """The drafter-trainer sidecar from the same image: token from the secret file, checkpoints in the image's
+    checkpoint folder as uid 10001, metrics on its port, and it consumes the server's rollouts from Redis."""
+    base = f"http://127.0.0.1:{container['http']}"
+    wait_for("/ready", lambda: httpx.get(f"{base}/ready", timeout=2).status_code == 200, 300)
+    metrics_port = free_port()
+    name = f"{container['name']}-trainer"
+    _docker("run", "-d", "--name", name, "--network", "host",
+            "-e", "SPECROLL_ADMIN_TOKEN_FILE=/run/secrets/admin-token",
+            "-e", f"SPECROLL_REDIS_URL={container['redis']}",
+            "-v", f"{container['secret']}:/run/secrets/admin-token:ro", str(container["image"]),
+            "drafter-trainer", "--server", f"127.0.0.1:{container['grpc']}", "--metrics-port", str(metrics_port),
+            "--checkpoint-dir", "/opt/specroll/checkpoints")
+    try:
+        wait_for("the sidecar's metrics", lambda: _trainer_metric(metrics_port, "specroll:trainer_lag") is not None,
+                 300, on_timeout=lambda: _logs(name))
+        for i in range(8):
+            r = httpx.post(f"{base}/v1/completions", json={"prompt": "3+a4=", "max_tokens": 16, "n": 2,
+                                                            "temperature": 1.0, "seed": i}, timeout=120)
+            assert r.status_code == 200, r.text
+        wait_for("the sidecar to consume rollouts",
+                 lambda: (_trainer_metric(metrics_port, "specroll:trainer_entries_consumed_total") or 0) > 0, 300,
+                 on_timeout=lambda: _logs(name))
+        state = json.loads(_docker("inspect", name).stdout)[0]["State"]
+        assert state["Running"], _logs(name)
+    finally:
+        _docker("rm", "-f", name, check=False)
