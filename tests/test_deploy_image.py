@@ -19,6 +19,7 @@ import threading
 import time
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import grpc
 import httpx
@@ -86,6 +87,22 @@ def _local_torch_wheels() -> Path | None:
     return None
 
 
+def _bind_wheel_server(handler: Any) -> http.server.ThreadingHTTPServer:
+    """Bind on the port the last run used when it is free (the wheel URL is a build argument, so the same URL
+    keeps docker's cached torch layer), else on a free one, remembered for next time."""
+    memo = Path(os.environ.get("SPECROLL_BASE_CACHE") or Path.home() / ".cache" / "specroll-ci") / "wheel-port"
+    try:
+        return http.server.ThreadingHTTPServer(("127.0.0.1", int(memo.read_text())), handler)
+    except (OSError, ValueError):
+        server = http.server.ThreadingHTTPServer(("127.0.0.1", free_port()), handler)
+    try:
+        memo.parent.mkdir(parents=True, exist_ok=True)
+        memo.write_text(str(server.server_address[1]))
+    except OSError:
+        logger.warning("cannot remember the wheel server's port in %s", memo)
+    return server
+
+
 @pytest.fixture(scope="module")
 def wheel_server() -> Iterator[str | None]:
     """The local wheel folder served on loopback (an air-gapped cluster's wheel mirror); None: use the public index."""
@@ -94,7 +111,7 @@ def wheel_server() -> Iterator[str | None]:
         yield None
         return
     handler = functools.partial(http.server.SimpleHTTPRequestHandler, directory=str(folder))
-    server = http.server.ThreadingHTTPServer(("127.0.0.1", free_port()), handler)
+    server = _bind_wheel_server(handler)
     server.RequestHandlerClass.log_message = lambda *a, **k: None  # type: ignore[method-assign]
     thread = threading.Thread(target=server.serve_forever, daemon=True)
     thread.start()
