@@ -1,40 +1,56 @@
-# specroll rollout server.
-#   docker build -t specroll .                                   # CPU
-#   docker build -t specroll:cuda --build-arg BASE=nvidia/cuda:12.8.1-cudnn-runtime-ubuntu24.04 \
-#       --build-arg TORCH_INDEX=https://download.pytorch.org/whl/cu128 .
-#   docker run -p 8000:8000 -p 50051:50051 -e SPECROLL_ADMIN_TOKEN=... specroll [--model /models/x]
+# specroll rollout server (CPU). The CUDA variant is deploy/docker/Dockerfile.cuda.
+#   docker build -t specroll .
+#   docker run -p 8000:8000 -p 50051:50051 -e SPECROLL_ADMIN_TOKEN_FILE=/run/secrets/admin-token ... specroll
+#   docker run ... specroll drafter-trainer --server specroll:50051 ...       (the sidecar, same image)
+# Air-gapped build (no registry, no download.pytorch.org): a local base and a local wheel folder, e.g.
+#   deploy/docker/build-base.sh specroll-base:bookworm
+#   python3 -m http.server -d /opt/wheels 8765 &    # any folder/URL holding torch-2.13.0+cpu-*.whl
+#   docker build --network host --build-arg BASE=specroll-base:bookworm --build-arg TORCH_INDEX= \
+#       --build-arg PIP_FIND_LINKS=http://127.0.0.1:8765/ -t specroll .
+# The default model's weights ship inside the package (service/demo/weights), so the image starts in seconds.
 ARG BASE=python:3.11-slim
 FROM ${BASE}
 
+# TORCH_INDEX empty: the torch wheel comes from PIP_FIND_LINKS (a folder in the context or a URL), its
+# dependencies and the others from PIP_INDEX_URL (a PyPI mirror in an air-gapped cluster).
 ARG TORCH_INDEX=https://download.pytorch.org/whl/cpu
-ENV PIP_NO_CACHE_DIR=1 PIP_DISABLE_PIP_VERSION_CHECK=1 PIP_BREAK_SYSTEM_PACKAGES=1 PYTHONUNBUFFERED=1 \
-    SPECROLL_CACHE=/opt/specroll/cache SPECROLL_HOST=0.0.0.0 SPECROLL_HTTP_PORT=8000 SPECROLL_GRPC_PORT=50051
+ARG PIP_FIND_LINKS=
+ARG PIP_INDEX_URL=https://pypi.org/simple
+ENV PIP_NO_CACHE_DIR=1 PIP_DISABLE_PIP_VERSION_CHECK=1 PIP_BREAK_SYSTEM_PACKAGES=1 PIP_ROOT_USER_ACTION=ignore \
+    PYTHONUNBUFFERED=1 SPECROLL_CACHE=/opt/specroll/cache SPECROLL_HOST=0.0.0.0 SPECROLL_HTTP_PORT=8000 \
+    SPECROLL_GRPC_PORT=50051
 
-RUN if ! command -v python3 >/dev/null; then \
+RUN if ! command -v python3 >/dev/null || ! python3 -m pip --version >/dev/null 2>&1; then \
         apt-get update && apt-get install -y --no-install-recommends python3 python3-pip && \
         rm -rf /var/lib/apt/lists/*; \
     fi && \
-    useradd --create-home --uid 10001 specroll && mkdir -p /opt/specroll/cache && chown -R specroll /opt/specroll
+    useradd --create-home --uid 10001 specroll && mkdir -p /opt/specroll/cache /opt/specroll/checkpoints && chown -R specroll /opt/specroll
 
 WORKDIR /opt/specroll/app
-# Dependencies first, so code changes do not reinstall torch.
+# Dependencies first (torch before anything is copied), so code or pyproject changes do not reinstall torch.
+RUN if [ -n "$TORCH_INDEX" ]; then \
+        env -u PIP_FIND_LINKS python3 -m pip install --index-url "$TORCH_INDEX" torch==2.13.0; \
+    else \
+        env -u PIP_FIND_LINKS python3 -m pip install --no-index --no-deps --find-links "$PIP_FIND_LINKS" torch==2.13.0; \
+    fi
 COPY pyproject.toml README.md ./
-RUN python3 -m pip install --index-url ${TORCH_INDEX} torch==2.13.0 && \
-    python3 -c "import tomllib; d = tomllib.load(open('pyproject.toml', 'rb')); \
-print('\n'.join(x for x in d['project']['dependencies'] if not x.startswith('torch')))" > /tmp/req.txt && \
-    python3 -m pip install -r /tmp/req.txt
+RUN python3 -c "import tomllib; d = tomllib.load(open('pyproject.toml', 'rb')); \
+print('\n'.join(x for x in d['project']['dependencies']))" > /tmp/req.txt && \
+    env -u PIP_FIND_LINKS python3 -m pip install --index-url "$PIP_INDEX_URL" -r /tmp/req.txt
 
 COPY proto ./proto
 COPY service ./service
 COPY client ./client
 COPY drafter_trainer ./drafter_trainer
-RUN python3 -m pip install --no-deps -e . && \
+COPY deploy/docker/entrypoint.sh /usr/local/bin/specroll-entrypoint
+RUN env -u PIP_FIND_LINKS python3 -m pip install --no-deps -e . && \
     python3 -m service.api.protogen && \
     specroll build-default-model && \
     chown -R specroll /opt/specroll
 
 USER specroll
 EXPOSE 8000 50051
-HEALTHCHECK --interval=15s --timeout=3s --start-period=120s \
-    CMD python3 -c "import urllib.request, sys; urllib.request.urlopen('http://127.0.0.1:8000/health', timeout=2)" || exit 1
-ENTRYPOINT ["specroll", "serve"]
+HEALTHCHECK --interval=10s --timeout=3s --start-period=60s --retries=3 \
+    CMD python3 -c "import os, urllib.request; urllib.request.urlopen('http://127.0.0.1:%s/health' \
+% os.environ.get('SPECROLL_HTTP_PORT', '8000'), timeout=2)" || exit 1
+ENTRYPOINT ["specroll-entrypoint"]

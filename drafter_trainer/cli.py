@@ -64,9 +64,9 @@ def build(cfg: TrainerConfig) -> Any:
         logger.warning("no target model folder: training from payload logprobs / sampled tokens only")
     metrics = TrainerMetrics()
     if cfg.metrics_port:
-        from prometheus_client import start_http_server
+        from drafter_trainer.metrics_http import serve_metrics
 
-        start_http_server(cfg.metrics_port, registry=metrics.registry)
+        serve_metrics(cfg.metrics_port, metrics.registry)
         logger.info("metrics on :%d/metrics", cfg.metrics_port)
     source = RedisSource(redis.Redis.from_url(cfg.redis_url, socket_timeout=max(5.0, cfg.block_ms / 500)), cfg)
     store = CheckpointStore(cfg.checkpoint_dir) if cfg.checkpoint_dir else None

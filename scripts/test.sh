@@ -24,11 +24,35 @@ python3 -m pip install -q torch==2.13.0
 echo "==> installing specroll with test extras"
 python3 -m pip install -q -e '.[test]'
 
-if ! command -v redis-server >/dev/null 2>&1; then
-    echo "==> installing redis-server"
+# System packages the tests run for real: redis-server (buffer), prometheus + promtool (dashboard, alerts),
+# docker.io + docker-compose (image, compose file), debootstrap (the image's local Debian base).
+need=()
+command -v redis-server >/dev/null 2>&1 || need+=(redis-server)
+command -v prometheus >/dev/null 2>&1 && command -v promtool >/dev/null 2>&1 || need+=(prometheus)
+command -v dockerd >/dev/null 2>&1 || need+=(docker.io)
+command -v docker-compose >/dev/null 2>&1 || need+=(docker-compose)
+command -v debootstrap >/dev/null 2>&1 || need+=(debootstrap)
+if [[ ${#need[@]} -gt 0 ]]; then
+    echo "==> installing ${need[*]}"
     "${SUDO[@]}" env DEBIAN_FRONTEND=noninteractive apt-get update -q
-    "${SUDO[@]}" env DEBIAN_FRONTEND=noninteractive apt-get install -y -q redis-server
+    "${SUDO[@]}" env DEBIAN_FRONTEND=noninteractive apt-get install -y -q "${need[@]}"
 fi
+
+# The image test needs a docker daemon; start one if none answers (its layer cache then stays for the next run).
+if ! docker info >/dev/null 2>&1 && command -v dockerd >/dev/null 2>&1; then
+    echo "==> starting dockerd"
+    mkdir -p "${TMPDIR:-/tmp}/specroll-ci"
+    "${SUDO[@]}" sh -c "nohup dockerd >'${TMPDIR:-/tmp}/specroll-ci/dockerd.log' 2>&1 &"
+    for _ in $(seq 1 60); do
+        docker info >/dev/null 2>&1 && break
+        sleep 1
+    done
+    docker info >/dev/null 2>&1 || { echo "dockerd did not start:"; tail -20 "${TMPDIR:-/tmp}/specroll-ci/dockerd.log"; }
+fi
+
+# This script installs every tool the tests need, so a tool that is still missing (or a dockerd that did not
+# start) is a failure here, not a skip: the tests read CI for that.
+export CI="${CI:-1}"
 
 echo "==> ruff check"
 python3 -m ruff check .

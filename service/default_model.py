@@ -4,8 +4,10 @@
 ``service.demo`` on worked solutions of the demo task (running sums, ``service/demo/task.py``), with a
 2-layer draft model in ``draft/`` and an EAGLE-style head in ``eagle/`` next to it. It is built once,
 deterministically (fixed seeds, deterministic kernels; a tqdm bar shows progress), into the cache directory
-(``$SPECROLL_CACHE`` or ``~/.cache/specroll``) and reused. ``$SPECROLL_DEMO_SIZE=tiny`` builds a tiny
-untrained-quality variant in seconds (tests), cached under its own name.
+(``$SPECROLL_CACHE`` or ``~/.cache/specroll``) and reused. The full size also ships inside the package
+(``service/demo/weights``, built by ``python3 -m service.demo.ship``): when its files match their SHA256SUMS
+it is served as it is, so the first start takes seconds, not the minutes of training.
+``$SPECROLL_DEMO_SIZE=tiny`` builds a tiny untrained-quality variant in seconds (tests), cached under its own name.
 """
 
 from __future__ import annotations
@@ -96,9 +98,14 @@ def ensure_default_model(cache_dir: Path | None = None) -> Path:
     place, so concurrent callers never observe a half-written model.
     """
     from service.demo.build import build_demo, demo_size
+    from service.demo.ship import shipped_dir
 
     size = demo_size()
     name = model_name(size.name)
+    shipped = shipped_dir(name)
+    if shipped is not None and is_complete(shipped):
+        logger.debug("default model shipped at %s", shipped)
+        return shipped
     root = Path(cache_dir).expanduser() if cache_dir is not None else default_cache_root()
     target = root / name
     if is_complete(target):

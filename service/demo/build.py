@@ -140,7 +140,7 @@ def build_demo(out_dir: Path, size: DemoSize | None = None) -> dict[str, Any]:
         "size": size.name, "task": asdict(plan.difficulty), "draft_steps": plan.draft_steps, "steps": plan.steps,
         "eagle_steps": plan.eagle_steps,
         "train_tokens": log.tokens, "final_loss": _tail_mean(log.loss), "final_draft_loss": _tail_mean(log.draft_loss),
-        "final_eagle_loss": _tail_mean(log.eagle_loss), "train_seconds": round(time.perf_counter() - start, 1),
+        "final_eagle_loss": _tail_mean(log.eagle_loss),
         "params": sum(p.numel() for p in target.parameters()),
     }
     if size.eval_per_size:
