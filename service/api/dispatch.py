@@ -38,6 +38,7 @@ class Dispatcher:
 
     def fail_all(self, message: str) -> None:
         for tr in self.tracked.values():
+            tr.handle.release()
             tr.handle.put_many([Failed(message)])
         self.tracked.clear()
 
@@ -72,6 +73,7 @@ class Dispatcher:
             if events:
                 deliveries.append((tr.handle, events))
             if tr.remaining == 0:
+                tr.handle.release()
                 del self.tracked[rid]
         deliver(deliveries)
         # A sample's final event goes out once the rollout store holds it durably (after its chunks: the
