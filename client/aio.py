@@ -14,7 +14,7 @@ import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from client import weights as wt
-from client.errors import SpecrollError, Unavailable, from_rpc_error
+from client.errors import Overloaded, SpecrollError, Unavailable, from_rpc_error
 from client.types import Completion, PushResult, Sample, ServerInfo, TokenChunk, VersionSpan
 from service.api.protogen import pb2, pb2_grpc
 
@@ -84,7 +84,7 @@ class AsyncSpecrollClient:
                 err = from_rpc_error(exc)
                 if not isinstance(err, Unavailable) or attempt == self.retries:
                     raise err from None
-                await asyncio.sleep(self.backoff_s * 2**attempt)
+                await asyncio.sleep(_delay(err, self.backoff_s * 2**attempt))
         raise AssertionError("unreachable")
 
     # -- status -------------------------------------------------------------------------------------
@@ -149,7 +149,7 @@ class AsyncSpecrollClient:
                 err = from_rpc_error(exc)
                 if got_any or not isinstance(err, Unavailable) or attempt == self.retries:
                     raise err from None
-                await asyncio.sleep(self.backoff_s * 2**attempt)
+                await asyncio.sleep(_delay(err, self.backoff_s * 2**attempt))
             finally:
                 call.cancel()  # a consumer that stops early ends the request (no-op once finished)
 
@@ -223,3 +223,7 @@ class AsyncSpecrollClient:
 
 
 __all__ = ["AsyncSpecrollClient", "SpecrollError"]
+
+
+def _delay(err: SpecrollError, backoff_s: float) -> float:
+    return max(backoff_s, err.retry_after_s) if isinstance(err, Overloaded) else backoff_s

@@ -41,6 +41,14 @@ class Unavailable(SpecrollError):
     code = "UNAVAILABLE"
 
 
+class Overloaded(Unavailable):
+    """The server's queue is full (RESOURCE_EXHAUSTED); it asks to retry after `retry_after_s` seconds. The
+    client retries it like UNAVAILABLE, waiting at least that long."""
+
+    code = "RESOURCE_EXHAUSTED"
+    retry_after_s: float = 1.0
+
+
 class FailedPrecondition(SpecrollError):
     """The server cannot do this in its configuration (e.g. a drafter push without a draft model)."""
 
@@ -65,7 +73,7 @@ _BY_CODE: dict[grpc.StatusCode, type[SpecrollError]] = {
     grpc.StatusCode.UNAVAILABLE: Unavailable,
     grpc.StatusCode.FAILED_PRECONDITION: FailedPrecondition,
     grpc.StatusCode.DEADLINE_EXCEEDED: DeadlineExceeded,
-    grpc.StatusCode.RESOURCE_EXHAUSTED: InvalidArgument,
+    grpc.StatusCode.RESOURCE_EXHAUSTED: InvalidArgument,  # a message over the size limit; Overloaded below
 }
 
 
@@ -73,4 +81,21 @@ def from_rpc_error(exc: grpc.RpcError) -> SpecrollError:
     code = exc.code() if hasattr(exc, "code") else grpc.StatusCode.UNKNOWN
     details = exc.details() if hasattr(exc, "details") else str(exc)
     cls = _BY_CODE.get(code, ServerError)
+    retry_after = _retry_after(exc) if code == grpc.StatusCode.RESOURCE_EXHAUSTED else None
+    if retry_after is not None:
+        err = Overloaded(details or str(code), code.name)
+        err.retry_after_s = retry_after
+        return err
     return cls(details or str(code), code.name if code is not None else None)
+
+
+def _retry_after(exc: grpc.RpcError) -> float | None:
+    """The server's retry-after trailer (seconds), sent with RESOURCE_EXHAUSTED when it is overloaded."""
+    trailers = exc.trailing_metadata() if hasattr(exc, "trailing_metadata") else None
+    for key, value in trailers or ():
+        if key == "retry-after":
+            try:
+                return float(value)
+            except ValueError:
+                return None
+    return None

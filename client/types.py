@@ -95,6 +95,9 @@ class ServerInfo:
     dtype: str
     drafter: str
     eos_token_id: int
+    max_waiting_seqs: int = 0  # admission bounds (0: none)
+    max_pending_tokens: int = 0
+    num_pending_tokens: int = 0
 
     @classmethod
     def from_proto(cls, msg: Any) -> ServerInfo:

@@ -73,6 +73,7 @@ def cmd_build_default(args: argparse.Namespace) -> int:
 
 
 def cmd_serve(args: argparse.Namespace) -> int:
+    from service.api.admission import AdmissionLimits
     from service.api.generation import Limits
     from service.api.server import ServerConfig, run_server
     from service.buffer.config import buffer_config_from_args
@@ -87,6 +88,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
         api_token=args.api_token, redis_url=args.redis_url, served_model_name=args.served_model_name,
         load_root=args.load_root, limits=limits, reuse_weight_buffers=not args.free_replaced_weights,
         buffer=buffer_config_from_args(args),
+        admission=AdmissionLimits(args.max_waiting_seqs, args.max_pending_tokens, args.retry_after),
     )
     return run_server(engine_config, config)
 
@@ -96,6 +98,14 @@ def _serve_args(p: argparse.ArgumentParser) -> None:
                    help="auto (suffix + the model folder's draft/ model, if any) | none | suffix | eagle[:DIR] | "
                         "draft-model folder; comma-separated for several")
     p.add_argument("--host", default=_env("host", "127.0.0.1"))
+    p.add_argument("--max-waiting-seqs", type=int, default=int(_env("max_waiting_seqs", "4096")),
+                   help="sequences that may wait beyond the running batch; more are refused with 503 / "
+                        "RESOURCE_EXHAUSTED and Retry-After (0: no bound)")
+    p.add_argument("--max-pending-tokens", type=int, default=int(_env("max_pending_tokens", "16000000")),
+                   help="prompt + max_tokens of all unfinished sequences beyond which new requests are refused "
+                        "(0: no bound)")
+    p.add_argument("--retry-after", type=int, default=int(_env("retry_after", "2")),
+                   help="seconds a refused client is told to wait (Retry-After)")
     p.add_argument("--http-port", type=int, default=int(_env("http_port", "8000")))
     p.add_argument("--grpc-port", type=int, default=int(_env("grpc_port", "50051")))
     p.add_argument("--admin-token", default=_env("admin_token"),

@@ -20,7 +20,7 @@ MAX_NUM_SEQS = 40
 
 
 def engine_config(model: Path | str, **kw: Any) -> EngineConfig:
-    return EngineConfig(model=str(model), max_model_len=MAX_MODEL_LEN, max_num_seqs=MAX_NUM_SEQS, **kw)
+    return EngineConfig(model=str(model), **{"max_model_len": MAX_MODEL_LEN, "max_num_seqs": MAX_NUM_SEQS, **kw})
 
 
 def start_server(model: Path | str, *, limits: Limits | None = None, engine_kw: dict[str, Any] | None = None,

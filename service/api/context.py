@@ -69,6 +69,9 @@ class ServiceContext:
             "dtype": engine.config.dtype,
             "drafter": str(getattr(engine.config, "drafter", "none")),
             "eos_token_id": -1 if tok is None or tok.eos_token_id is None else tok.eos_token_id,
+            "max_waiting_seqs": self.loop.admission.limits.max_waiting_seqs,
+            "max_pending_tokens": self.loop.admission.limits.max_pending_tokens,
+            "num_pending_tokens": self.loop.admission.tokens,
         }
 
     async def pause(self, mode: str) -> list[str]:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -37,12 +38,14 @@ class Dispatcher:
 
     def fail_all(self, message: str) -> None:
         for tr in self.tracked.values():
+            tr.handle.release()
             tr.handle.put_many([Failed(message)])
         self.tracked.clear()
 
     def dispatch(self, engine: LLMEngine, outputs: list[StepOutput]) -> None:
         now = time.monotonic()
         batches: dict[str, list[Any]] = {}
+        finished: list[tuple[RolloutRecord, RequestHandle, SampleDone]] = []
         for out in outputs:
             tr = self.tracked.get(out.request_id)
             if tr is None:
@@ -59,16 +62,27 @@ class Dispatcher:
                                                 now - last if last else 0.0, len(out.new_token_ids))
                 tr.last_token_time[i] = now
             if out.finished:
-                events.append(self._finish(engine, tr, i, out, now))
+                record, done = self._finish(engine, tr, i, out, now)
+                if self.hooks.takes_rollouts:
+                    finished.append((record, tr.handle, done))
+                else:
+                    events.append(done)
         deliveries = []
         for rid, events in batches.items():
             tr = self.tracked[rid]
-            deliveries.append((tr.handle, events))
+            if events:
+                deliveries.append((tr.handle, events))
             if tr.remaining == 0:
+                tr.handle.release()
                 del self.tracked[rid]
         deliver(deliveries)
+        # A sample's final event goes out once the rollout store holds it durably (after its chunks: the
+        # hand-off is queued behind the deliveries above).
+        for record, handle, done in finished:
+            self.hooks.rollout_finished(record, _sender(handle, done))
 
-    def _finish(self, engine: LLMEngine, tr: Tracked, i: int, out: StepOutput, now: float) -> SampleDone:
+    def _finish(self, engine: LLMEngine, tr: Tracked, i: int, out: StepOutput,
+                now: float) -> tuple[RolloutRecord, SampleDone]:
         seq = tr.request.seqs[i]
         tr.remaining -= 1
         spans = [VersionSpan(s.policy_version, s.drafter_version, s.start, s.end) for s in seq.version_spans]
@@ -77,7 +91,7 @@ class Dispatcher:
         raw = list(seq.raw_logprobs) if seq.params.raw_logprobs else None
         if self.metrics is not None:
             self.metrics.observe_finished(now - tr.handle.arrival, reason)
-        self.hooks.rollout_finished(RolloutRecord(
+        record = RolloutRecord(
             rollout_id=rollout_id, request_id=tr.request.request_id, index=i, group_id=tr.request.group_id,
             prompt_token_ids=list(tr.request.prompt_token_ids), output_token_ids=list(seq.output_token_ids),
             logprobs=list(seq.logprobs), version_spans=spans, finish_reason=reason,
@@ -85,11 +99,15 @@ class Dispatcher:
             metadata=dict(tr.metadata), policy_version=engine.policy_version,
             drafter_version=engine.drafter_version, created_at=tr.handle.created_at, raw_logprobs=raw,
             params=seq.params, top_logprobs=list(seq.top_logprobs) if seq.params.top_logprobs else None,
-        ))
-        return SampleDone(
+        )
+        return record, SampleDone(
             index=i, rollout_id=rollout_id, finish_reason=reason, num_prompt_tokens=out.num_prompt_tokens,
             num_output_tokens=out.num_output_tokens, version_spans=spans, num_steps=tr.steps[i],
             strategy=str(getattr(engine, "spec_strategy", "plain")), token_ids=list(seq.output_token_ids),
             logprobs=list(seq.logprobs), raw_logprobs=raw,
             top_logprobs=list(seq.top_logprobs) if seq.params.top_logprobs else None,
         )
+
+
+def _sender(handle: RequestHandle, done: SampleDone) -> Callable[[], None]:
+    return lambda: deliver([(handle, [done])])

@@ -134,6 +134,12 @@ class RequestHandle:
         self._aq: asyncio.Queue[list[Event]] | None = asyncio.Queue() if aloop is not None else None
         self._q: queue.SimpleQueue[list[Event]] = queue.SimpleQueue()
         self.finished = False
+        self.ticket: Any = None  # its admission ticket (service.api.admission.Ticket)
+
+    def release(self) -> None:
+        """Give the request's share of the admission bounds back (engine thread; idempotent)."""
+        if self.ticket is not None:
+            self.ticket.release()
 
     def put_many(self, events: list[Event]) -> None:
         """Called from the engine thread."""

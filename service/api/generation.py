@@ -69,6 +69,27 @@ def check_prompt(ids: Sequence[Any], vocab_size: int) -> list[int]:
     return list(ids)
 
 
+def start_all(gens: Sequence[Generation]) -> None:
+    """Submit the generations of one API request together: all admitted, or none (Overloaded)."""
+    if not gens:
+        return
+    items = [g._request() for g in gens]
+    gens[0].loop.submit_all(items)
+    for g, (_, handle) in zip(gens, items, strict=True):
+        g._handle = handle
+
+
+async def run_all(gens: Sequence[Generation]) -> list[list[Sample]]:
+    """Admit and run the generations of one API request; if one fails, the others are aborted."""
+    start_all(gens)
+    tasks = [asyncio.ensure_future(g.run()) for g in gens]
+    try:
+        return list(await asyncio.gather(*tasks))
+    finally:
+        for task in tasks:
+            task.cancel()  # a no-op for finished ones; cancelling a running one aborts its request
+
+
 @dataclass(slots=True)
 class Sample:
     index: int
@@ -115,10 +136,13 @@ class Generation:
     def start(self) -> RequestHandle:
         """Submit the request (from the event loop's thread); `updates` does it when not done yet."""
         if self._handle is None:
-            self._handle = RequestHandle(self.request_id, self.params.n, asyncio.get_running_loop())
-            req = GenRequest(self.prompt, self.params, self.request_id, self.group_id, self.metadata)
-            self.loop.submit(req, self._handle)
+            start_all([self])
+        assert self._handle is not None
         return self._handle
+
+    def _request(self) -> tuple[GenRequest, RequestHandle]:
+        handle = RequestHandle(self.request_id, self.params.n, asyncio.get_running_loop())
+        return GenRequest(self.prompt, self.params, self.request_id, self.group_id, self.metadata), handle
 
     async def updates(self) -> AsyncIterator[Update]:
         handle = self.start()

@@ -12,6 +12,7 @@ import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
+from service.api.admission import Overloaded
 from service.api.auth import AuthError
 from service.api.context import ServiceContext
 from service.api.events import Chunk, Failed, GenRequest, RequestHandle, SampleDone
@@ -37,6 +38,8 @@ def status_of(exc: BaseException) -> tuple[grpc.StatusCode, str]:
         return grpc.StatusCode.FAILED_PRECONDITION, str(exc)
     if isinstance(exc, NotReady):
         return grpc.StatusCode.UNAVAILABLE, str(exc)
+    if isinstance(exc, Overloaded):
+        return grpc.StatusCode.RESOURCE_EXHAUSTED, str(exc)
     logger.error("gRPC call failed: %r", exc)
     return grpc.StatusCode.INTERNAL, f"internal error: {exc}"
 
@@ -65,7 +68,9 @@ class RolloutServicer(pb2_grpc.RolloutServicer):  # type: ignore[misc]
 
     async def _fail(self, context: grpc.aio.ServicerContext, exc: BaseException) -> None:
         code, message = status_of(exc)
-        await context.abort(code, message)
+        # Overloaded: when to try again, in seconds (like HTTP's Retry-After)
+        trailers = (("retry-after", str(exc.retry_after_s)),) if isinstance(exc, Overloaded) else ()
+        await context.abort(code, message, trailing_metadata=trailers)
 
     def _params(self, request: Any) -> Any:
         p = request.params
@@ -84,12 +89,13 @@ class RolloutServicer(pb2_grpc.RolloutServicer):  # type: ignore[misc]
             ids = list(request.prompt_token_ids) or (ctx.encode(request.prompt_text) if request.prompt_text else [])
             prompt = check_prompt(ids, engine.model_config.vocab_size)
             params = self._params(request)
+            rid = request.request_id or uuid.uuid4().hex
+            handle = RequestHandle(rid, params.n, _running_loop())
+            ctx.loop.submit(GenRequest(prompt, params, rid, request.group_id or None, dict(request.metadata)),
+                            handle)
         except Exception as exc:
             await self._fail(context, exc)
             return
-        rid = request.request_id or uuid.uuid4().hex
-        handle = RequestHandle(rid, params.n, _running_loop())
-        ctx.loop.submit(GenRequest(prompt, params, rid, request.group_id or None, dict(request.metadata)), handle)
         try:
             async for ev in handle.events(ctx.limits.stream_interval):
                 if isinstance(ev, Chunk):

@@ -2,6 +2,10 @@
 
 The rollout buffer plugs in here: ``hooks.on_rollout_finished.append(fn)`` gets every finished sample as a
 :class:`RolloutRecord`, ``hooks.on_reward.append(fn)`` every reported ``(rollout_id, reward)``.
+
+A durable store (the Redis buffer) is set as ``hooks.rollout_store``: it gets each record with a `stored`
+callback that it calls once the record is in Redis or fsync'd in its spool. The sample's final message goes
+to the client only then, so a rollout a client received survives a kill -9 of the server.
 """
 
 from __future__ import annotations
@@ -19,12 +23,15 @@ logger = logging.getLogger(__name__)
 
 RolloutCallback = Callable[[RolloutRecord], None]
 RewardCallback = Callable[[str, float], None]
+Stored = Callable[[], None]
+RolloutStore = Callable[[RolloutRecord, Stored], None]
 
 
 class Hooks:
     def __init__(self, max_rewards: int = 100_000) -> None:
         self.on_rollout_finished: list[RolloutCallback] = []
         self.on_reward: list[RewardCallback] = []
+        self.rollout_store: RolloutStore | None = None
         self.max_rewards = max_rewards
         self.rewards: OrderedDict[str, float] = OrderedDict()
         self._lock = threading.Lock()
@@ -46,9 +53,14 @@ class Hooks:
         """Drop the last reference to `obj` (e.g. replaced weights) on the hooks thread."""
         self._q.put(("release", obj))
 
-    def rollout_finished(self, record: RolloutRecord) -> None:
-        if self.on_rollout_finished:
-            self._q.put(("rollout", record))
+    @property
+    def takes_rollouts(self) -> bool:
+        return bool(self.on_rollout_finished) or self.rollout_store is not None
+
+    def rollout_finished(self, record: RolloutRecord, stored: Stored) -> None:
+        """Hand a finished sample to the callbacks and the store; `stored()` runs once the store holds it
+        durably (after the callbacks when there is no store)."""
+        self._q.put(("rollout", (record, stored)))
 
     def report_rewards(self, rewards: dict[str, float]) -> int:
         """Keep the rewards (bounded, oldest dropped first) and hand them to the callbacks."""
@@ -74,9 +86,27 @@ class Hooks:
             if kind == "release":
                 del payload
                 continue
-            callbacks: list[Any] = self.on_rollout_finished if kind == "rollout" else self.on_reward
-            for fn in list(callbacks):
+            if kind == "rollout":
+                self._rollout(*payload)
+                continue
+            for fn in list(self.on_reward):
                 try:
-                    fn(payload) if kind == "rollout" else fn(*payload)
+                    fn(*payload)
                 except Exception:
-                    logger.exception("%s callback %r failed", kind, fn)
+                    logger.exception("reward callback %r failed", fn)
+
+    def _rollout(self, record: RolloutRecord, stored: Stored) -> None:
+        for fn in list(self.on_rollout_finished):
+            try:
+                fn(record)
+            except Exception:
+                logger.exception("rollout callback %r failed", fn)
+        store = self.rollout_store
+        if store is None:
+            stored()
+            return
+        try:
+            store(record, stored)
+        except Exception:  # the store counts its own losses; the client still gets its sample
+            logger.exception("rollout store %r failed for %s", store, record.rollout_id)
+            stored()

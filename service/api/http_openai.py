@@ -22,7 +22,16 @@ from fastapi.responses import StreamingResponse
 from pydantic import BaseModel, ConfigDict, Field
 
 from service.api.context import ServiceContext
-from service.api.generation import Generation, InvalidRequest, Sample, Update, check_prompt, make_params
+from service.api.generation import (
+    Generation,
+    InvalidRequest,
+    Sample,
+    Update,
+    check_prompt,
+    make_params,
+    run_all,
+    start_all,
+)
 from service.api.http_server import ApiCtx
 
 router = APIRouter(tags=["openai"])
@@ -128,7 +137,7 @@ async def completions(req: CompletionRequest, ctx: ApiCtx) -> Any:
     head = {"id": f"cmpl-{base}", "object": "text_completion", "created": int(time.time()), "model": ctx.name()}
     if req.stream:
         return await _stream(gens, head, req)
-    results = await asyncio.gather(*(g.run() for g in gens))
+    results = await run_all(gens)
     choices = [_choice(g, s, j * req.n + s.index, req.logprobs) for j, (g, r) in enumerate(zip(gens, results,
                                                                                                 strict=True))
                for s in r]
@@ -150,8 +159,7 @@ async def _stream(gens: list[Generation], head: dict[str, Any], req: CompletionR
         except BaseException as exc:  # handed to the response
             await queue.put(exc)
 
-    for g in gens:
-        g.start()
+    start_all(gens)
     iters = [g.updates() for g in gens]
     firsts = await prefetch(iters)
     tasks: list[asyncio.Task[None]] = []

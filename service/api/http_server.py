@@ -13,6 +13,7 @@ from fastapi.responses import JSONResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST
 from starlette.exceptions import HTTPException
 
+from service.api.admission import Overloaded
 from service.api.auth import AuthError
 from service.api.context import ServiceContext
 from service.api.generation import InvalidRequest, ServiceError
@@ -42,11 +43,15 @@ def error_response(exc: BaseException) -> JSONResponse:
         status, kind = 409, "unsupported"
     elif isinstance(exc, NotReady):
         status, kind = 503, "unavailable"
+    elif isinstance(exc, Overloaded):
+        status, kind = 503, "overloaded"
     elif isinstance(exc, ServiceError):
         status, kind = 500, "internal_error"
     if status == 500:
         logger.error("request failed: %r", exc)
     headers = {"WWW-Authenticate": "Bearer"} if status == 401 else None
+    if isinstance(exc, Overloaded):
+        headers = {"Retry-After": str(exc.retry_after_s)}
     return JSONResponse(error_body(status, str(exc), kind), status_code=status, headers=headers)
 
 
@@ -130,8 +135,8 @@ def create_app(ctx: ServiceContext) -> FastAPI:
         return JSONResponse(error_body(exc.status_code, str(exc.detail), kind), status_code=exc.status_code,
                             headers=exc.headers)
 
-    for cls in (InvalidRequest, PushError, AuthError, PermissionError, PushUnsupported, NotReady, ServiceError,
-                ValueError):
+    for cls in (Overloaded, InvalidRequest, PushError, AuthError, PermissionError, PushUnsupported, NotReady,
+                ServiceError, ValueError):
         app.add_exception_handler(cls, lambda request, exc: error_response(exc))
 
     @app.get("/health", tags=["ops"])

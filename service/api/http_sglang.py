@@ -20,7 +20,7 @@ from fastapi.responses import StreamingResponse
 from pydantic import BaseModel, ConfigDict
 
 from service.api.context import ServiceContext
-from service.api.generation import Generation, InvalidRequest, Sample, check_prompt, make_params
+from service.api.generation import Generation, InvalidRequest, Sample, check_prompt, make_params, run_all, start_all
 from service.api.http_openai import _sse, close_all, prefetch
 from service.api.http_server import ApiCtx
 
@@ -121,14 +121,13 @@ async def generate(req: GenerateRequest, ctx: ApiCtx) -> Any:
     single = len(gens) == 1 and gens[0].params.n == 1
     if req.stream:
         return await _stream(gens, req.return_logprob, started, single)
-    results = await asyncio.gather(*(g.run() for g in gens))
+    results = await run_all(gens)
     items = [_item(g, s, req.return_logprob, started, None) for g, r in zip(gens, results, strict=True) for s in r]
     return items[0] if single else items
 
 
 async def _stream(gens: list[Generation], logprob: bool, started: float, single: bool) -> StreamingResponse:
-    for g in gens:
-        g.start()
+    start_all(gens)
     iters = [g.updates() for g in gens]
     firsts = await prefetch(iters)
     offsets = [0]

@@ -15,6 +15,7 @@ from concurrent.futures import Future
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, TypeVar
 
+from service.api.admission import Admission
 from service.api.dispatch import Dispatcher
 from service.api.events import Failed, GenRequest, RequestHandle
 from service.api.hooks import Hooks
@@ -62,10 +63,11 @@ def check_mode(mode: str) -> str:
 
 class EngineLoop:
     def __init__(self, engine_factory: Callable[[], LLMEngine], metrics: Metrics | None = None,
-                 hooks: Hooks | None = None) -> None:
+                 hooks: Hooks | None = None, admission: Admission | None = None) -> None:
         self._factory = engine_factory
         self.metrics = metrics
         self.hooks = hooks or Hooks()
+        self.admission = admission or Admission()
         self._engine: LLMEngine | None = None
         self.error: BaseException | None = None
         self.ready = threading.Event()
@@ -118,7 +120,21 @@ class EngineLoop:
         return fut
 
     def submit(self, req: GenRequest, handle: RequestHandle) -> None:
-        self._post(lambda engine: self._add(engine, req, handle))
+        self.submit_all([(req, handle)])
+
+    def submit_all(self, items: list[tuple[GenRequest, RequestHandle]]) -> None:
+        """Admit every request or none (raises Overloaded), then queue them for the engine."""
+        tickets = self.admission.admit([(r.params.n, len(r.prompt_token_ids) + r.params.max_tokens)
+                                        for r, _ in items])
+        for (_, handle), ticket in zip(items, tickets, strict=True):
+            handle.ticket = ticket
+        try:
+            for req, handle in items:
+                self._post(lambda engine, req=req, handle=handle: self._add(engine, req, handle))
+        except NotReady:
+            for ticket in tickets:
+                ticket.release()
+            raise
 
     def abort(self, request_id: str, reason: str = "client") -> Future[bool]:
         return self.call(lambda engine: self._abort(engine, request_id, reason))
@@ -188,6 +204,7 @@ class EngineLoop:
             self.error = exc
             self.loaded_or_failed.set()
             return
+        self.admission.slots = self._engine.scheduler.num_slots
         self.ready.set()
         self.loaded_or_failed.set()
         if self.metrics is not None:
@@ -237,6 +254,7 @@ class EngineLoop:
             rid = engine.add_request(req.prompt_token_ids, req.params, request_id=req.request_id,
                                      group_id=req.group_id)
         except (SamplingError, ValueError) as exc:
+            handle.release()
             handle.put_many([Failed(str(exc), invalid=True)])
             return
         self._disp.track(handle, engine.requests[rid], req.metadata)

@@ -17,6 +17,7 @@ from typing import TYPE_CHECKING, Any
 
 import uvicorn
 
+from service.api.admission import Admission, AdmissionCollector, AdmissionLimits
 from service.api.auth import Auth
 from service.api.context import ServiceContext
 from service.api.generation import Limits
@@ -49,6 +50,7 @@ class ServerConfig:
     shutdown_grace_s: float = 5.0
     buffer: BufferConfig | None = None  # rollout buffer; None: Redis at redis_url, else in memory
     reuse_weight_buffers: bool = True  # keep replaced weights as the buffer for the next push
+    admission: AdmissionLimits = field(default_factory=AdmissionLimits)  # the bounded queue of work
 
 
 class _Uvicorn(uvicorn.Server):
@@ -72,7 +74,9 @@ class SpecrollServer:
 
         self.hooks = Hooks()
         self.metrics = Metrics()
-        self.loop = EngineLoop(engine_factory or default_factory, self.metrics, self.hooks)
+        self.loop = EngineLoop(engine_factory or default_factory, self.metrics, self.hooks,
+                               Admission(config.admission))
+        self.metrics.registry.register(AdmissionCollector(self.loop.admission))
         self.metrics.ready_fn = lambda: self.loop.ready.is_set() and self.loop.alive
         weights = WeightManager(self.loop, self.metrics, config.limits.max_upload_bytes, config.load_root,
                                 config.reuse_weight_buffers)

@@ -47,7 +47,9 @@ class BufferCollector(Collector):
         for name, doc, key in (("buffer_spooled", "Records written to the local spool", "spooled"),
                                ("buffer_replayed", "Spooled records replayed into Redis", "replayed"),
                                ("buffer_write_errors", "Failed Redis writes (retried)", "write_errors"),
-                               ("buffer_spool_corrupt", "Torn spool records found at start", "corrupt")):
+                               ("buffer_spool_corrupt", "Torn spool records found at start", "corrupt"),
+                               ("buffer_spool_errors", "Failed spool writes or fsyncs (records may be lost)",
+                                "spool_errors")):
             c = CounterMetricFamily(P + name, doc)
             c.add_metric([], s.get(key, 0))
             yield c
@@ -95,7 +97,10 @@ def attach_buffer(server: SpecrollServer) -> BufferAttachment:
         logger.info("rollouts go to Redis stream %r (spool %s)", cfg.stream, cfg.spool_path())
     else:
         buffer = MemoryBuffer(cfg.memory_maxlen, cfg.top_k)
-    server.hooks.on_rollout_finished.append(buffer.on_rollout)
+    if isinstance(buffer, RedisBuffer):
+        server.hooks.rollout_store = buffer.on_rollout  # a sample's final message waits until it is stored
+    else:
+        server.hooks.on_rollout_finished.append(buffer.on_rollout)
     server.hooks.on_reward.append(buffer.on_reward)
     server.metrics.registry.register(BufferCollector(buffer))
     trainer = None

@@ -7,6 +7,12 @@ fills, and from then on records go to the spool until the writer has replayed al
 records reach Redis is the order they were submitted: queue first, then spool, then new records. A write
 that timed out may have reached Redis and is sent again, so delivery is at-least-once: consumers dedupe
 on rollout id. At shutdown whatever could not be written is kept in the spool for the next start.
+
+Durability: a record submitted with a `stored` callback gets it called once the record is in Redis (its
+batch's write returned) or fsync'd in the spool. The server sends a sample's final message only then, so
+a rollout a client received survives a kill -9 of the server. Spool appends are fsync'd in groups: every
+record spooled while one fsync runs shares the next. When a write to Redis fails, the queue moves to the
+spool (durably) at once, so clients never wait for Redis to come back.
 """
 
 from __future__ import annotations
@@ -16,6 +22,7 @@ import logging
 import threading
 import time
 from collections import deque
+from collections.abc import Callable
 from typing import Any
 
 import redis
@@ -30,6 +37,13 @@ logger = logging.getLogger(__name__)
 MAX_BACKOFF_S = 2.0
 
 
+Stored = Callable[[], None]
+
+
+def _noop() -> None:
+    return None
+
+
 class RedisBuffer:
     def __init__(self, config: BufferConfig, client: redis.Redis | None = None) -> None:
         if not config.redis_url and client is None:
@@ -42,33 +56,42 @@ class RedisBuffer:
                            config.spool_full)
         self.written = {"rollout": 0, "reward": 0}
         self.write_errors = 0
+        self.spool_errors = 0
         self.redis_up = True
-        self._q: deque[bytes] = deque()
+        self._q: deque[tuple[bytes, Stored]] = deque()
+        self._unsynced: list[Stored] = []  # spooled, waiting for the next fsync
         self._cond = threading.Condition()
         self._spooling = len(self.spool) > 0  # records from a previous run go out first
+        self._retry_at = 0.0  # no Redis write before this (monotonic) after a failure
         self._stopping = False
         self._thread = threading.Thread(target=self._run, name="specroll-buffer", daemon=True)
         self._thread.start()
 
     # -- producer side (hooks thread) -------------------------------------------------------------
-    def on_rollout(self, record: Any) -> None:
-        self.submit(spool_rollout(payload_of(record, self.config.top_k)))
+    def on_rollout(self, record: Any, stored: Stored = _noop) -> None:
+        self.submit(spool_rollout(payload_of(record, self.config.top_k)), stored)
 
     def on_reward(self, rollout_id: str, reward: float) -> None:
         self.submit(spool_reward(rollout_id, reward))
 
-    def submit(self, data: bytes) -> None:
-        """Never blocks on Redis: queue the record, or spool it while Redis is behind."""
+    def submit(self, data: bytes, stored: Stored = _noop) -> None:
+        """Never blocks on Redis: queue the record, or spool it while Redis is behind. `stored` is called
+        (on the writer thread) once the record is in Redis or fsync'd in the spool."""
         with self._cond:
             if not self._spooling and len(self._q) < self.config.queue_max and not self._stopping:
-                self._q.append(data)
+                self._q.append((data, stored))
                 self._cond.notify()
                 return
             if not self._spooling:
                 logger.warning("Redis is behind (%d records queued): spooling rollouts to %s", len(self._q),
                                self.spool.path)
                 self._spooling = True
-            self.spool.append(data)
+            try:
+                self.spool.append(data)  # a record the full-spool policy drops is counted there
+            except OSError:
+                self.spool_errors += 1
+                logger.exception("cannot write to the spool %s: a record is lost", self.spool.path)
+            self._unsynced.append(stored)
             self._cond.notify()
 
     @property
@@ -80,18 +103,26 @@ class RedisBuffer:
         backoff = 0.05
         while True:
             with self._cond:
-                while not self._q and not self._spooling and not self._stopping:
-                    self._cond.wait(0.5)
+                while not self._unsynced and not self._stopping and (
+                        (not self._q and not self._spooling) or time.monotonic() < self._retry_at):
+                    self._cond.wait(max(0.001, min(0.5, self._retry_at - time.monotonic())))
+                stored, self._unsynced = self._unsynced, []
                 if self._stopping and not self._q and not len(self.spool):
+                    self._sync(stored)
                     return
                 from_queue = bool(self._q)
                 batch = list(itertools.islice(self._q, self.config.batch_size)) if from_queue else []
-            if not from_queue:
-                batch = self.spool.peek(self.config.batch_size)
-            if batch and not self._write(batch):
+            self._sync(stored)
+            if time.monotonic() < self._retry_at:
                 if self._stopping:
                     return
-                time.sleep(backoff)
+                continue
+            records = [data for data, _ in batch] if from_queue else self.spool.peek(self.config.batch_size)
+            if records and not self._write(records):
+                if self._stopping:
+                    return
+                self._spill_queue()
+                self._retry_at = time.monotonic() + backoff
                 backoff = min(backoff * 2, MAX_BACKOFF_S)
                 continue
             backoff = 0.05
@@ -100,10 +131,47 @@ class RedisBuffer:
                     for _ in batch:
                         self._q.popleft()
                 else:
-                    self.spool.commit(len(batch))
+                    self.spool.commit(len(records))
                 if self._spooling and not self._q and not len(self.spool):
                     logger.info("spool replayed: writing to Redis directly again")
                     self._spooling = False
+            for _, done in batch:
+                self._call(done)
+
+    def _sync(self, stored: list[Stored]) -> None:
+        if not stored:
+            return
+        try:
+            self.spool.sync()
+        except OSError:
+            self.spool_errors += 1
+            logger.exception("cannot fsync the spool %s", self.spool.path)
+        for done in stored:
+            self._call(done)
+
+    def _spill_queue(self) -> None:
+        """Redis failed: move the queue, in order, in front of everything spooled, durably."""
+        with self._cond:
+            left = list(self._q)
+            self._q.clear()
+            if left:
+                self._spooling = True
+        if not left:
+            return
+        try:
+            self.spool.prepend([data for data, _ in left])
+        except OSError:
+            self.spool_errors += 1
+            logger.exception("cannot write to the spool %s: %d records are lost", self.spool.path, len(left))
+        for _, done in left:
+            self._call(done)
+
+    @staticmethod
+    def _call(done: Stored) -> None:
+        try:
+            done()
+        except Exception:
+            logger.exception("stored-callback failed")
 
     def _write(self, batch: list[bytes]) -> bool:
         cfg = self.config
@@ -140,7 +208,7 @@ class RedisBuffer:
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
             with self._cond:
-                if not self._q and not self._spooling:
+                if not self._q and not self._spooling and not self._unsynced:
                     return True
             time.sleep(0.01)
         return False
@@ -155,11 +223,14 @@ class RedisBuffer:
         with self._cond:
             left = list(self._q)
             self._q.clear()
+            stored, self._unsynced = self._unsynced, []
         if left:
             logger.warning("Redis unreachable at shutdown: %d records kept in the spool %s", len(left),
                            self.spool.path)
-            self.spool.prepend(left)
+            self.spool.prepend([data for data, _ in left])
         self.spool.close()
+        for done in [*stored, *(done for _, done in left)]:
+            self._call(done)
         self.redis.close()
 
     def stats(self) -> dict[str, float]:
@@ -167,4 +238,4 @@ class RedisBuffer:
                 "spooled": self.spool.spooled, "replayed": self.spool.replayed, "dropped": self.spool.dropped,
                 "spool_records": len(self.spool), "spool_bytes": self.spool.nbytes, "queued": len(self._q),
                 "write_errors": self.write_errors, "redis_up": 1.0 if self.redis_up else 0.0,
-                "corrupt": self.spool.corrupt}
+                "corrupt": self.spool.corrupt, "spool_errors": self.spool_errors}

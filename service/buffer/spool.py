@@ -5,6 +5,10 @@ position (segment, offset) is kept in ``HEAD``, replaced atomically on every com
 in order and `commit` them once delivered elsewhere, so a crash between the two replays them again
 (at-least-once; consumers dedupe on rollout id). A fully read segment is deleted.
 
+`append` writes to the OS; `sync` makes everything appended so far durable (fsync of the file written to
+and, after a new segment, of the folder), so a caller can group many appends under one fsync. `prepend`
+is durable when it returns.
+
 When a record does not fit in `max_bytes`, the policy decides: ``drop_oldest`` deletes the oldest segment
 (its unread records are dropped) until the record fits; ``drop_newest`` drops the incoming record. Both
 count what they drop in `dropped`. A torn or corrupt record found when reopening ends its segment there and
@@ -52,6 +56,8 @@ class Spool:
         self._peeked: list[tuple[int, int]] = []  # (seq, end offset) of each record the last peek returned
         self._tail: BinaryIO | None = None  # append handle on the last segment
         self._next_seq = _FIRST_SEQ  # segment numbers are never reused
+        self._unsynced = False  # appended bytes not yet fsync'd
+        self._dir_unsynced = False  # a segment file was created since the last folder fsync
         self._open()
 
     # -- state --------------------------------------------------------------------------------------
@@ -135,6 +141,7 @@ class Spool:
                 tail = self._new_tail()
             assert self._tail is not None
             self._tail.write(_HEADER.pack(len(data), zlib.crc32(data)) + data)
+            self._unsynced = True
             tail.size += size
             tail.count += 1
             self.spooled += 1
@@ -156,25 +163,50 @@ class Spool:
                 self._segments.pop(0)
                 self._head_read = self._head_offset = 0
             tmp = self._file(seq).with_suffix(".tmp")
-            tmp.write_bytes(blob)
+            with open(tmp, "wb") as fh:
+                fh.write(blob)
+                fh.flush()
+                os.fsync(fh.fileno())
             os.replace(tmp, self._file(seq))
+            self._fsync_dir()
             seg = _Segment(seq)
             self._scan(seg)
             self._segments.insert(0, seg)
             self.spooled += len(records)
             self._save_head()
 
+    def sync(self) -> None:
+        """Make every record appended so far durable."""
+        with self._lock:
+            if self._unsynced and self._tail is not None:
+                os.fsync(self._tail.fileno())
+            self._unsynced = False
+            if self._dir_unsynced:
+                self._fsync_dir()
+
+    def _fsync_dir(self) -> None:
+        fd = os.open(self.path, os.O_RDONLY)
+        try:
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+        self._dir_unsynced = False
+
     def _new_tail(self) -> _Segment:
         if self._tail is not None:
+            if self._unsynced:
+                os.fsync(self._tail.fileno())  # the next sync() only reaches the new tail
             self._tail.close()
         seq, self._next_seq = self._next_seq, self._next_seq + 1
         seg = _Segment(seq)
         self._segments.append(seg)
         self._tail = open(self._file(seq), "ab", buffering=0)  # noqa: SIM115 - kept open for appends
+        self._dir_unsynced = True
         return seg
 
     def _close_tail_if(self, seq: int) -> None:
         if self._tail is not None and self._segments and self._segments[-1].seq == seq:
+            self._unsynced = False  # the segment is going away
             self._tail.close()
             self._tail = None
 
@@ -241,6 +273,7 @@ class Spool:
                 self._save_head()
 
     def close(self) -> None:
+        self.sync()
         with self._lock:
             if self._tail is not None:
                 self._tail.close()
