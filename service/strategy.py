@@ -15,8 +15,12 @@ What makes it fast to converge is sharing across arms:
   a + b*B, plus k * (u_d + v_d*B) per drafter). Two measured arms of a drafter in any buckets predict all its
   ks in every bucket. Per (bucket, arm), a correction factor (measured / predicted, shrunk towards 1 by the
   number of measurements) absorbs what a line misses; the cost draw's spread shrinks with those measurements.
-  Costs are what the engine measured, including a draft model's catch-up after other arms ran (a switch
-  costs that) and the work between two steps.
+  Costs are what the engine measured, including the work between two steps.
+- Switches: the first step of a draft model after other arms ran pays its catch-up (it feeds itself every
+  token it missed). That is kept out of the arm's cost (one costly catch-up would write the arm off, and
+  the longer it stayed off the costlier the next catch-up: the old strategy sat on plain decoding at full
+  batch for that reason) and learned apart, per row per step missed; it is charged, spread over
+  `switch_horizon` steps, to arms that would switch.
 - Acceptance: one Beta posterior per drafter, fed by every speculative step of any k (a row that accepted a
   of k drafts saw a successes and, if a < k, one failure; one step counts for at most `trials_per_step`
   trials, since a batch's rows are not independent). Counts are discounted every step, so a drafter that
@@ -93,7 +97,12 @@ class AdaptiveStrategy:
     model: StepCostModel = field(init=False)
     accept: dict[str, Acceptance] = field(init=False)
     correction: dict[tuple[int, Strategy], Ewma] = field(default_factory=dict)  # measured / predicted cost
+    switch_horizon: float = 32.0  # a switch's catch-up cost is spread over this many steps of the new arm
+    switch_cost: dict[str, Ewma] = field(default_factory=dict)  # catch-up seconds per row per step missed
+    _away: dict[str, int] = field(default_factory=dict)  # steps since each drafter last ran
     _plain_buckets: set[int] = field(default_factory=set)
+    _steady: dict[str, int] = field(default_factory=dict)  # steps measured without a switch, per drafter
+    _last: str | None = None  # drafter of the last recorded step (None: plain)
     _rng: random.Random = field(init=False)
 
     def __post_init__(self) -> None:
@@ -149,6 +158,9 @@ class AdaptiveStrategy:
             corr, n = self._correction(batch_size, s)
             noise = math.exp(self._rng.gauss(0.0, self.cost_spread / math.sqrt(1 + n)))
             cost = self.model.predict(s.drafter, s.k, batch_size) * corr * noise
+            if s.k and s.drafter != self._last and s.drafter in self.switch_cost:
+                catch_up = (self.switch_cost[s.drafter].value or 0.0) * batch_size * self._away.get(s.drafter, 1)
+                cost += catch_up / self.switch_horizon
             value = self.tokens_per_row(alpha[s.drafter], s.k) / cost if s.k else 1.0 / cost
             if value > best_value:
                 best, best_value = s, value
@@ -162,10 +174,23 @@ class AdaptiveStrategy:
     def record(self, s: Strategy, batch_size: int, seconds: float, num_accepted: list[int] | None = None) -> None:
         """One step's measurement: its wall seconds, and num_accepted per row for speculative steps."""
         drafter = s.drafter if s.k else None
-        if self.model.measured:
-            ratio = seconds / self.model.predict(drafter, s.k, batch_size)
-            self.correction.setdefault((bucket_of(batch_size), s), Ewma()).update(ratio, 0.3)
-        self.model.record(drafter, s.k, batch_size, seconds)
+        switched, self._last = drafter is not None and drafter != self._last, drafter
+        for d in self.drafters:
+            self._away[d] = 0 if d == drafter else self._away.get(d, 0) + 1
+        if switched and self._steady.get(drafter, 0):
+            # The first step after a switch pays the drafter's catch-up (a draft model feeds itself every
+            # token it missed). That is the price of switching, not of the arm: kept apart, or one costly
+            # catch-up would write the arm off, and the longer it stays off the costlier the next catch-up.
+            excess = max(0.0, seconds - self.predicted_cost(batch_size, s))
+            missed = batch_size * max(1, self._away.get(drafter, 1))  # row-steps it missed, about
+            self.switch_cost.setdefault(drafter, Ewma()).update(excess / missed, 0.3)
+        else:
+            if drafter is not None:
+                self._steady[drafter] = self._steady.get(drafter, 0) + 1
+            if self.model.measured:
+                ratio = seconds / self.model.predict(drafter, s.k, batch_size)
+                self.correction.setdefault((bucket_of(batch_size), s), Ewma()).update(ratio, 0.3)
+            self.model.record(drafter, s.k, batch_size, seconds)
         if drafter is None:
             self._plain_buckets.add(bucket_of(batch_size))
         for a in self.accept.values():

@@ -42,7 +42,7 @@ def solve(a: list[list[float]], y: list[float]) -> list[float]:
 @dataclass(slots=True)
 class StepCostModel:
     drafters: list[str]
-    forget: float = 0.97  # per measured step
+    forget: float = 0.99  # per measured step
     prior_marginal: float = 0.3  # one draft position costs this fraction of a plain step, a priori
     prior_rows: float = 32.0  # a priori, a plain step of this many rows costs twice a one-row step
     prior_weight: float = 0.05  # strength of the priors, in measured steps
