@@ -79,6 +79,10 @@ def summarize(results: dict[str, list[StepRecord]], skip: int) -> dict[str, Any]
             "update_cpu_s": _mean([r.extra.get("update_cpu_s", 0.0) for r in timed]),
             "server_cpu_during_update_s": _mean([r.extra.get("server_cpu_during_update_s", 0.0) for r in timed]),
             "trained_tokens": _mean([r.extra.get("trained_tokens", 0) for r in timed]),
+            # The update's work is the tokens of rows with a non-zero advantage, which differ between runs
+            # (SD draws other samples, so other rewards): compare updates per trained token.
+            "update_ms_per_trained_token": round(1e3 * sum(r.update_s for r in timed)
+                                                 / max(1, sum(r.extra.get("trained_tokens", 0) for r in timed)), 4),
             "tokens_per_step": [round(r.tokens_per_step, 3) for r in recs],
             "drafter_versions": [r.drafter_versions for r in recs],
             "reward": [round(r.reward, 4) for r in recs], "mean_reward": _mean([r.reward for r in recs]),
