@@ -98,6 +98,7 @@ class AdaptiveStrategy:
     accept: dict[str, Acceptance] = field(init=False)
     correction: dict[tuple[int, Strategy], Ewma] = field(default_factory=dict)  # measured / predicted cost
     switch_horizon: float = 32.0  # a switch's catch-up cost is spread over this many steps of the new arm
+    switch_max_steps: int = 32
     switch_cost: dict[str, Ewma] = field(default_factory=dict)  # catch-up seconds per row per step missed
     _away: dict[str, int] = field(default_factory=dict)  # steps since each drafter last ran
     _plain_buckets: set[int] = field(default_factory=set)
@@ -159,7 +160,7 @@ class AdaptiveStrategy:
             noise = math.exp(self._rng.gauss(0.0, self.cost_spread / math.sqrt(1 + n)))
             cost = self.model.predict(s.drafter, s.k, batch_size) * corr * noise
             if s.k and s.drafter != self._last and s.drafter in self.switch_cost:
-                catch_up = (self.switch_cost[s.drafter].value or 0.0) * batch_size * self._away.get(s.drafter, 1)
+                catch_up = (self.switch_cost[s.drafter].value or 0.0) * batch_size * self._missed_steps(s.drafter)
                 cost += catch_up / self.switch_horizon
             value = self.tokens_per_row(alpha[s.drafter], s.k) / cost if s.k else 1.0 / cost
             if value > best_value:
@@ -182,7 +183,7 @@ class AdaptiveStrategy:
             # token it missed). That is the price of switching, not of the arm: kept apart, or one costly
             # catch-up would write the arm off, and the longer it stays off the costlier the next catch-up.
             excess = max(0.0, seconds - self.predicted_cost(batch_size, s))
-            missed = batch_size * max(1, self._away.get(drafter, 1))  # row-steps it missed, about
+            missed = batch_size * self._missed_steps(drafter)
             self.switch_cost.setdefault(drafter, Ewma()).update(excess / missed, 0.3)
         else:
             if drafter is not None:
@@ -202,6 +203,11 @@ class AdaptiveStrategy:
             trials = hits + sum(1 for n in num_accepted if n < s.k)
             if trials:
                 self._observe(drafter, hits, trials)
+
+    def _missed_steps(self, drafter: str) -> int:
+        """Steps a drafter missed, capped: one catch-up pass over many tokens costs far less than as many
+        steps, and an uncapped charge would lock the strategy out of a drafter the longer it stays away."""
+        return min(max(1, self._away.get(drafter, 1)), self.switch_max_steps)
 
     def _observe(self, drafter: str, hits: int, trials: int) -> None:
         a = self.accept[drafter]
