@@ -54,7 +54,8 @@ def run_config(name: str, server_kw: dict[str, Any], cfg: GRPOConfig, args: argp
                        max_model_len=cfg.max_tokens + 256,
                        max_num_seqs=max(64, cfg.prompts_per_step * cfg.group_size), extra_args=extra,
                        log_path=log_dir / f"server_{name}.log", **server_kw) as server:
-        run_cfg = replace(cfg, server=server.grpc_target, admin_token=server.admin_token, model=str(model))
+        run_cfg = replace(cfg, server=server.grpc_target, admin_token=server.admin_token, model=str(model),
+                          server_pid=server.proc.pid if server.proc else None)
         start = time.perf_counter()
         records = run(run_cfg)
         logger.warning("%s: %d steps in %.1f s, rewards %s", name, len(records), time.perf_counter() - start,
@@ -75,6 +76,13 @@ def summarize(results: dict[str, list[StepRecord]], skip: int) -> dict[str, Any]
             "rollout_s": _mean([r.rollout_s for r in timed]), "tail_s": _mean([r.tail_s for r in timed]),
             "update_s": _mean([r.update_s for r in timed]), "push_s": _mean([r.push_s for r in timed]),
             "step_s": _mean([r.step_s for r in timed]),
+            "update_cpu_s": _mean([r.extra.get("update_cpu_s", 0.0) for r in timed]),
+            "server_cpu_during_update_s": _mean([r.extra.get("server_cpu_during_update_s", 0.0) for r in timed]),
+            "trained_tokens": _mean([r.extra.get("trained_tokens", 0) for r in timed]),
+            # The update's work is the tokens of rows with a non-zero advantage, which differ between runs
+            # (SD draws other samples, so other rewards): compare updates per trained token.
+            "update_ms_per_trained_token": round(1e3 * sum(r.update_s for r in timed)
+                                                 / max(1, sum(r.extra.get("trained_tokens", 0) for r in timed)), 4),
             "tokens_per_step": [round(r.tokens_per_step, 3) for r in recs],
             "drafter_versions": [r.drafter_versions for r in recs],
             "reward": [round(r.reward, 4) for r in recs], "mean_reward": _mean([r.reward for r in recs]),

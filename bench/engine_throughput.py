@@ -161,8 +161,10 @@ class SpecrollRunner(Runner):
 
 # -- transformers ---------------------------------------------------------------------------------
 class TransformersRunner(Runner):
-    """transformers ``generate``, greedy. End-of-sequence is switched off in the generation config (like
-    ``ignore_eos``), so greedy picks are never masked and every row runs to exactly ``new_tokens`` tokens.
+    """transformers ``generate``, greedy. End-of-sequence is switched off in the model's and the call's
+    generation config, which is what specroll's ``ignore_eos`` means: an end-of-sequence token may be picked
+    and is kept, and every row runs to exactly ``new_tokens`` tokens. (``min_new_tokens`` is not the same
+    thing: it masks end-of-sequence out of the logits, so greedy picks differ wherever it would win.)
     ``cache="auto"`` times the dynamic and the static cache at each warm-up and keeps the faster."""
 
     name = "transformers"
@@ -175,10 +177,12 @@ class TransformersRunner(Runner):
         self.model = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=getattr(torch, dtype)).eval()
         self.start_s = time.perf_counter() - t0
         logger.info("transformers model (%s) loaded in %.2f s", dtype, self.start_s)
-        base: dict[str, Any] = dict(do_sample=False, max_new_tokens=new_tokens, min_new_tokens=new_tokens,
-                                    eos_token_id=None, pad_token_id=0, bos_token_id=None)
+        self.model.generation_config.eos_token_id = None  # or generate() merges the model's EOS back in
+        base: dict[str, Any] = dict(do_sample=False, max_new_tokens=new_tokens, eos_token_id=None, pad_token_id=0,
+                                    bos_token_id=None)
         self.configs = {"dynamic": GenerationConfig(**base),
                         "static": GenerationConfig(**base, cache_implementation="static")}
+        self.new_tokens = new_tokens
         self.auto = cache == "auto"
         self.cache = "dynamic" if self.auto else cache
         self.chosen: dict[str, str] = {}  # batch size -> cache kind used
@@ -190,7 +194,10 @@ class TransformersRunner(Runner):
             ids = torch.tensor(prompts, dtype=torch.long)  # equal lengths: no padding needed
             out = self.model.generate(input_ids=ids, attention_mask=torch.ones_like(ids),
                                       generation_config=self.configs[cache])
-        return out[:, ids.shape[1] :].tolist()
+        new = out[:, ids.shape[1] :].tolist()
+        if any(len(row) != self.new_tokens for row in new):
+            raise RuntimeError("transformers stopped early: end-of-sequence is not switched off")
+        return new
 
     def warmup(self, prompts: Prompts) -> Prompts:
         if self.auto:

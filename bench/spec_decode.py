@@ -1,12 +1,18 @@
-"""Long-tail rollout benchmark: speculative decoding off, fixed k, and adaptive, in one run.
+"""Rollout benchmark: speculative decoding off, fixed (draft, k), and adaptive, on several workload shapes.
 
-Workload: 64 requests (8 prompts x 8 samples, like a GRPO group) whose lengths follow a log-normal tail, so
-the batch drains to a few long sequences. Target and draft model are built here, no downloads: the target is
-a deeper model whose extra layers write small updates into the residual stream, the draft model is its first
-layers with the same embedding and head (a well-aligned drafter; `--align` sets how well). Prints one JSON
-line: tokens/s, mean accepted length, tail-phase time and the ratios adaptive / off.
+Each workload is 64 requests (8 prompts x 8 samples, like a GRPO group):
+- long_tail: log-normal lengths (median 48, sigma 0.9), so the batch drains to a few long sequences;
+- near_uniform: lengths within +-10% of 96, so the batch stays full until the end;
+- heavy_tail: log-normal lengths (median 24, sigma 1.5): most finish early, a few run very long;
+- collapse: long_tail, but halfway (by tokens) the draft model is swapped for an unrelated one, as after a
+  policy push its drafter has not caught up with: acceptance collapses.
+Target and draft model are built here, no downloads: the target is a deeper model whose extra layers write
+small updates into the residual stream, the draft model is its first layers with the same embedding and
+head (a well-aligned drafter; `--align` sets how well). Prints one JSON line (tokens/s, tail time, ratios per
+workload, loadavg) and writes a PNG per workload (`--plot-dir`): tokens/s of each strategy per batch-size
+bucket, and the adaptive choice over the run's steps.
 
-    python bench/spec_decode.py [--threads 2] [--quick]
+    python3 -m bench.spec_decode [--threads 1] [--workloads long_tail,near_uniform] [--quick]
 """
 
 from __future__ import annotations
@@ -15,6 +21,7 @@ import argparse
 import json
 import logging
 import math
+import os
 import random
 import sys
 import tempfile
@@ -27,7 +34,9 @@ from tqdm import tqdm
 
 from service.config import EngineConfig
 from service.engine import LLMEngine
+from service.models.loader import load_model
 from service.sequence import SamplingParams
+from service.strategy import bucket_of
 
 logger = logging.getLogger("bench.spec_decode")
 
@@ -77,16 +86,25 @@ def write_models(root: Path, hidden: int, layers: int, draft_layers: int, vocab:
     return root / "target", root / "draft"
 
 
-def workload(n_prompts: int, per_prompt: int, median: int, sigma: float, cap: int, vocab: int, seed: int):
+WORKLOADS = ("long_tail", "near_uniform", "heavy_tail", "collapse")
+
+
+def workload(shape: str, n_prompts: int, per_prompt: int, median: int, sigma: float, cap: int, vocab: int,
+             seed: int):
     rng = random.Random(seed)
     prompts = [[rng.randrange(1, vocab) for _ in range(rng.randrange(8, 32))] for _ in range(n_prompts)]
-    lengths = [min(cap, max(4, int(math.exp(rng.gauss(math.log(median), sigma)))))
-               for _ in range(n_prompts * per_prompt)]
+    n = n_prompts * per_prompt
+    if shape == "near_uniform":
+        lengths = [rng.randint(int(median * 2 * 0.9), int(median * 2 * 1.1)) for _ in range(n)]
+    else:
+        med, sig = (median // 2, sigma + 0.6) if shape == "heavy_tail" else (median, sigma)
+        lengths = [min(cap, max(4, int(math.exp(rng.gauss(math.log(med), sig))))) for _ in range(n)]
     return prompts, lengths
 
 
 def run(target: Path, drafter: str, spec: str, k: int, prompts, lengths, per_prompt: int, max_len: int,
-        threads: int) -> dict:
+        threads: int, stale_draft: Path | None = None) -> dict:
+    """One rollout; with `stale_draft`, the draft model is replaced by it once half the tokens are out."""
     engine = LLMEngine(EngineConfig(model=str(target), drafter=drafter, spec=spec, spec_k=k, max_model_len=max_len,
                                     max_num_seqs=len(lengths), num_threads=threads, seed=0))
     warm = SamplingParams(temperature=1.0, max_tokens=8, seed=1, ignore_eos=True)
@@ -100,13 +118,20 @@ def run(target: Path, drafter: str, spec: str, k: int, prompts, lengths, per_pro
     tokens = 0
     spec_rows = spec_emitted = 0
     strategies: dict[str, int] = {}
+    trace: list[tuple[int, str, float, int]] = []  # per decode step: batch, strategy, seconds, emitted tokens
     finished = 0
+    half, swapped = sum(lengths) // 2, False
     while engine.has_unfinished():
+        steps_before = engine.stats.num_steps
         outs = engine.step()
         tokens += sum(len(o.new_token_ids) for o in outs)
         finished += sum(o.finished for o in outs)
-        rec = engine.stats.recent[-1] if engine.stats.recent else None
+        if stale_draft is not None and not swapped and tokens >= half and "draft" in engine.drafters:
+            engine.swap_drafter("draft", load_model(stale_draft, engine.dtype, engine.device), "stale")
+            swapped = True
+        rec = engine.stats.recent[-1] if engine.stats.num_steps > steps_before else None
         if rec is not None and rec.kind != "prefill":
+            trace.append((rec.batch_size, rec.strategy, round(rec.seconds, 5), rec.emitted_tokens))
             strategies[rec.strategy] = strategies.get(rec.strategy, 0) + 1
             if rec.k:
                 spec_rows += rec.batch_size
@@ -121,7 +146,20 @@ def run(target: Path, drafter: str, spec: str, k: int, prompts, lengths, per_pro
         "mean_accepted_length": round(spec_emitted / spec_rows, 3) if spec_rows else 1.0,
         "strategies": strategies,
         "tokens": tokens,
+        "per_bucket": per_bucket(trace),
+        "trace": trace,
     }
+
+
+def per_bucket(trace: list[tuple[int, str, float, int]]) -> dict[str, float]:
+    """tokens/s of the decode steps whose batch falls in each power-of-two bucket."""
+    tok: dict[int, int] = {}
+    sec: dict[int, float] = {}
+    for batch, _, seconds, emitted in trace:
+        b = bucket_of(batch)
+        tok[b] = tok.get(b, 0) + emitted
+        sec[b] = sec.get(b, 0.0) + seconds
+    return {str(b): round(tok[b] / sec[b], 1) for b in sorted(tok) if sec[b] > 0}
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -138,6 +176,10 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--sigma", type=float, default=0.9)
     ap.add_argument("--cap", type=int, default=640)
     ap.add_argument("--ks", default="2,4,8")
+    ap.add_argument("--workloads", default=",".join(WORKLOADS), help=f"comma-separated, of {WORKLOADS}")
+    ap.add_argument("--configs", default=None, help="only these configs (e.g. off,adaptive); default all")
+    ap.add_argument("--plot-dir", type=Path, default=Path(__file__).resolve().parent.parent / "docs",
+                    help="where the PNGs go")
     ap.add_argument("--threads", type=int, default=None)
     ap.add_argument("--quick", action="store_true", help="small sizes for a smoke run")
     ap.add_argument("--seed", type=int, default=0)
@@ -145,32 +187,61 @@ def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(level=logging.WARNING, stream=sys.stderr)
     if args.quick:
         args.hidden, args.layers, args.prompts, args.per_prompt, args.cap, args.median = 128, 4, 4, 4, 96, 16
+    shapes = [w for w in args.workloads.split(",") if w]
+    unknown = set(shapes) - set(WORKLOADS)
+    if unknown:
+        raise SystemExit(f"unknown workloads {sorted(unknown)}; choose from {WORKLOADS}")
+    load_start = os.getloadavg()
+    summary: dict = {
+        "bench": "spec_decode", "threads": args.threads or torch.get_num_threads(), "device": "cpu",
+        "model": {"hidden": args.hidden, "layers": args.layers, "draft_layers": args.draft_layers, "vocab": args.vocab},
+        "workloads": {},
+    }
     with tempfile.TemporaryDirectory() as tmp:
         target, draft = write_models(Path(tmp), args.hidden, args.layers, args.draft_layers, args.vocab, args.align,
                                      args.seed, args.embed_std)
-        prompts, lengths = workload(args.prompts, args.per_prompt, args.median, args.sigma, args.cap, args.vocab,
-                                    args.seed)
-        max_len = 40 + max(lengths)
-        drafters = f"{draft},suffix"
+        # An unrelated draft model of the same shape: what a drafter is worth after the policy moved away.
+        _, stale = write_models(Path(tmp) / "stale", args.hidden, args.draft_layers, args.draft_layers, args.vocab,
+                                args.align, args.seed + 1, args.embed_std)
         configs = [("off", "none", "off", 0)] + [(f"k={k}", str(draft), "fixed", int(k)) for k in args.ks.split(",")]
-        configs.append(("adaptive", drafters, "adaptive", 4))
-        results = {}
-        for name, drafter, spec, k in tqdm(configs, desc="configs", file=sys.stderr):
-            results[name] = run(target, drafter, spec, k, prompts, lengths, args.per_prompt, max_len, args.threads)
-            logger.warning("%s: %s", name, results[name])
-    off, ada = results["off"], results["adaptive"]
-    summary = {
-        "bench": "spec_decode", "threads": torch.get_num_threads(), "device": "cpu",
-        "model": {"hidden": args.hidden, "layers": args.layers, "draft_layers": args.draft_layers, "vocab": args.vocab},
-        "requests": len(lengths), "median_len": sorted(lengths)[len(lengths) // 2], "max_len": max(lengths),
-        "results": results,
-        "ratio_adaptive_vs_off": round(off["seconds"] / ada["seconds"], 3),
-        "ratio_tail_adaptive_vs_off": round(off["tail_seconds"] / max(ada["tail_seconds"], 1e-9), 3),
-        "ratio_best_fixed_vs_off": round(off["seconds"] / min(r["seconds"] for n, r in results.items()
-                                                              if n.startswith("k=")), 3),
-    }
+        configs.append(("adaptive", f"{draft},suffix", "adaptive", 4))
+        if args.configs:
+            configs = [c for c in configs if c[0] in args.configs.split(",")]
+        for shape in shapes:
+            prompts, lengths = workload(shape, args.prompts, args.per_prompt, args.median, args.sigma, args.cap,
+                                        args.vocab, args.seed)
+            results = {}
+            for name, drafter, spec, k in tqdm(configs, desc=shape, file=sys.stderr):
+                results[name] = run(target, drafter, spec, k, prompts, lengths, args.per_prompt, 40 + max(lengths),
+                                    args.threads, stale if shape == "collapse" else None)
+                logger.warning("%s %s: %s", shape, name, {k: v for k, v in results[name].items() if k != "trace"})
+            if args.plot_dir:
+                from bench.spec_plots import strategy_plot
+
+                args.plot_dir.mkdir(parents=True, exist_ok=True)
+                strategy_plot(shape, results, args.plot_dir / f"spec_decode_{shape}.png")
+            summary["workloads"][shape] = summarise(results, lengths)
+    summary["loadavg"] = {"start": [round(x, 2) for x in load_start], "end": [round(x, 2) for x in os.getloadavg()]}
     sys.stdout.write(json.dumps(summary) + "\n")
     return 0
+
+
+def summarise(results: dict[str, dict], lengths: list[int]) -> dict:
+    out: dict = {"requests": len(lengths), "median_len": sorted(lengths)[len(lengths) // 2], "max_len": max(lengths),
+                 "results": {n: {k: v for k, v in r.items() if k != "trace"} for n, r in results.items()}}
+    fixed = {n: r for n, r in results.items() if n.startswith("k=")}
+    off, ada = results.get("off"), results.get("adaptive")
+    if fixed:
+        best = min(fixed, key=lambda n: fixed[n]["seconds"])
+        out["best_fixed"] = best
+        if ada:
+            out["ratio_adaptive_vs_best_fixed"] = round(fixed[best]["seconds"] / ada["seconds"], 3)
+        if off:
+            out["ratio_best_fixed_vs_off"] = round(off["seconds"] / fixed[best]["seconds"], 3)
+    if off and ada:
+        out["ratio_adaptive_vs_off"] = round(off["seconds"] / ada["seconds"], 3)
+        out["ratio_tail_adaptive_vs_off"] = round(off["tail_seconds"] / max(ada["tail_seconds"], 1e-9), 3)
+    return out
 
 
 if __name__ == "__main__":

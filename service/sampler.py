@@ -58,20 +58,21 @@ class SamplingBatch:
 
     @classmethod
     def build(cls, seqs: list[Sequence], vocab_size: int, device: torch.device) -> SamplingBatch:
+        """Two host-built tensors per step (one float32, one int64); the fields are their columns."""
         params = [s.params for s in seqs]
         greedy = [p.temperature == 0 for p in params]
-        temperature = [1.0 if g else p.temperature for g, p in zip(greedy, params, strict=True)]
         top_k = [p.top_k if 0 < p.top_k < vocab_size else vocab_size for p in params]
-        f32 = dict(dtype=torch.float32, device=device)
-        i64 = dict(dtype=torch.int64, device=device)
+        floats = torch.tensor(
+            [[1.0 if g else p.temperature, p.top_p, p.min_p, float(g)] for g, p in zip(greedy, params, strict=True)],
+            dtype=torch.float32, device=device,
+        )
+        ints = torch.tensor(
+            [[k, s.seed, len(s.output_token_ids)] for k, s in zip(top_k, seqs, strict=True)],
+            dtype=torch.int64, device=device,
+        )
         return cls(
-            temperature=torch.tensor(temperature, **f32),
-            greedy=torch.tensor(greedy, dtype=torch.bool, device=device),
-            top_p=torch.tensor([p.top_p for p in params], **f32),
-            top_k=torch.tensor(top_k, **i64),
-            min_p=torch.tensor([p.min_p for p in params], **f32),
-            seeds=torch.tensor([s.seed for s in seqs], **i64),
-            counters=torch.tensor([len(s.output_token_ids) for s in seqs], **i64),
+            temperature=floats[:, 0], greedy=floats[:, 3] > 0, top_p=floats[:, 1], top_k=ints[:, 0],
+            min_p=floats[:, 2], seeds=ints[:, 1], counters=ints[:, 2],
             use_top_k=any(k < vocab_size for k in top_k),
             use_top_p=any(p.top_p < 1.0 for p in params),
             use_min_p=any(p.min_p > 0.0 for p in params),

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import os
 import time
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
@@ -46,6 +47,7 @@ class GRPOConfig:
     push_mode: str = "wait"
     micro_tokens: int = 8192
     threads: int | None = None
+    server_pid: int | None = None  # a local server's pid: its CPU seconds during each update are recorded
 
     @property
     def difficulty(self) -> Difficulty:
@@ -120,6 +122,17 @@ def tail_seconds(finish_times: list[float], frac: float = 0.75) -> float:
     return times[-1] - times[max(0, int(len(times) * frac) - 1)]
 
 
+def process_cpu_seconds(pid: int | None) -> float:
+    """User + system CPU seconds of a local process so far (Linux /proc); 0.0 when unknown."""
+    if pid is None:
+        return 0.0
+    try:
+        fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    except OSError:
+        return 0.0
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
 def accepted_length(samples: list[Sample]) -> float:
     """Output tokens per engine step over all samples (tokens_per_step is per sample)."""
     tokens = sum(s.num_output_tokens for s in samples)
@@ -157,8 +170,16 @@ async def train(cfg: GRPOConfig, on_step: Callable[[StepRecord], None] | None = 
                     rewards_by_id[s.rollout_id] = r
                 flat_rewards += rewards
                 by_terms.setdefault(len(prob.numbers), []).extend(rewards)
+            cpu0, server0 = time.process_time(), process_cpu_seconds(cfg.server_pid)
             stats = await asyncio.to_thread(policy.update, rollouts, cfg.temperature, cfg.clip, cfg.micro_tokens)
             t2 = time.perf_counter()
+            # Where the update's time goes: this process's CPU seconds (its work), the server's CPU seconds
+            # meanwhile (work competing for the machine), and the tokens it trained on (rows with A != 0).
+            update_extra = {
+                "update_cpu_s": round(time.process_time() - cpu0, 4),
+                "server_cpu_during_update_s": round(process_cpu_seconds(cfg.server_pid) - server0, 4),
+                "trained_tokens": sum(len(r.output_ids) for r in rollouts if r.advantage != 0.0),
+            }
             new_version = f"step-{step + 1}"
             await client.push_weights(policy.hf_weights(), new_version, mode=cfg.push_mode)
             await client.report_rewards(rewards_by_id)
@@ -172,7 +193,7 @@ async def train(cfg: GRPOConfig, on_step: Callable[[StepRecord], None] | None = 
                 lengths=[s.num_output_tokens for s in samples], tokens_per_step=accepted_length(samples),
                 drafter_versions=sorted({sp.drafter_version for s in samples for sp in s.version_spans}),
                 trained_samples=stats.trained_samples, logprob_max_abs_diff=stats.logprob_max_abs_diff,
-                loss=stats.loss)
+                loss=stats.loss, extra=update_extra)
             version = new_version
             records.append(rec)
             logger.info("step %d: reward %.3f  rollout %.2fs (tail %.2fs)  update %.2fs  push %.2fs  "

@@ -1,0 +1,112 @@
+"""Online step-cost model for the adaptive strategy: one small weighted least-squares fit, torch-free.
+
+    plain step of B rows:            cost = a + b * B
+    speculative step, drafter d, k:  cost = a + b * B + k * (u_d + v_d * B)
+
+(a, b) are the target's fixed and per-row cost; k * (u_d + v_d * B) is what k draft positions add: a wider
+verify pass plus the drafter's own work (nothing for a suffix table, k small forwards for a draft model).
+All parameters are fit jointly from every measured step, whatever its batch size, so a measurement in one
+batch bucket informs the others. Each step is weighted by 1 / cost^2 (relative error: costs span 10x and
+more across batch sizes) and older steps fade by `forget`, which keeps the fit local to the batch sizes and
+context lengths of the last few dozen steps (a rollout drains slowly). A weak ridge prior ties each drafter's
+(u_d, v_d) to `prior_marginal` x (a, b) and b to a / `prior_rows`, so the fit is defined from the first step.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+
+def solve(a: list[list[float]], y: list[float]) -> list[float]:
+    """Solve a x = y (small dense system) by Gaussian elimination with partial pivoting."""
+    n = len(y)
+    m = [[*row, y[i]] for i, row in enumerate(a)]
+    for c in range(n):
+        p = max(range(c, n), key=lambda r: abs(m[r][c]))
+        if abs(m[p][c]) < 1e-300:
+            continue
+        m[c], m[p] = m[p], m[c]
+        for r in range(c + 1, n):
+            f = m[r][c] / m[c][c]
+            if f:
+                for j in range(c, n + 1):
+                    m[r][j] -= f * m[c][j]
+    x = [0.0] * n
+    for c in reversed(range(n)):
+        if abs(m[c][c]) < 1e-300:
+            continue
+        x[c] = (m[c][n] - sum(m[c][j] * x[j] for j in range(c + 1, n))) / m[c][c]
+    return x
+
+
+@dataclass(slots=True)
+class StepCostModel:
+    drafters: list[str]
+    forget: float = 0.99  # per measured step
+    prior_marginal: float = 0.3  # one draft position costs this fraction of a plain step, a priori
+    prior_rows: float = 32.0  # a priori, a plain step of this many rows costs twice a one-row step
+    prior_weight: float = 0.05  # strength of the priors, in measured steps
+    _ata: list[list[float]] = field(init=False)
+    _aty: list[float] = field(init=False)
+    _theta: list[float] | None = field(init=False, default=None)
+    _scale: float | None = field(init=False, default=None)  # typical step cost, for scale-free priors
+
+    def __post_init__(self) -> None:
+        n = 2 + 2 * len(self.drafters)
+        self._ata = [[0.0] * n for _ in range(n)]
+        self._aty = [0.0] * n
+
+    def _features(self, drafter: str | None, k: int, batch: int) -> list[float]:
+        phi = [1.0, float(batch)] + [0.0] * (2 * len(self.drafters))
+        if drafter is not None and k:
+            i = 2 + 2 * self.drafters.index(drafter)
+            phi[i], phi[i + 1] = float(k), float(k * batch)
+        return phi
+
+    def record(self, drafter: str | None, k: int, batch: int, seconds: float) -> None:
+        if seconds <= 0:
+            return
+        phi = self._features(drafter, k, batch)
+        w = 1.0 / (seconds * seconds)
+        for i, row in enumerate(self._ata):
+            self._aty[i] = self.forget * self._aty[i] + w * phi[i] * seconds
+            for j in range(len(row)):
+                row[j] = self.forget * row[j] + w * phi[i] * phi[j]
+        # Cost per row-equivalent, so the prior weighs the same whatever batch this step had.
+        unit = seconds * (1 + 1 / self.prior_rows) / (1 + batch / self.prior_rows)
+        self._scale = unit if self._scale is None else 0.9 * self._scale + 0.1 * unit
+        self._theta = None
+
+    @property
+    def measured(self) -> bool:
+        return self._scale is not None
+
+    def theta(self) -> list[float]:
+        if self._theta is None:
+            n = len(self._aty)
+            ata = [row[:] for row in self._ata]
+            lam = self.prior_weight / (self._scale or 1.0) ** 2
+
+            def penalise(r: dict[int, float]) -> None:  # adds lam * (r . theta)^2
+                for i, ri in r.items():
+                    for j, rj in r.items():
+                        ata[i][j] += lam * ri * rj
+
+            penalise({1: self.prior_rows, 0: -1.0})
+            for d in range(len(self.drafters)):
+                penalise({2 + 2 * d: 1.0, 0: -self.prior_marginal})
+                penalise({3 + 2 * d: self.prior_rows, 1: -self.prior_marginal * self.prior_rows})
+            for i in range(n):
+                ata[i][i] += 1e-9 * lam  # keeps unseen drafters' parameters defined
+            self._theta = solve(ata, self._aty)
+        return self._theta
+
+    def predict(self, drafter: str | None, k: int, batch: int) -> float:
+        """Predicted seconds of one step; 1.0 (any unit) before anything was measured."""
+        if not self.measured:
+            return 1.0 * (1 + self.prior_marginal * k)
+        theta = self.theta()
+        phi = self._features(drafter, k, batch)
+        plain = max(theta[0] + theta[1] * batch, 0.05 * self._scale * (1 + batch / self.prior_rows))
+        extra = sum(p * t for p, t in zip(phi[2:], theta[2:], strict=True))
+        return plain + max(extra, 0.0)
