@@ -13,6 +13,7 @@ from typing import Annotated, Any
 from fastapi import APIRouter, Query, Request
 from pydantic import BaseModel, ConfigDict
 
+from service.api.disconnect import unless_disconnected
 from service.api.http_server import UPLOAD_PATH, AdminCtx, ApiCtx
 from service.api.weights import PushError, PushResult
 
@@ -75,19 +76,21 @@ async def upload_weights(request: Request, ctx: AdminCtx, version: Annotated[str
         if digest != sha256.lower():
             raise PushError(f"checksum mismatch: the body hashes to {digest}, the request says {sha256}")
     tensors = await asyncio.to_thread(_parse_safetensors, body)
-    return _reply(await ctx.weights.push_tensors(role, version, tensors, mode, dtype))
+    return _reply(await unless_disconnected(request, ctx.weights.push_tensors(role, version, tensors, mode, dtype)))
 
 
 @router.post("/weights/load")
-async def load_weights(req: LoadRequest, ctx: AdminCtx) -> dict[str, Any]:
+async def load_weights(req: LoadRequest, ctx: AdminCtx, request: Request) -> dict[str, Any]:
     """Load weights from a safetensors folder the server can read."""
-    return _reply(await ctx.weights.load_path(req.role, req.version, req.path, req.mode))
+    return _reply(await unless_disconnected(request, ctx.weights.load_path(req.role, req.version, req.path,
+                                                                           req.mode)))
 
 
 @router.post("/update_weights_from_disk")
-async def update_from_disk(req: DiskUpdateRequest, ctx: AdminCtx) -> dict[str, Any]:
+async def update_from_disk(req: DiskUpdateRequest, ctx: AdminCtx, request: Request) -> dict[str, Any]:
     """SGLang-style alias of /weights/load for the target."""
-    result = await ctx.weights.load_path("target", req.weight_version, req.model_path, req.mode)
+    result = await unless_disconnected(
+        request, ctx.weights.load_path("target", req.weight_version, req.model_path, req.mode))
     return {"success": True, "message": "weights updated", **_reply(result)}
 
 
@@ -103,9 +106,10 @@ async def get_weight_version(ctx: ApiCtx) -> dict[str, str]:
 
 
 @router.post("/pause")
-async def pause(req: PauseRequest, ctx: AdminCtx) -> dict[str, Any]:
-    """Pause generation: abort (end running requests), wait (let them finish; returns once idle), keep."""
-    aborted = await ctx.pause(req.mode)
+async def pause(req: PauseRequest, ctx: AdminCtx, request: Request) -> dict[str, Any]:
+    """Pause generation: abort (end running requests), wait (let them finish; returns once idle), keep.
+    A wait whose client disconnects first is withdrawn: the server is not left paused."""
+    aborted = await unless_disconnected(request, ctx.pause(req.mode))
     return {"paused": True, "aborted": aborted}
 
 

@@ -15,6 +15,7 @@ from starlette.exceptions import HTTPException
 
 from service.api.auth import AuthError
 from service.api.context import ServiceContext
+from service.api.disconnect import ClientGone
 from service.api.generation import InvalidRequest, ServiceError
 from service.api.loop import NotReady
 from service.api.weights import PushError, PushUnsupported
@@ -42,6 +43,8 @@ def error_response(exc: BaseException) -> JSONResponse:
         status, kind = 409, "unsupported"
     elif isinstance(exc, NotReady):
         status, kind = 503, "unavailable"
+    elif isinstance(exc, ClientGone):
+        status, kind = 499, "client_closed_request"
     elif isinstance(exc, ServiceError):
         status, kind = 500, "internal_error"
     if status == 500:
@@ -130,8 +133,8 @@ def create_app(ctx: ServiceContext) -> FastAPI:
         return JSONResponse(error_body(exc.status_code, str(exc.detail), kind), status_code=exc.status_code,
                             headers=exc.headers)
 
-    for cls in (InvalidRequest, PushError, AuthError, PermissionError, PushUnsupported, NotReady, ServiceError,
-                ValueError):
+    for cls in (ClientGone, InvalidRequest, PushError, AuthError, PermissionError, PushUnsupported, NotReady,
+                ServiceError, ValueError):
         app.add_exception_handler(cls, lambda request, exc: error_response(exc))
 
     @app.get("/health", tags=["ops"])
