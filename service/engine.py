@@ -109,6 +109,8 @@ class LLMEngine:
         bad = [t for t in prompt if not 0 <= t < vocab]
         if bad:
             raise SamplingError(f"prompt token ids out of range [0, {vocab}): {bad[:5]}")
+        if params.top_logprobs > vocab:  # one request must never fail the batch it runs in
+            raise SamplingError(f"top_logprobs={params.top_logprobs} exceeds the vocabulary size {vocab}")
         if params.n > self.scheduler.num_slots:
             raise SamplingError(f"n={params.n} exceeds the {self.scheduler.num_slots} sequences the cache holds")
         request_id = request_id or uuid.uuid4().hex

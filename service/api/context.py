@@ -7,7 +7,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 from service.api.auth import Auth
-from service.api.generation import InvalidRequest, Limits
+from service.api.generation import InvalidRequest, Limits, check_request
 from service.api.hooks import Hooks
 from service.api.loop import EngineLoop, NotReady, check_mode
 from service.api.metrics import Metrics
@@ -15,6 +15,7 @@ from service.api.pushes import WeightManager
 
 if TYPE_CHECKING:
     from service.engine import LLMEngine
+    from service.sequence import SamplingParams
     from service.tokenizer import Tokenizer
 
 
@@ -37,6 +38,11 @@ class ServiceContext:
         if not self.loop.alive and self.loop.ready.is_set():
             raise NotReady("the engine loop has stopped")
         return self.loop.engine
+
+    def check_request(self, prompt: list[int], params: SamplingParams) -> None:
+        """The model's own bounds on a request (vocabulary, context), checked before it is submitted."""
+        engine = self.engine()
+        check_request(prompt, params, engine.model_config.vocab_size, engine.config.max_model_len)
 
     def tokenizer(self) -> Tokenizer | None:
         return self.engine().tokenizer

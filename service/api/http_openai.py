@@ -22,7 +22,7 @@ from fastapi.responses import StreamingResponse
 from pydantic import BaseModel, ConfigDict, Field
 
 from service.api.context import ServiceContext
-from service.api.generation import Generation, InvalidRequest, Sample, Update, check_prompt, make_params
+from service.api.generation import Generation, InvalidRequest, Sample, Update, check_prompt, make_params, make_stop
 from service.api.http_server import ApiCtx
 
 router = APIRouter(tags=["openai"])
@@ -114,13 +114,13 @@ async def models(ctx: ApiCtx) -> dict[str, Any]:
 @router.post("/v1/completions")
 async def completions(req: CompletionRequest, ctx: ApiCtx) -> Any:
     _unsupported(req)
-    stop = [req.stop] if isinstance(req.stop, str) else list(req.stop or [])
-    if len(stop) > ctx.limits.max_stop:
-        raise InvalidRequest(f"{len(stop)} stop strings exceed the server limit of {ctx.limits.max_stop}")
+    stop = make_stop(req.stop, ctx.limits)
     params = make_params(ctx.limits, n=req.n, temperature=req.temperature, top_p=req.top_p, top_k=req.top_k,
                          min_p=req.min_p, seed=req.seed, max_tokens=req.max_tokens,
                          stop_token_ids=req.stop_token_ids, ignore_eos=req.ignore_eos, top_logprobs=req.logprobs or 0)
     prompts = _prompts(ctx, req.prompt)
+    for p in prompts:
+        ctx.check_request(p, params)
     base = req.request_id or uuid.uuid4().hex
     tok = ctx.tokenizer()
     gens = [Generation(ctx.loop, tok, p, params, base if len(prompts) == 1 else f"{base}-{j}",

@@ -1,0 +1,147 @@
+"""Bad requests against a real server: one shared validation of sampling parameters for gRPC, OpenAI and SGLang
+(400 / INVALID_ARGUMENT with a message, never 500), requests the model cannot honour refused at submission, and
+one bad request never failing the others."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import grpc
+import httpx
+import pytest
+from helpers import make_checkpoint
+from service_utils import ADMIN, MAX_MODEL_LEN, auth, start_server
+
+from client import AsyncSpecrollClient
+from client.errors import InvalidArgument
+from service.api.server import BackgroundServer
+from service.config import EngineConfig
+from service.engine import LLMEngine
+from service.sequence import SamplingError, SamplingParams
+
+GOOD: dict[str, Any] = {"temperature": 1.0, "seed": 9, "max_tokens": 40, "ignore_eos": True}
+
+
+@pytest.fixture(scope="module")
+def model_dir() -> Path:
+    return make_checkpoint("qwen2", tied=False)
+
+
+@pytest.fixture(scope="module")
+def server(model_dir) -> Iterator[BackgroundServer]:
+    srv = start_server(model_dir)
+    yield srv
+    srv.stop()
+
+
+def test_top_logprobs_over_vocab_fails_only_its_own_request(server):
+    async def run() -> tuple[list[Any], Any]:
+        async with AsyncSpecrollClient(server.grpc_target, admin_token=ADMIN, retries=0) as c:
+            vocab = (await c.server_info()).vocab_size
+            good = [asyncio.ensure_future(c.generate_one([1, 2, i], **GOOD)) for i in range(8)]
+            bad = [asyncio.ensure_future(c.generate_one([3, 4], top_logprobs=vocab + 1, **GOOD)) for _ in range(3)]
+            return await asyncio.gather(*good), await asyncio.gather(*bad, return_exceptions=True)
+
+    good, bad = asyncio.run(run())
+    assert all(len(c.samples[0].token_ids) == GOOD["max_tokens"] for c in good)
+    for err in bad:
+        assert isinstance(err, InvalidArgument) and "vocabulary" in str(err), err
+
+
+def test_engine_refuses_top_logprobs_over_vocab(model_dir):
+    engine = LLMEngine(EngineConfig(model=str(model_dir), max_model_len=64, max_num_seqs=4))
+    with pytest.raises(SamplingError, match="vocabulary"):
+        engine.add_request([1, 2], SamplingParams(top_logprobs=engine.model_config.vocab_size + 1))
+
+
+def test_prompt_plus_max_tokens_over_context_is_refused_on_every_api(server):
+    prompt = list(range(1, 201))
+    too_many = MAX_MODEL_LEN - len(prompt) + 1
+
+    async def grpc_call() -> None:
+        async with AsyncSpecrollClient(server.grpc_target, admin_token=ADMIN, retries=0) as c:
+            with pytest.raises(InvalidArgument, match="max_model_len"):
+                await c.generate_one(prompt, max_tokens=too_many)
+            ok = await c.generate_one(prompt, max_tokens=too_many - 1, ignore_eos=True)  # exactly fits
+            assert len(ok.samples[0].token_ids) == too_many - 1
+            assert ok.samples[0].finish_reason == "length"
+
+    asyncio.run(grpc_call())
+    with httpx.Client(base_url=server.http_url, headers=auth(), timeout=60) as h:
+        r = h.post("/v1/completions", json={"prompt": prompt, "max_tokens": too_many})
+        assert r.status_code == 400 and "max_model_len" in r.json()["error"]["message"]
+        r = h.post("/v1/completions", json={"prompt": prompt, "max_tokens": too_many, "stream": True})
+        assert r.status_code == 400 and "max_model_len" in r.json()["error"]["message"]
+        r = h.post("/generate", json={"input_ids": prompt, "sampling_params": {"max_new_tokens": too_many}})
+        assert r.status_code == 400 and "max_model_len" in r.json()["error"]["message"]
+        r = h.post("/generate", json={"input_ids": prompt[:10], "sampling_params": {"max_new_tokens": 4}})
+        assert r.status_code == 200
+
+
+BAD_SGLANG = [
+    ({"stop_token_ids": 5}, "stop_token_ids"), ({"stop": 5}, "stop"), ({"stop": ["a", 3]}, "stop"),
+    ({"n": 1.7}, "n must be an integer"), ({"top_k": 2.5}, "top_k"), ({"top_k": 1e30}, "top_k"),
+    ({"top_k": 10**30}, "top_k"), ({"ignore_eos": "yes"}, "ignore_eos"), ({"temperature": "hot"}, "temperature"),
+    ({"max_new_tokens": "8"}, "max_tokens"), ({"sampling_seed": 1.5}, "seed"), ({"min_p": None, "top_p": 2}, "top_p"),
+    ({"stop_token_ids": [1, "2"]}, "stop_token_ids"), ({"stop_token_ids": [10**9]}, "stop_token_ids"),
+]
+
+
+@pytest.mark.parametrize(("sp", "needle"), BAD_SGLANG, ids=[str(sp) for sp, _ in BAD_SGLANG])
+def test_sglang_sampling_params_are_type_checked(server, sp, needle):
+    r = httpx.post(server.http_url + "/generate", headers=auth(), timeout=60,
+                   json={"input_ids": [1, 2, 3], "sampling_params": {"max_new_tokens": 4, **sp}})
+    assert r.status_code == 400, r.text
+    assert needle in r.json()["error"]["message"]
+
+
+BAD_OPENAI = [
+    ({"stop_token_ids": [1, "x"]}, "stop_token_ids"), ({"n": 1.5}, "n"), ({"top_k": 10**30}, "top_k"),
+    ({"stop_token_ids": [100000]}, "stop_token_ids"),
+]
+
+
+@pytest.mark.parametrize(("body", "needle"), BAD_OPENAI, ids=[str(b) for b, _ in BAD_OPENAI])
+def test_openai_bad_params_are_400(server, body, needle):
+    r = httpx.post(server.http_url + "/v1/completions", headers=auth(), timeout=60,
+                   json={"prompt": [1, 2, 3], "max_tokens": 4, **body})
+    assert r.status_code == 400, r.text
+    assert needle in r.json()["error"]["message"]
+
+
+def test_grpc_bad_params_are_invalid_argument(server):
+    async def run() -> None:
+        async with AsyncSpecrollClient(server.grpc_target, admin_token=ADMIN, retries=0) as c:
+            for kw, needle in (({"temperature": -1.0}, "temperature"), ({"stop_token_ids": [10**6]}, "stop_token_ids"),
+                               ({"max_tokens": 0}, "max_tokens")):
+                with pytest.raises(InvalidArgument, match=needle):
+                    await c.generate_one([1, 2], **kw)
+
+    asyncio.run(run())
+
+
+def test_sampling_params_types_are_checked_once_for_all():
+    for kw in ({"n": 1.7}, {"top_k": 2.5}, {"ignore_eos": "yes"}, {"stop_token_ids": 5}, {"raw_logprobs": 1},
+               {"temperature": float("nan")}, {"max_tokens": True}):
+        with pytest.raises(SamplingError):
+            SamplingParams(**kw)
+    assert SamplingParams(temperature=1, top_k=-1).top_k == 0
+
+
+def test_grpc_status_code_is_invalid_argument_not_internal(server):
+    with grpc.insecure_channel(server.grpc_target) as ch:
+        call = ch.unary_stream("/specroll.v1.Rollout/Generate", request_serializer=lambda b: b,
+                               response_deserializer=lambda b: b)
+        with pytest.raises(grpc.RpcError) as err:
+            list(call(b"\x0a\x05\xff\xff", metadata=(("authorization", f"Bearer {ADMIN}"),), timeout=30))
+    assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert "corrupt" in err.value.details()
+    with grpc.insecure_channel(server.grpc_target) as ch:
+        call = ch.unary_unary("/specroll.v1.Rollout/GetServerInfo", request_serializer=lambda b: b,
+                              response_deserializer=lambda b: b)
+        with pytest.raises(grpc.RpcError) as err:
+            call(b"\x0a\x05\xff", metadata=(("authorization", f"Bearer {ADMIN}"),), timeout=30)
+    assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
