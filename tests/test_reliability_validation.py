@@ -145,3 +145,30 @@ def test_grpc_status_code_is_invalid_argument_not_internal(server):
         with pytest.raises(grpc.RpcError) as err:
             call(b"\x0a\x05\xff", metadata=(("authorization", f"Bearer {ADMIN}"),), timeout=30)
     assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+
+
+def test_a_request_failing_in_the_step_ends_alone(model_dir, monkeypatch):
+    """Fault injection: postprocessing raises for one request; it ends (abort, error kept), the others finish
+    with exactly the tokens they get without it."""
+    engine = LLMEngine(EngineConfig(model=str(model_dir), max_model_len=64, max_num_seqs=8))
+    params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
+    prompts = [[1, 2, 3], [4, 5], [6, 7, 8, 9]]
+    want = [o.outputs[0].token_ids for o in engine.generate(prompts, params)]
+    real = engine._append
+
+    def failing(seq, tokens):
+        if seq.request_id == "bad" and len(seq.output_token_ids) >= 3:
+            raise RuntimeError("injected")
+        real(seq, tokens)
+
+    monkeypatch.setattr(engine, "_append", failing)
+    ids = [engine.add_request(p, params) for p in prompts]
+    engine.add_request([5, 5, 5], params, request_id="bad")
+    reqs = {rid: engine.requests[rid] for rid in [*ids, "bad"]}
+    failures: dict[str, str] = {}
+    while engine.has_unfinished():
+        engine.step()
+        failures.update(engine.take_failures())
+    assert [reqs[rid].seqs[0].output_token_ids for rid in ids] == want
+    assert reqs["bad"].seqs[0].finish_reason.value == "abort"
+    assert failures == {"bad": "request failed: injected"}

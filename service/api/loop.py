@@ -281,6 +281,8 @@ class EngineLoop:
             logger.exception("engine step failed; failing every request in flight")
             self._fail_all(engine, f"engine error: {exc}")
             return False
+        for rid, message in engine.take_failures().items():
+            self._disp.fail(rid, message)
         if self.metrics is not None and engine.stats.num_steps != steps_before and engine.stats.recent:
             self.metrics.observe_step(engine.stats.recent[-1])
         if outputs:
