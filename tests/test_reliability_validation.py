@@ -172,3 +172,26 @@ def test_a_request_failing_in_the_step_ends_alone(model_dir, monkeypatch):
     assert [reqs[rid].seqs[0].output_token_ids for rid in ids] == want
     assert reqs["bad"].seqs[0].finish_reason.value == "abort"
     assert failures == {"bad": "request failed: injected"}
+
+
+def test_a_rollout_the_buffer_cannot_take_is_counted():
+    from service.api.hooks import Hooks
+    from service.api.loop import EngineLoop
+    from service.api.metrics import Metrics
+
+    metrics, hooks = Metrics(), Hooks()
+    EngineLoop(lambda: None, metrics, hooks)  # wires the hooks to the metrics; never started
+    taken: list[Any] = []
+
+    def flaky(record: Any) -> None:
+        if record == "unencodable":
+            raise ValueError("cannot encode")
+        taken.append(record)
+
+    hooks.on_rollout_finished.append(flaky)
+    hooks.start()
+    for rec in ("a", "unencodable", "b"):
+        hooks.rollout_finished(rec)  # type: ignore[arg-type]
+    hooks.stop()
+    assert taken == ["a", "b"]
+    assert "specroll:rollouts_unrecorded_total 1.0" in metrics.render().decode()

@@ -30,6 +30,7 @@ class Hooks:
         self._lock = threading.Lock()
         self._q: queue.SimpleQueue[tuple[str, Any] | None] = queue.SimpleQueue()
         self._thread: threading.Thread | None = None
+        self.on_rollout_lost: Callable[[], None] | None = None  # a rollout callback failed (counted in metrics)
 
     def start(self) -> None:
         if self._thread is None:
@@ -80,3 +81,5 @@ class Hooks:
                     fn(payload) if kind == "rollout" else fn(*payload)
                 except Exception:
                     logger.exception("%s callback %r failed", kind, fn)
+                    if kind == "rollout" and self.on_rollout_lost is not None:
+                        self.on_rollout_lost()

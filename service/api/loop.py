@@ -82,6 +82,8 @@ class EngineLoop:
         self._factory = engine_factory
         self.metrics = metrics
         self.hooks = hooks or Hooks()
+        if metrics is not None and self.hooks.on_rollout_lost is None:
+            self.hooks.on_rollout_lost = metrics.rollout_unrecorded
         self._engine: LLMEngine | None = None
         self.error: BaseException | None = None
         self.ready = threading.Event()

@@ -116,7 +116,12 @@ class Metrics:
                               registry=r)
         self.swap_seconds = Histogram(P + "weight_swap_seconds", "Time the engine loop was held for a swap",
                                       ["role"], buckets=LATENCY_BUCKETS, registry=r)
+        self.unrecorded = Counter(P + "rollouts_unrecorded", "Finished rollouts a rollout callback (the buffer) "
+                                  "failed to take: they reached the client but not the buffer", registry=r)
         r.register(_EngineCollector(self))
+
+    def rollout_unrecorded(self) -> None:
+        self.unrecorded.inc()
 
     def bind_engine(self, engine: LLMEngine) -> None:
         self.engine = engine
