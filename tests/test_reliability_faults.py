@@ -171,3 +171,27 @@ def test_http_pause_wait_client_disconnects_leaves_server_running(server):
 async def _info(srv: BackgroundServer) -> Any:
     async with AsyncSpecrollClient(srv.grpc_target, admin_token=ADMIN) as c:
         return await c.server_info()
+
+
+def test_abort_mode_aborts_running_requests_only(server, new):
+    async def run() -> tuple[list[Any], list[Any], Any]:
+        async with AsyncSpecrollClient(server.grpc_target, admin_token=ADMIN, retries=0) as c:
+            running = [asyncio.ensure_future(c.generate_one([1, 2, i], **LONG)) for i in range(16)]
+            await _until(c, lambda i: i.num_running >= 16, "every slot running")
+            waiting = [asyncio.ensure_future(c.generate_one([3, 2, i], **SHORT)) for i in range(2)]
+            await _until(c, lambda i: i.num_waiting >= 2, "two requests waiting for a slot")
+            result = await c.push_weights(new, "abort-mode", mode="abort")
+            return await asyncio.gather(*running), await asyncio.gather(*waiting), result
+
+    running, waiting, result = asyncio.run(run())
+    assert all(r.samples[0].finish_reason == "abort" for r in running)
+    assert sorted(result.aborted) == sorted(r.request_id for r in running)
+    for w in waiting:
+        assert len(w.samples[0].token_ids) == SHORT["max_tokens"]
+        assert [s.policy_version for s in w.samples[0].version_spans] == ["abort-mode"]
+
+
+def test_server_info_does_not_reveal_the_model_path(server, base_dir):
+    info = asyncio.run(_info(server))
+    assert info.model_path == base_dir.name and "/" not in info.model_path
+    assert "/" not in httpx.get(server.http_url + "/server_info").json()["model_path"]

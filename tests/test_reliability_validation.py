@@ -195,3 +195,20 @@ def test_a_rollout_the_buffer_cannot_take_is_counted():
     hooks.stop()
     assert taken == ["a", "b"]
     assert "specroll:rollouts_unrecorded_total 1.0" in metrics.render().decode()
+
+
+def test_admin_token_from_a_file_and_fractional_upload_limit(tmp_path, monkeypatch, caplog):
+    from service.cli import build_parser, read_secret
+
+    monkeypatch.delenv("SPECROLL_ADMIN_TOKEN", raising=False)
+    secret = tmp_path / "admin.token"
+    secret.write_text("from-a-file\n")
+    args = build_parser().parse_args(["serve", "--admin-token-file", str(secret), "--max-upload-gb", "0.5"])
+    assert read_secret(args, "admin_token") == "from-a-file"
+    assert args.max_upload_gb == 0.5
+    monkeypatch.setenv("SPECROLL_ADMIN_TOKEN_FILE", str(secret))
+    assert read_secret(build_parser().parse_args(["serve"]), "admin_token") == "from-a-file"
+    monkeypatch.delenv("SPECROLL_ADMIN_TOKEN_FILE")
+    with caplog.at_level("WARNING"):
+        assert read_secret(build_parser().parse_args(["serve", "--admin-token", "on-argv"]), "admin_token") == "on-argv"
+    assert "process table" in caplog.text

@@ -61,7 +61,7 @@ class ServiceContext:
         tok = engine.tokenizer
         return {
             "model": self.name(),
-            "model_path": str(engine.model_path),
+            "model_path": engine.model_path.name,  # the folder's name: the server's file layout is not public
             "policy_version": str(engine.policy_version),
             "drafter_version": str(engine.drafter_version),
             "num_running": engine.num_running,

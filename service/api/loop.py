@@ -159,7 +159,7 @@ class EngineLoop:
                 return
             if not fut.set_running_or_notify_cancel():
                 return
-            aborted = self._abort_all(engine, "pause") if mode == "abort" else []
+            aborted = self._abort_running(engine, "pause") if mode == "abort" else []
             engine.paused = True
             logger.info("generation paused (%s)", mode)
             settle(fut, aborted)
@@ -196,7 +196,7 @@ class EngineLoop:
                 return
             start = time.perf_counter()
             try:
-                aborted = self._abort_all(engine, "weight_push") if mode == "abort" else []
+                aborted = self._abort_running(engine, "weight_push") if mode == "abort" else []
                 old = self._swap(engine, model, version)
             except Exception as exc:
                 settle(fut, exc=exc)
@@ -311,6 +311,16 @@ class EngineLoop:
 
     def _abort_all(self, engine: LLMEngine, reason: str) -> list[str]:
         ids = engine.abort_all()
+        if ids and self.metrics is not None:
+            self.metrics.aborted(reason, len(ids))
+        return ids
+
+    def _abort_running(self, engine: LLMEngine, reason: str) -> list[str]:
+        """Mode abort: end the requests that are generating; waiting ones stay queued (after a swap they start
+        on the new weights, after a pause once generation resumes)."""
+        ids = list(dict.fromkeys(s.request_id for s in engine.scheduler.running))
+        for rid in ids:
+            engine.abort(rid)
         if ids and self.metrics is not None:
             self.metrics.aborted(reason, len(ids))
         return ids
