@@ -212,3 +212,26 @@ def test_admin_token_from_a_file_and_fractional_upload_limit(tmp_path, monkeypat
     with caplog.at_level("WARNING"):
         assert read_secret(build_parser().parse_args(["serve", "--admin-token", "on-argv"]), "admin_token") == "on-argv"
     assert "process table" in caplog.text
+
+
+def test_openapi_schema_matches_what_the_server_sends(server):
+    schema = httpx.get(server.http_url + "/openapi.json").json()
+    for path, ops in schema["paths"].items():
+        for method, op in ops.items():
+            assert "422" not in op["responses"], (path, method)
+    assert "400" in schema["paths"]["/v1/completions"]["post"]["responses"]
+    assert list(schema["paths"]["/metrics"]["get"]["responses"]["200"]["content"]) == ["text/plain"]
+    body = schema["paths"]["/weights/upload"]["post"]["requestBody"]
+    assert "application/octet-stream" in body["content"]
+    r = httpx.post(server.http_url + "/v1/completions", headers=auth(), json={"prompt": [1], "max_tokens": "x"})
+    assert r.status_code == 400
+
+
+def test_streaming_completion_chunks_carry_the_rollout_id(server):
+    import json
+
+    with httpx.stream("POST", server.http_url + "/v1/completions", headers=auth(), timeout=60,
+                      json={"prompt": [1, 2, 3], "max_tokens": 6, "n": 2, "stream": True, "request_id": "rid-s"}) as r:
+        chunks = [json.loads(line[6:]) for line in r.iter_lines() if line.startswith("data: {")]
+    choices = [c for ch in chunks for c in ch["choices"]]
+    assert choices and all(c["rollout_id"] == f"rid-s:{c['index']}" for c in choices)

@@ -62,7 +62,9 @@ def _parse_safetensors(body: bytes) -> dict[str, Any]:
         raise PushError(f"the body is not a valid safetensors file: {exc}") from exc
 
 
-@router.post(UPLOAD_PATH)
+@router.post(UPLOAD_PATH, openapi_extra={"requestBody": {"required": True, "description": "a safetensors file",
+                                                         "content": {"application/octet-stream": {
+                                                             "schema": {"type": "string", "format": "binary"}}}}})
 async def upload_weights(request: Request, ctx: AdminCtx, version: Annotated[str, Query()],
                          role: str = "target", mode: str = "wait", dtype: str | None = None,
                          sha256: Annotated[str | None, Query(description="hex sha256 of the body")] = None,

@@ -177,7 +177,8 @@ async def _stream(gens: list[Generation], head: dict[str, Any], req: CompletionR
                                req.logprobs)
                 offsets[j][upd.index] += len(upd.text)
                 choice = {"index": j * req.n + upd.index, "text": upd.text, "logprobs": lp,
-                          "finish_reason": upd.finish_reason, "token_ids": upd.token_ids}
+                          "finish_reason": upd.finish_reason, "token_ids": upd.token_ids,
+                          "rollout_id": gen.samples[upd.index].rollout_id}
                 yield _sse({**head, "choices": [choice]})
             if req.stream_options and req.stream_options.get("include_usage"):
                 completion = sum(len(s.token_ids) for g in gens for s in g.samples)
