@@ -195,3 +195,15 @@ def test_server_info_does_not_reveal_the_model_path(server, base_dir):
     info = asyncio.run(_info(server))
     assert info.model_path == base_dir.name and "/" not in info.model_path
     assert "/" not in httpx.get(server.http_url + "/server_info").json()["model_path"]
+
+
+def test_upload_without_checksum_refuses_mixed_dtypes_and_corrupt_values(server, new):
+    before = asyncio.run(_info(server)).policy_version
+    mixed = {k: (v.half() if i == 0 else v).contiguous() for i, (k, v) in enumerate(new.items())}
+    nan = {k: v.clone().contiguous() for k, v in new.items()}
+    next(iter(nan.values())).view(-1)[7] = float("nan")
+    for tensors, needle in ((mixed, "mixes dtypes"), (nan, "NaN or infinite")):
+        r = httpx.post(server.http_url + "/weights/upload", params={"version": "bad-upload", "mode": "keep"},
+                       content=save(tensors), headers=auth(), timeout=60)
+        assert r.status_code == 400 and needle in r.json()["error"]["message"], r.text
+    assert asyncio.run(_info(server)).policy_version == before

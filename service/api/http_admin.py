@@ -62,6 +62,24 @@ def _parse_safetensors(body: bytes) -> dict[str, Any]:
         raise PushError(f"the body is not a valid safetensors file: {exc}") from exc
 
 
+def _sha256(data: bytes) -> str:
+    return hashlib.sha256(data).hexdigest()
+
+
+def _check_upload(tensors: dict[str, Any]) -> None:
+    """What a well-formed upload is beyond its safetensors framing (which `load` checks: the header must cover
+    the body exactly): one dtype for every tensor (never silently cast) and finite values only."""
+    import torch
+
+    dtypes = sorted({str(t.dtype).removeprefix("torch.") for t in tensors.values()})
+    if len(dtypes) > 1:
+        raise PushError(f"the upload mixes dtypes {dtypes}: send every tensor in one dtype")
+    for name, t in tensors.items():
+        if t.is_floating_point() and not bool(torch.isfinite(t).all()):
+            raise PushError(f"tensor {name!r} holds NaN or infinite values: the body is corrupt or the weights "
+                            "diverged")
+
+
 @router.post(UPLOAD_PATH, openapi_extra={"requestBody": {"required": True, "description": "a safetensors file",
                                                          "content": {"application/octet-stream": {
                                                              "schema": {"type": "string", "format": "binary"}}}}})
@@ -74,10 +92,12 @@ async def upload_weights(request: Request, ctx: AdminCtx, version: Annotated[str
     if not body:
         raise PushError("the body is empty: send the safetensors bytes")
     if sha256 is not None:
-        digest = await asyncio.to_thread(lambda: hashlib.sha256(body).hexdigest())
+        digest = await asyncio.to_thread(_sha256, body)
         if digest != sha256.lower():
             raise PushError(f"checksum mismatch: the body hashes to {digest}, the request says {sha256}")
     tensors = await asyncio.to_thread(_parse_safetensors, body)
+    del body
+    await asyncio.to_thread(_check_upload, tensors)
     return _reply(await unless_disconnected(request, ctx.weights.push_tensors(role, version, tensors, mode, dtype)))
 
 
