@@ -202,8 +202,21 @@ def test_upload_without_checksum_refuses_mixed_dtypes_and_corrupt_values(server,
     mixed = {k: (v.half() if i == 0 else v).contiguous() for i, (k, v) in enumerate(new.items())}
     nan = {k: v.clone().contiguous() for k, v in new.items()}
     next(iter(nan.values())).view(-1)[7] = float("nan")
-    for tensors, needle in ((mixed, "mixes dtypes"), (nan, "NaN or infinite")):
+    whole = save({k: v.contiguous() for k, v in new.items()})
+    for body, needle in ((save(mixed), "mixes dtypes"), (save(nan), "NaN or infinite"),
+                         (whole[:-5], "not a valid safetensors"), (whole + b"\0" * 5, "not a valid safetensors")):
         r = httpx.post(server.http_url + "/weights/upload", params={"version": "bad-upload", "mode": "keep"},
-                       content=save(tensors), headers=auth(), timeout=60)
+                       content=body, headers=auth(), timeout=60)
         assert r.status_code == 400 and needle in r.json()["error"]["message"], r.text
     assert asyncio.run(_info(server)).policy_version == before
+
+
+def test_streamed_upload_over_the_limit_is_413(base_dir):
+    config = ServerConfig(http_port=free_port(), grpc_port=free_port(), admin_token=ADMIN,
+                          limits=Limits(max_tokens=64, max_upload_bytes=2**20))
+    with BackgroundServer(EngineConfig(model=str(base_dir), max_model_len=128, max_num_seqs=4), config) as srv:
+        chunked = (b"\0" * 2**18 for _ in range(8))  # no content-length: counted as it streams in
+        r = httpx.post(srv.http_url + "/weights/upload", params={"version": "big"}, content=chunked, headers=auth(),
+                       timeout=60)
+        assert r.status_code == 413 and "exceeds the limit" in r.json()["error"]["message"]
+        assert httpx.get(srv.http_url + "/health").status_code == 200

@@ -1,14 +1,17 @@
 """Weight and control endpoints (admin token), rewards, server info and weight versions.
 
-Uploads are raw safetensors bodies (``safetensors.torch.load``); nothing is ever unpickled.
+Uploads are raw safetensors bodies, streamed to a temporary file and read with ``safetensors.torch.load_file``
+(the body is never held whole in memory); nothing is ever unpickled.
 """
 
 from __future__ import annotations
 
 import asyncio
 import hashlib
+import tempfile
 from dataclasses import asdict
-from typing import Annotated, Any
+from pathlib import Path
+from typing import Annotated, Any, BinaryIO
 
 from fastapi import APIRouter, Query, Request
 from pydantic import BaseModel, ConfigDict
@@ -53,17 +56,35 @@ def _reply(result: PushResult) -> dict[str, Any]:
     return asdict(result)
 
 
-def _parse_safetensors(body: bytes) -> dict[str, Any]:
-    from safetensors.torch import load
+SPOOL_BYTES = 8 * 2**20  # body bytes gathered in memory before they are hashed and written out
+
+
+def _load_file(path: Path) -> dict[str, Any]:
+    from safetensors.torch import load_file
 
     try:
-        return load(body)
+        return load_file(str(path))
     except Exception as exc:  # malformed header or data
         raise PushError(f"the body is not a valid safetensors file: {exc}") from exc
 
 
-def _sha256(data: bytes) -> str:
-    return hashlib.sha256(data).hexdigest()
+def _write(f: BinaryIO, digest: Any, data: bytes) -> None:
+    digest.update(data)
+    f.write(data)
+
+
+async def _receive_to_file(request: Request, path: Path) -> tuple[int, str]:
+    """Stream the body to `path` (never held whole in memory); returns its size and sha256."""
+    digest, size, pending = hashlib.sha256(), 0, bytearray()
+    with path.open("wb") as f:
+        async for data in request.stream():
+            pending += data
+            size += len(data)
+            if len(pending) >= SPOOL_BYTES:
+                await asyncio.to_thread(_write, f, digest, bytes(pending))
+                pending.clear()
+        await asyncio.to_thread(_write, f, digest, bytes(pending))
+    return size, digest.hexdigest()
 
 
 def _check_upload(tensors: dict[str, Any]) -> None:
@@ -88,15 +109,14 @@ async def upload_weights(request: Request, ctx: AdminCtx, version: Annotated[str
                          sha256: Annotated[str | None, Query(description="hex sha256 of the body")] = None,
                          ) -> dict[str, Any]:
     """Push weights as a safetensors body (Hugging Face tensor names, the complete set for the role)."""
-    body = await request.body()
-    if not body:
-        raise PushError("the body is empty: send the safetensors bytes")
-    if sha256 is not None:
-        digest = await asyncio.to_thread(_sha256, body)
-        if digest != sha256.lower():
+    with tempfile.TemporaryDirectory(prefix="specroll-upload-") as tmp:
+        path = Path(tmp) / "upload.safetensors"
+        size, digest = await _receive_to_file(request, path)
+        if not size:
+            raise PushError("the body is empty: send the safetensors bytes")
+        if sha256 is not None and digest != sha256.lower():
             raise PushError(f"checksum mismatch: the body hashes to {digest}, the request says {sha256}")
-    tensors = await asyncio.to_thread(_parse_safetensors, body)
-    del body
+        tensors = await asyncio.to_thread(_load_file, path)
     await asyncio.to_thread(_check_upload, tensors)
     return _reply(await unless_disconnected(request, ctx.weights.push_tensors(role, version, tensors, mode, dtype)))
 
