@@ -191,10 +191,16 @@ def test_abort_mode_aborts_running_requests_only(server, new):
         assert [s.policy_version for s in w.samples[0].version_spans] == ["abort-mode"]
 
 
-def test_server_info_does_not_reveal_the_model_path(server, base_dir):
-    info = asyncio.run(_info(server))
-    assert info.model_path == base_dir.name and "/" not in info.model_path
-    assert "/" not in httpx.get(server.http_url + "/server_info").json()["model_path"]
+def test_server_info_reveals_the_model_path_to_the_admin_only(server, base_dir):
+    async def info_as(token: str | None) -> Any:
+        async with AsyncSpecrollClient(server.grpc_target, api_token=token) as c:
+            return await c.server_info()
+
+    assert asyncio.run(info_as(None)).model_path == base_dir.name
+    assert asyncio.run(info_as("not-the-admin")).model_path == base_dir.name
+    assert asyncio.run(info_as(ADMIN)).model_path == str(base_dir)  # a co-located sidecar loads the target from it
+    assert httpx.get(server.http_url + "/server_info").json()["model_path"] == base_dir.name
+    assert httpx.get(server.http_url + "/server_info", headers=auth()).json()["model_path"] == str(base_dir)
 
 
 def test_upload_without_checksum_refuses_mixed_dtypes_and_corrupt_values(server, new):

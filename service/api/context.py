@@ -56,12 +56,14 @@ class ServiceContext:
     def name(self) -> str:
         return self.model_name or self.engine().model_path.name
 
-    def info(self) -> dict[str, Any]:
+    def info(self, admin: bool = False) -> dict[str, Any]:
+        """Server state. The model's absolute path only for the admin (a co-located sidecar reads the target
+        from it); anyone else gets the folder's name."""
         engine = self.engine()
         tok = engine.tokenizer
         return {
             "model": self.name(),
-            "model_path": engine.model_path.name,  # the folder's name: the server's file layout is not public
+            "model_path": str(engine.model_path) if admin else engine.model_path.name,
             "policy_version": str(engine.policy_version),
             "drafter_version": str(engine.drafter_version),
             "num_running": engine.num_running,

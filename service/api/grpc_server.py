@@ -164,7 +164,7 @@ class RolloutServicer(pb2_grpc.RolloutServicer):  # type: ignore[misc]
     async def GetServerInfo(self, request: Any, context: grpc.aio.ServicerContext) -> Any:
         try:
             self.ctx.auth.check_api(_auth(context))
-            return pb2.ServerInfo(**self.ctx.info())
+            return pb2.ServerInfo(**self.ctx.info(admin=self.ctx.auth.is_admin(_auth(context))))
         except Exception as exc:
             await self._fail(context, exc)
 

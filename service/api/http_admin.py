@@ -172,5 +172,5 @@ async def rewards(req: RewardsRequest, ctx: AdminCtx) -> dict[str, int]:
 
 
 @router.get("/server_info")
-async def server_info(ctx: ApiCtx) -> dict[str, Any]:
-    return ctx.info()
+async def server_info(ctx: ApiCtx, request: Request) -> dict[str, Any]:
+    return ctx.info(admin=ctx.auth.is_admin(request.headers.get("authorization")))
