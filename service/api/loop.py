@@ -44,6 +44,8 @@ def settle(fut: Future[Any], result: Any = None, exc: BaseException | None = Non
     except InvalidStateError:  # cancelled between the check and the set
         return False
     return True
+
+
 MODES = ("wait", "abort", "keep")
 IDLE_WAIT_S = 0.5
 
