@@ -7,6 +7,7 @@ import logging
 import os
 import sys
 import time
+from pathlib import Path
 
 logger = logging.getLogger("specroll")
 
@@ -72,6 +73,23 @@ def cmd_build_default(args: argparse.Namespace) -> int:
     return 0
 
 
+def read_secret(args: argparse.Namespace, name: str) -> str | None:
+    """A token from its file (--NAME-file / SPECROLL_NAME_FILE), else the environment or the flag. A token given
+    as a flag is readable in the process table: that works, with a warning."""
+    path = getattr(args, f"{name}_file")
+    if path:
+        token = Path(path).read_text().strip()
+        if not token:
+            raise ValueError(f"{path}: the {name.replace('_', ' ')} file is empty")
+        return token
+    value = getattr(args, name)
+    if value and value != _env(name):
+        flag = "--" + name.replace("_", "-")
+        logger.warning("%s on the command line is visible to every user in the process table; prefer "
+                       "%s-file or the SPECROLL_%s environment variable", flag, flag, name.upper())
+    return value  # type: ignore[no-any-return]
+
+
 def cmd_serve(args: argparse.Namespace) -> int:
     from service.api.admission import AdmissionLimits
     from service.api.generation import Limits
@@ -80,12 +98,16 @@ def cmd_serve(args: argparse.Namespace) -> int:
 
     engine_config = _engine_config(args)
     engine_config.drafter = args.drafter
+    if args.max_upload_gb <= 0:
+        raise ValueError(f"--max-upload-gb must be > 0, got {args.max_upload_gb}")
     limits = Limits(max_tokens=args.max_tokens_per_request, max_n=args.max_n,
-                    max_request_bytes=args.max_request_mb * 2**20, max_upload_bytes=args.max_upload_gb * 2**30,
+                    max_request_bytes=args.max_request_mb * 2**20,
+                    max_upload_bytes=int(args.max_upload_gb * 2**30),
                     max_message_bytes=args.max_message_mb * 2**20, stream_interval=args.stream_interval)
     config = ServerConfig(
-        host=args.host, http_port=args.http_port, grpc_port=args.grpc_port, admin_token=args.admin_token,
-        api_token=args.api_token, redis_url=args.redis_url, served_model_name=args.served_model_name,
+        host=args.host, http_port=args.http_port, grpc_port=args.grpc_port,
+        admin_token=read_secret(args, "admin_token"), api_token=read_secret(args, "api_token"),
+        redis_url=args.redis_url, served_model_name=args.served_model_name,
         load_root=args.load_root, limits=limits, reuse_weight_buffers=not args.free_replaced_weights,
         buffer=buffer_config_from_args(args),
         admission=AdmissionLimits(args.max_waiting_seqs, args.max_pending_tokens, args.retry_after),
@@ -110,7 +132,10 @@ def _serve_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--grpc-port", type=int, default=int(_env("grpc_port", "50051")))
     p.add_argument("--admin-token", default=_env("admin_token"),
                    help="bearer token for weight, pause/resume/abort and reward calls (they are refused without)")
+    p.add_argument("--admin-token-file", default=_env("admin_token_file"),
+                   help="file holding the admin token (preferred: a flag's value is visible in the process table)")
     p.add_argument("--api-token", default=_env("api_token"), help="bearer token for generation (default: open)")
+    p.add_argument("--api-token-file", default=_env("api_token_file"), help="file holding the API token")
     p.add_argument("--redis-url", default=_env("redis_url"), help="Redis for the rollout buffer")
     p.add_argument("--served-model-name", default=_env("served_model_name"))
     p.add_argument("--load-root", default=_env("load_root"), help="only load weights from folders under this one")
@@ -118,7 +143,8 @@ def _serve_args(p: argparse.ArgumentParser) -> None:
                    help="largest max_tokens a request may ask for, per sample")
     p.add_argument("--max-n", type=int, default=int(_env("max_n", "64")))
     p.add_argument("--max-request-mb", type=int, default=int(_env("max_request_mb", "16")))
-    p.add_argument("--max-upload-gb", type=int, default=int(_env("max_upload_gb", "64")))
+    p.add_argument("--max-upload-gb", type=float, default=float(_env("max_upload_gb", "64") or 64),
+                   help="largest safetensors upload, in GiB (fractions allowed, e.g. 0.5)")
     p.add_argument("--free-replaced-weights", action="store_true",
                    default=_env("free_replaced_weights", "") not in ("", "0", "false"),
                    help="free weights a push replaced instead of keeping them as the next push's buffer")

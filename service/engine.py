@@ -75,6 +75,7 @@ class LLMEngine:
         self.requests: dict[str, Request] = {}
         self._rng = random.Random(config.seed)
         self._aborted: list[Sequence] = []
+        self.failures: dict[str, str] = {}  # request id -> error, for requests that failed on their own
         self.policy_version = str(config.extra.get("policy_version", "0"))
         config.drafter = expand_auto(config.drafter, self.model_path)
         self.drafters: dict[str, Drafter] = build_drafters(config.drafter, self)
@@ -109,6 +110,8 @@ class LLMEngine:
         bad = [t for t in prompt if not 0 <= t < vocab]
         if bad:
             raise SamplingError(f"prompt token ids out of range [0, {vocab}): {bad[:5]}")
+        if params.top_logprobs > vocab:  # one request must never fail the batch it runs in
+            raise SamplingError(f"top_logprobs={params.top_logprobs} exceeds the vocabulary size {vocab}")
         if params.n > self.scheduler.num_slots:
             raise SamplingError(f"n={params.n} exceeds the {self.scheduler.num_slots} sequences the cache holds")
         request_id = request_id or uuid.uuid4().hex
@@ -234,23 +237,44 @@ class LLMEngine:
     def _postprocess(self, kind: str, seqs: list[Sequence], results: list[list[TokenResult]]) -> list[StepOutput]:
         """Append each sequence's new tokens in order, stopping exactly where plain decoding would."""
         outputs = []
-        drafters = self.runner.drafters
         for seq, tokens in zip(seqs, results, strict=True):
-            finished = False
-            for res in tokens:
-                finished = seq.append_token(res.token, res.logprob, res.raw_logprob, res.top,
-                                            self.eos_token_ids, self.config.max_model_len)
-                if finished:
-                    break
-            seq.num_cached = seq.num_tokens - 1  # every token but the newest has its K/V in the cache
-            seq.record_versions(self.policy_version, self.drafter_version)
-            if finished:
-                self.scheduler.release(seq)
-            for d in drafters:
-                d.observe(seq)
+            if seq.is_finished:  # its request failed earlier in this step
+                continue
+            try:
+                self._append(seq, tokens)
+            except Exception as exc:  # attributable to this request only: it ends, the others go on
+                logger.exception("request %s failed in postprocessing; the rest of the batch continues",
+                                 seq.request_id)
+                self.fail_request(seq.request_id, f"request failed: {exc}")
+                continue
             outputs.append(self._emit(seq))
         self._forget_finished(seqs)
         return outputs
+
+    def _append(self, seq: Sequence, tokens: list[TokenResult]) -> None:
+        finished = False
+        for res in tokens:
+            finished = seq.append_token(res.token, res.logprob, res.raw_logprob, res.top,
+                                        self.eos_token_ids, self.config.max_model_len)
+            if finished:
+                break
+        seq.num_cached = seq.num_tokens - 1  # every token but the newest has its K/V in the cache
+        seq.record_versions(self.policy_version, self.drafter_version)
+        if finished:
+            self.scheduler.release(seq)
+        for d in self.runner.drafters:
+            d.observe(seq)
+
+    def fail_request(self, request_id: str, message: str) -> None:
+        """End one request after an error that is its own: its samples end with finish reason abort and the
+        message waits in `failures` for the API layer; no other request is touched."""
+        if request_id in self.requests:
+            self.failures[request_id] = message
+            self.abort(request_id)
+
+    def take_failures(self) -> dict[str, str]:
+        failures, self.failures = self.failures, {}
+        return failures
 
     def _emit(self, seq: Sequence) -> StepOutput:
         start, seq.num_emitted = seq.num_emitted, len(seq.output_token_ids)

@@ -138,3 +138,34 @@ def test_flood_beyond_the_bound_gets_answers_not_hangs(model):
         assert admission.refused == codes.count(503)
     finally:
         srv.stop()
+
+
+def test_non_streaming_clients_that_disconnect_leave_no_work_behind(model):
+    """20 non-streaming requests on both HTTP APIs whose clients hang up: their engine requests are aborted."""
+    srv = start_server(model)
+    url = srv.http_url
+    admission = srv.server.loop.admission
+    try:
+        httpx.post(url + "/pause", json={"mode": "keep"}, headers=auth()).raise_for_status()
+
+        async def scenario() -> None:
+            async with httpx.AsyncClient(base_url=url, timeout=120) as http:
+                body = {"prompt": [1, 2, 3], "max_tokens": 200, "temperature": 1.0, "ignore_eos": True}
+                sgl = {"input_ids": [4, 5, 6], "sampling_params": {"max_new_tokens": 200, "ignore_eos": True}}
+                tasks = [asyncio.create_task(http.post("/v1/completions", json=body)) for _ in range(10)]
+                tasks += [asyncio.create_task(http.post("/generate", json=sgl)) for _ in range(10)]
+                await asyncio.to_thread(wait_for, lambda: admission.seqs == 20)
+                for t in tasks:
+                    t.cancel()  # the client hangs up: httpx closes each connection
+                await asyncio.gather(*tasks, return_exceptions=True)
+
+        asyncio.run(scenario())
+        wait_for(lambda: admission.seqs == 0, 30)  # aborted while still paused: none ran a single step
+        metrics = httpx.get(url + "/metrics").text
+        assert metric(metrics, 'specroll:requests_aborted_total{reason="client"}') == 20
+        httpx.post(url + "/resume", headers=auth()).raise_for_status()
+        assert metric(httpx.get(url + "/metrics").text, "specroll:generation_tokens_total") == 0
+        r = httpx.post(url + "/v1/completions", json={"prompt": [1, 2], "max_tokens": 3})
+        assert r.status_code == 200
+    finally:
+        srv.stop()

@@ -42,6 +42,9 @@ class Auth:
         if not _matches(token, self.admin_token):
             raise AuthError("the bearer token is not the admin token")
 
+    def is_admin(self, authorization: str | None) -> bool:
+        return _matches(bearer(authorization), self.admin_token)
+
     def check_api(self, authorization: str | None) -> None:
         if self.api_token is None:
             return

@@ -7,7 +7,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 from service.api.auth import Auth
-from service.api.generation import InvalidRequest, Limits
+from service.api.generation import InvalidRequest, Limits, check_request
 from service.api.hooks import Hooks
 from service.api.loop import EngineLoop, NotReady, check_mode
 from service.api.metrics import Metrics
@@ -15,6 +15,7 @@ from service.api.pushes import WeightManager
 
 if TYPE_CHECKING:
     from service.engine import LLMEngine
+    from service.sequence import SamplingParams
     from service.tokenizer import Tokenizer
 
 
@@ -38,6 +39,11 @@ class ServiceContext:
             raise NotReady("the engine loop has stopped")
         return self.loop.engine
 
+    def check_request(self, prompt: list[int], params: SamplingParams) -> None:
+        """The model's own bounds on a request (vocabulary, context), checked before it is submitted."""
+        engine = self.engine()
+        check_request(prompt, params, engine.model_config.vocab_size, engine.config.max_model_len)
+
     def tokenizer(self) -> Tokenizer | None:
         return self.engine().tokenizer
 
@@ -50,12 +56,14 @@ class ServiceContext:
     def name(self) -> str:
         return self.model_name or self.engine().model_path.name
 
-    def info(self) -> dict[str, Any]:
+    def info(self, admin: bool = False) -> dict[str, Any]:
+        """Server state. The model's absolute path only for the admin (a co-located sidecar reads the target
+        from it); anyone else gets the folder's name."""
         engine = self.engine()
         tok = engine.tokenizer
         return {
             "model": self.name(),
-            "model_path": str(engine.model_path),
+            "model_path": str(engine.model_path) if admin else engine.model_path.name,
             "policy_version": str(engine.policy_version),
             "drafter_version": str(engine.drafter_version),
             "num_running": engine.num_running,

@@ -36,6 +36,12 @@ class Dispatcher:
         n = len(request.seqs)
         self.tracked[request.request_id] = Tracked(handle, request, metadata, [0] * n, [0.0] * n, n)
 
+    def fail(self, request_id: str, message: str) -> None:
+        """One request failed on its own: its consumer gets the error; nobody else is touched."""
+        tr = self.tracked.pop(request_id, None)
+        if tr is not None:
+            tr.handle.put_many([Failed(message)])
+
     def fail_all(self, message: str) -> None:
         for tr in self.tracked.values():
             tr.handle.release()

@@ -15,7 +15,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 from service.api.events import Chunk, Failed, GenRequest, RequestHandle, SampleDone
-from service.sequence import SamplingError, SamplingParams, VersionSpan
+from service.sequence import SamplingError, SamplingParams, VersionSpan, check_fits
 
 if TYPE_CHECKING:
     from service.api.loop import EngineLoop
@@ -43,18 +43,39 @@ class Limits:
 
 
 def make_params(limits: Limits, **kw: Any) -> SamplingParams:
-    """SamplingParams from API fields (None = default), within the server's limits."""
+    """SamplingParams from API fields (None = default), within the server's limits. The one validation of
+    sampling parameters for gRPC, OpenAI and SGLang: a wrong type or range is an InvalidRequest (400 /
+    INVALID_ARGUMENT) naming the field."""
     kw = {k: v for k, v in kw.items() if v is not None}
-    n, max_tokens = int(kw.get("n", 1)), int(kw.get("max_tokens", 16))
-    if n > limits.max_n:
-        raise InvalidRequest(f"n={n} exceeds the server limit of {limits.max_n}")
-    if max_tokens > limits.max_tokens:
-        raise InvalidRequest(f"max_tokens={max_tokens} exceeds the server limit of {limits.max_tokens}")
-    if "stop_token_ids" in kw:
-        kw["stop_token_ids"] = tuple(kw["stop_token_ids"])
     try:
-        return SamplingParams(**kw)
+        params = SamplingParams(**kw)
     except (SamplingError, TypeError) as exc:
+        raise InvalidRequest(str(exc)) from exc
+    if params.n > limits.max_n:
+        raise InvalidRequest(f"n={params.n} exceeds the server limit of {limits.max_n}")
+    if params.max_tokens > limits.max_tokens:
+        raise InvalidRequest(f"max_tokens={params.max_tokens} exceeds the server limit of {limits.max_tokens}")
+    return params
+
+
+def make_stop(value: Any, limits: Limits) -> list[str]:
+    """Stop strings: a string or a list of strings (None: none)."""
+    if value is None:
+        return []
+    stop = [value] if isinstance(value, str) else value
+    if not isinstance(stop, list) or not all(isinstance(x, str) for x in stop):
+        raise InvalidRequest(f"stop must be a string or a list of strings, got {value!r}")
+    if len(stop) > limits.max_stop:
+        raise InvalidRequest(f"{len(stop)} stop strings exceed the server limit of {limits.max_stop}")
+    return list(stop)
+
+
+def check_request(prompt: Sequence[int], params: SamplingParams, vocab_size: int, max_model_len: int) -> None:
+    """Refuse at submission what the model cannot honour (top_logprobs over the vocabulary, a prompt plus
+    max_tokens longer than the context): a sample cut at the context limit is not a real max_tokens stop."""
+    try:
+        check_fits(params, len(prompt), vocab_size, max_model_len)
+    except SamplingError as exc:
         raise InvalidRequest(str(exc)) from exc
 
 

@@ -20,7 +20,7 @@ from service.api.generation import InvalidRequest, ServiceError, check_prompt, m
 from service.api.loop import NotReady
 from service.api.protogen import pb2, pb2_grpc
 from service.api.weights import Manifest, PushError, PushResult, PushUnsupported, TensorEntry
-from service.api.wire import ChunkView, add_rollout_servicer
+from service.api.wire import ChunkView, Corrupt, add_rollout_servicer
 
 logger = logging.getLogger(__name__)
 
@@ -89,6 +89,7 @@ class RolloutServicer(pb2_grpc.RolloutServicer):  # type: ignore[misc]
             ids = list(request.prompt_token_ids) or (ctx.encode(request.prompt_text) if request.prompt_text else [])
             prompt = check_prompt(ids, engine.model_config.vocab_size)
             params = self._params(request)
+            ctx.check_request(prompt, params)
             rid = request.request_id or uuid.uuid4().hex
             handle = RequestHandle(rid, params.n, _running_loop())
             ctx.loop.submit(GenRequest(prompt, params, rid, request.group_id or None, dict(request.metadata)),
@@ -138,11 +139,15 @@ class RolloutServicer(pb2_grpc.RolloutServicer):  # type: ignore[misc]
     async def PushWeights(self, request_iterator: Any, context: grpc.aio.ServicerContext) -> Any:
         async def work() -> Any:
             first = await anext(aiter(request_iterator), None)
+            if isinstance(first, Corrupt):
+                raise PushError(first.error)
             if first is None or isinstance(first, ChunkView) or first.WhichOneof("kind") != "manifest":
                 raise PushError("the first message of a push must be its manifest")
 
             async def chunks() -> AsyncIterator[tuple[int, Any]]:
                 async for msg in request_iterator:
+                    if isinstance(msg, Corrupt):
+                        raise PushError(msg.error)
                     if not isinstance(msg, ChunkView):
                         raise PushError("only chunks may follow the manifest")
                     yield msg.offset, msg.data
@@ -165,7 +170,7 @@ class RolloutServicer(pb2_grpc.RolloutServicer):  # type: ignore[misc]
     async def GetServerInfo(self, request: Any, context: grpc.aio.ServicerContext) -> Any:
         try:
             self.ctx.auth.check_api(_auth(context))
-            return pb2.ServerInfo(**self.ctx.info())
+            return pb2.ServerInfo(**self.ctx.info(admin=self.ctx.auth.is_admin(_auth(context))))
         except Exception as exc:
             await self._fail(context, exc)
 

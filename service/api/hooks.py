@@ -37,6 +37,7 @@ class Hooks:
         self._lock = threading.Lock()
         self._q: queue.SimpleQueue[tuple[str, Any] | None] = queue.SimpleQueue()
         self._thread: threading.Thread | None = None
+        self.on_rollout_lost: Callable[[], None] | None = None  # a rollout callback failed (counted in metrics)
 
     def start(self) -> None:
         if self._thread is None:
@@ -101,12 +102,18 @@ class Hooks:
                 fn(record)
             except Exception:
                 logger.exception("rollout callback %r failed", fn)
+                self._lost()
         store = self.rollout_store
         if store is None:
             stored()
             return
         try:
             store(record, stored)
-        except Exception:  # the store counts its own losses; the client still gets its sample
+        except Exception:  # the client still gets its sample; the loss is counted
             logger.exception("rollout store %r failed for %s", store, record.rollout_id)
+            self._lost()
             stored()
+
+    def _lost(self) -> None:
+        if self.on_rollout_lost is not None:
+            self.on_rollout_lost()

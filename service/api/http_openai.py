@@ -17,11 +17,12 @@ from collections.abc import AsyncIterator
 from dataclasses import asdict
 from typing import Any
 
-from fastapi import APIRouter
+from fastapi import APIRouter, Request
 from fastapi.responses import StreamingResponse
 from pydantic import BaseModel, ConfigDict, Field
 
 from service.api.context import ServiceContext
+from service.api.disconnect import unless_disconnected
 from service.api.generation import (
     Generation,
     InvalidRequest,
@@ -29,6 +30,7 @@ from service.api.generation import (
     Update,
     check_prompt,
     make_params,
+    make_stop,
     run_all,
     start_all,
 )
@@ -121,15 +123,15 @@ async def models(ctx: ApiCtx) -> dict[str, Any]:
 
 
 @router.post("/v1/completions")
-async def completions(req: CompletionRequest, ctx: ApiCtx) -> Any:
+async def completions(req: CompletionRequest, ctx: ApiCtx, request: Request) -> Any:
     _unsupported(req)
-    stop = [req.stop] if isinstance(req.stop, str) else list(req.stop or [])
-    if len(stop) > ctx.limits.max_stop:
-        raise InvalidRequest(f"{len(stop)} stop strings exceed the server limit of {ctx.limits.max_stop}")
+    stop = make_stop(req.stop, ctx.limits)
     params = make_params(ctx.limits, n=req.n, temperature=req.temperature, top_p=req.top_p, top_k=req.top_k,
                          min_p=req.min_p, seed=req.seed, max_tokens=req.max_tokens,
                          stop_token_ids=req.stop_token_ids, ignore_eos=req.ignore_eos, top_logprobs=req.logprobs or 0)
     prompts = _prompts(ctx, req.prompt)
+    for p in prompts:
+        ctx.check_request(p, params)
     base = req.request_id or uuid.uuid4().hex
     tok = ctx.tokenizer()
     gens = [Generation(ctx.loop, tok, p, params, base if len(prompts) == 1 else f"{base}-{j}",
@@ -137,7 +139,7 @@ async def completions(req: CompletionRequest, ctx: ApiCtx) -> Any:
     head = {"id": f"cmpl-{base}", "object": "text_completion", "created": int(time.time()), "model": ctx.name()}
     if req.stream:
         return await _stream(gens, head, req)
-    results = await run_all(gens)
+    results = await unless_disconnected(request, run_all(gens))  # a client that left: aborted
     choices = [_choice(g, s, j * req.n + s.index, req.logprobs) for j, (g, r) in enumerate(zip(gens, results,
                                                                                                 strict=True))
                for s in r]
@@ -185,7 +187,8 @@ async def _stream(gens: list[Generation], head: dict[str, Any], req: CompletionR
                                req.logprobs)
                 offsets[j][upd.index] += len(upd.text)
                 choice = {"index": j * req.n + upd.index, "text": upd.text, "logprobs": lp,
-                          "finish_reason": upd.finish_reason, "token_ids": upd.token_ids}
+                          "finish_reason": upd.finish_reason, "token_ids": upd.token_ids,
+                          "rollout_id": gen.samples[upd.index].rollout_id}
                 yield _sse({**head, "choices": [choice]})
             if req.stream_options and req.stream_options.get("include_usage"):
                 completion = sum(len(s.token_ids) for g in gens for s in g.samples)

@@ -9,13 +9,15 @@ from typing import Annotated, Any
 
 from fastapi import Depends, FastAPI, Request
 from fastapi.exceptions import RequestValidationError
-from fastapi.responses import JSONResponse, Response
+from fastapi.openapi.utils import get_openapi
+from fastapi.responses import JSONResponse, PlainTextResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST
 from starlette.exceptions import HTTPException
 
 from service.api.admission import Overloaded
 from service.api.auth import AuthError
 from service.api.context import ServiceContext
+from service.api.disconnect import ClientGone
 from service.api.generation import InvalidRequest, ServiceError
 from service.api.loop import NotReady
 from service.api.weights import PushError, PushUnsupported
@@ -45,6 +47,8 @@ def error_response(exc: BaseException) -> JSONResponse:
         status, kind = 503, "unavailable"
     elif isinstance(exc, Overloaded):
         status, kind = 503, "overloaded"
+    elif isinstance(exc, ClientGone):
+        status, kind = 499, "client_closed_request"
     elif isinstance(exc, ServiceError):
         status, kind = 500, "internal_error"
     if status == 500:
@@ -135,8 +139,8 @@ def create_app(ctx: ServiceContext) -> FastAPI:
         return JSONResponse(error_body(exc.status_code, str(exc.detail), kind), status_code=exc.status_code,
                             headers=exc.headers)
 
-    for cls in (Overloaded, InvalidRequest, PushError, AuthError, PermissionError, PushUnsupported, NotReady,
-                ServiceError, ValueError):
+    for cls in (Overloaded, ClientGone, InvalidRequest, PushError, AuthError, PermissionError, PushUnsupported,
+                NotReady, ServiceError, ValueError):
         app.add_exception_handler(cls, lambda request, exc: error_response(exc))
 
     @app.get("/health", tags=["ops"])
@@ -152,16 +156,36 @@ def create_app(ctx: ServiceContext) -> FastAPI:
         return JSONResponse({"ready": ok, "paused": bool(ok and ctx.loop.engine.paused)},
                             status_code=200 if ok else 503)
 
-    @app.get("/metrics", tags=["ops"])
+    @app.get("/metrics", tags=["ops"], response_class=PlainTextResponse,
+             responses={200: {"content": {"text/plain": {"schema": {"type": "string"}}},
+                              "description": "Prometheus text exposition format"}})
     async def metrics() -> Response:
         return Response(ctx.metrics.render(), media_type=CONTENT_TYPE_LATEST)
 
     app.include_router(openai_router)
     app.include_router(sglang_router)
     app.include_router(admin_router)
+    app.openapi = lambda: _openapi(app)  # type: ignore[method-assign]
     app.add_middleware(BodyLimit, limit=ctx.limits.max_request_bytes,  # type: ignore[arg-type]
                        upload_limit=ctx.limits.max_upload_bytes)
     return app
+
+
+def _openapi(app: FastAPI) -> dict[str, Any]:
+    """FastAPI's schema, saying what the server really sends: invalid input is 400 (not 422), with the error
+    body every error has."""
+    if app.openapi_schema is None:
+        schema = get_openapi(title=app.title, version=app.version, description=app.description, routes=app.routes)
+        error = {"description": "Invalid request", "content": {"application/json": {"schema": {
+            "type": "object", "properties": {"error": {"type": "object", "properties": {
+                "message": {"type": "string"}, "type": {"type": "string"}, "code": {"type": "integer"}}}}}}}}
+        for ops in schema.get("paths", {}).values():
+            for op in ops.values():
+                responses = op.get("responses", {})
+                if responses.pop("422", None) is not None:
+                    responses["400"] = error
+        app.openapi_schema = schema
+    return app.openapi_schema
 
 
 def ctx_of(request: Request) -> ServiceContext:

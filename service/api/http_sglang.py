@@ -15,12 +15,22 @@ from collections.abc import AsyncIterator
 from dataclasses import asdict
 from typing import Any
 
-from fastapi import APIRouter
+from fastapi import APIRouter, Request
 from fastapi.responses import StreamingResponse
 from pydantic import BaseModel, ConfigDict
 
 from service.api.context import ServiceContext
-from service.api.generation import Generation, InvalidRequest, Sample, check_prompt, make_params, run_all, start_all
+from service.api.disconnect import unless_disconnected
+from service.api.generation import (
+    Generation,
+    InvalidRequest,
+    Sample,
+    check_prompt,
+    make_params,
+    make_stop,
+    run_all,
+    start_all,
+)
 from service.api.http_openai import _sse, close_all, prefetch
 from service.api.http_server import ApiCtx
 
@@ -45,15 +55,16 @@ class GenerateRequest(BaseModel):
     metadata: dict[str, str] | None = None
 
 
-def _params(ctx: ServiceContext, sp: dict[str, Any]) -> tuple[Any, list[str]]:
+def _params(ctx: ServiceContext, sp: Any) -> tuple[Any, list[str]]:
+    if not isinstance(sp, dict):
+        raise InvalidRequest(f"sampling_params must be an object, got {sp!r}")
     for key, value in sp.items():
         if key in _KNOWN or key in _IGNORED:
             continue
         if key in _NEUTRAL and value in (None, _NEUTRAL[key]):
             continue
         raise InvalidRequest(f"sampling_params.{key} is not supported by this server")
-    stop = sp.get("stop") or []
-    stop = [stop] if isinstance(stop, str) else list(stop)
+    stop = make_stop(sp.get("stop"), ctx.limits)
     params = make_params(ctx.limits, n=sp.get("n"), temperature=sp.get("temperature"), top_p=sp.get("top_p"),
                          top_k=sp.get("top_k"), min_p=sp.get("min_p"), seed=sp.get("sampling_seed"),
                          max_tokens=sp.get("max_new_tokens", 128), stop_token_ids=sp.get("stop_token_ids"),
@@ -102,7 +113,7 @@ def _item(gen: Generation, s: Sample, logprob: bool, started: float, index: int 
 
 
 @router.post("/generate")
-async def generate(req: GenerateRequest, ctx: ApiCtx) -> Any:
+async def generate(req: GenerateRequest, ctx: ApiCtx, request: Request) -> Any:
     started = time.monotonic()
     prompts = _prompts(ctx, req)
     sps = req.sampling_params if isinstance(req.sampling_params, list) else [req.sampling_params or {}] * len(prompts)
@@ -116,12 +127,13 @@ async def generate(req: GenerateRequest, ctx: ApiCtx) -> Any:
     gens = []
     for j, (prompt, sp) in enumerate(zip(prompts, sps, strict=True)):
         params, stop = _params(ctx, sp)
+        ctx.check_request(prompt, params)
         rid = rids[j] if rids is not None else (base if len(prompts) == 1 else f"{base}-{j}")
         gens.append(Generation(ctx.loop, tok, prompt, params, rid, req.group_id, req.metadata, stop))
     single = len(gens) == 1 and gens[0].params.n == 1
     if req.stream:
         return await _stream(gens, req.return_logprob, started, single)
-    results = await run_all(gens)
+    results = await unless_disconnected(request, run_all(gens))  # a client that left: aborted
     items = [_item(g, s, req.return_logprob, started, None) for g, r in zip(gens, results, strict=True) for s in r]
     return items[0] if single else items
 

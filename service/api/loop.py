@@ -6,12 +6,13 @@ operations (a "wait" push, a "wait" pause) hold admission and finish once no seq
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import threading
 import time
 from collections import deque
 from collections.abc import Callable
-from concurrent.futures import Future
+from concurrent.futures import Future, InvalidStateError
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, TypeVar
 
@@ -29,6 +30,23 @@ if TYPE_CHECKING:
 logger = logging.getLogger(__name__)
 
 T = TypeVar("T")
+
+
+def settle(fut: Future[Any], result: Any = None, exc: BaseException | None = None) -> bool:
+    """Hand a result to a caller's future unless the caller already gave up (cancelled it): the engine thread
+    never fails because of a caller's state. Returns whether the caller got it."""
+    if fut.done():
+        return False
+    try:
+        if exc is not None:
+            fut.set_exception(exc)
+        else:
+            fut.set_result(result)
+    except InvalidStateError:  # cancelled between the check and the set
+        return False
+    return True
+
+
 MODES = ("wait", "abort", "keep")
 IDLE_WAIT_S = 0.5
 
@@ -68,6 +86,8 @@ class EngineLoop:
         self.metrics = metrics
         self.hooks = hooks or Hooks()
         self.admission = admission or Admission()
+        if metrics is not None and self.hooks.on_rollout_lost is None:
+            self.hooks.on_rollout_lost = metrics.rollout_unrecorded
         self._engine: LLMEngine | None = None
         self.error: BaseException | None = None
         self.ready = threading.Event()
@@ -112,9 +132,9 @@ class EngineLoop:
         def run(engine: LLMEngine) -> None:
             if fut.set_running_or_notify_cancel():
                 try:
-                    fut.set_result(fn(engine))
-                except BaseException as exc:  # handed to the caller
-                    fut.set_exception(exc)
+                    settle(fut, fn(engine))
+                except Exception as exc:  # handed to its caller only
+                    settle(fut, exc=exc)
 
         self._post(run)
         return fut
@@ -148,22 +168,29 @@ class EngineLoop:
         fut: Future[list[str]] = Future()
 
         def run(engine: LLMEngine) -> None:
+            if fut.cancelled():
+                logger.info("pause (%s) cancelled before it started: its caller left", mode)
+                return
             if mode == "wait" and engine.num_running and not engine.paused:
                 self._pauses.append(fut)
                 self._update_hold(engine)
                 return
-            aborted = self._abort_all(engine, "pause") if mode == "abort" else []
+            if not fut.set_running_or_notify_cancel():
+                return
+            aborted = self._abort_running(engine, "pause") if mode == "abort" else []
             engine.paused = True
-            fut.set_result(aborted)
+            logger.info("generation paused (%s)", mode)
+            settle(fut, aborted)
 
         self._post(run)
+        self._drop_when_cancelled(fut)
         return fut
 
     def resume(self) -> Future[bool]:
         def run(engine: LLMEngine) -> bool:
             engine.paused = False
             for fut in self._pauses:
-                fut.set_result([])
+                settle(fut, [])
             self._pauses.clear()
             self._update_hold(engine)
             return False
@@ -176,17 +203,46 @@ class EngineLoop:
         fut: Future[SwapResult] = Future()
 
         def run(engine: LLMEngine) -> None:
+            if fut.cancelled():
+                logger.info("push of version %s cancelled before it was applied: its caller left", version)
+                return
             if mode == "wait" and engine.num_running and not engine.paused:
                 self._swaps.append(_PendingSwap(model, version, fut, time.monotonic()))
                 self._update_hold(engine)
                 return
+            if not fut.set_running_or_notify_cancel():  # from here on the caller can no longer cancel it
+                return
             start = time.perf_counter()
-            aborted = self._abort_all(engine, "weight_push") if mode == "abort" else []
-            old = self._swap(engine, model, version)
-            fut.set_result(SwapResult(version, time.perf_counter() - start, 0.0, aborted, old))
+            try:
+                aborted = self._abort_running(engine, "weight_push") if mode == "abort" else []
+                old = self._swap(engine, model, version)
+            except Exception as exc:
+                settle(fut, exc=exc)
+                return
+            settle(fut, SwapResult(version, time.perf_counter() - start, 0.0, aborted, old))
 
         self._post(run)
+        self._drop_when_cancelled(fut)
         return fut
+
+    def _drop_when_cancelled(self, fut: Future[Any]) -> None:
+        """A waiting push or pause whose caller leaves is withdrawn at once, releasing the admission hold."""
+
+        def done(f: Future[Any]) -> None:
+            if f.cancelled():
+                with contextlib.suppress(NotReady):
+                    self._post(self._drop_cancelled)
+
+        fut.add_done_callback(done)
+
+    def _drop_cancelled(self, engine: LLMEngine) -> None:
+        for sw in [sw for sw in self._swaps if sw.future.cancelled()]:
+            logger.warning("push of target weights %s withdrawn: its caller left before it was applied", sw.version)
+        for _ in [f for f in self._pauses if f.cancelled()]:
+            logger.warning("pause (wait) withdrawn: its caller left before generation was paused")
+        self._swaps = [sw for sw in self._swaps if not sw.future.cancelled()]
+        self._pauses = [f for f in self._pauses if not f.cancelled()]
+        self._update_hold(engine)
 
     # -- engine thread ----------------------------------------------------------------------------
     def _post(self, fn: Callable[[LLMEngine], None]) -> None:
@@ -222,7 +278,10 @@ class EngineLoop:
             if stopping:
                 self._shutdown(engine)
                 return
-            self._progress(engine)
+            try:
+                self._progress(engine)
+            except Exception:
+                logger.exception("finishing waiting pushes and pauses failed")
             if engine.has_unfinished():
                 produced = self._step(engine)
                 if not produced and (engine.paused or engine.num_running == 0):
@@ -243,10 +302,15 @@ class EngineLoop:
             logger.exception("engine step failed; failing every request in flight")
             self._fail_all(engine, f"engine error: {exc}")
             return False
+        for rid, message in engine.take_failures().items():
+            self._disp.fail(rid, message)
         if self.metrics is not None and engine.stats.num_steps != steps_before and engine.stats.recent:
             self.metrics.observe_step(engine.stats.recent[-1])
         if outputs:
-            self._disp.dispatch(engine, outputs)
+            try:
+                self._disp.dispatch(engine, outputs)
+            except Exception:  # a consumer's state must never stop the engine thread
+                logger.exception("handing step outputs to their requests failed")
         return bool(outputs)
 
     def _add(self, engine: LLMEngine, req: GenRequest, handle: RequestHandle) -> None:
@@ -271,6 +335,16 @@ class EngineLoop:
             self.metrics.aborted(reason, len(ids))
         return ids
 
+    def _abort_running(self, engine: LLMEngine, reason: str) -> list[str]:
+        """Mode abort: end the requests that are generating; waiting ones stay queued (after a swap they start
+        on the new weights, after a pause once generation resumes)."""
+        ids = list(dict.fromkeys(s.request_id for s in engine.scheduler.running))
+        for rid in ids:
+            engine.abort(rid)
+        if ids and self.metrics is not None:
+            self.metrics.aborted(reason, len(ids))
+        return ids
+
     def _swap(self, engine: LLMEngine, model: CausalLM, version: str) -> Any:
         old = getattr(getattr(engine, "runner", None), "model", None)
         engine.swap_target(model, version)
@@ -285,21 +359,29 @@ class EngineLoop:
         if not (self._swaps or self._pauses) or (engine.num_running and not engine.paused):
             return
         swaps, self._swaps = self._swaps, []
+        pauses, self._pauses = self._pauses, []
+        self._update_hold(engine)
         for sw in swaps:
+            # A caller that left is never applied; once running, the caller can no longer cancel it.
+            if not sw.future.set_running_or_notify_cancel():
+                logger.warning("push of target weights %s not applied: its caller left", sw.version)
+                continue
             start = time.perf_counter()
             try:
                 old = self._swap(engine, sw.model, sw.version)
             except Exception as exc:
-                sw.future.set_exception(exc)
+                settle(sw.future, exc=exc)
                 continue
-            sw.future.set_result(SwapResult(sw.version, time.perf_counter() - start, time.monotonic() - sw.since,
-                                            [], old))
-        if self._pauses:
+            settle(sw.future, SwapResult(sw.version, time.perf_counter() - start, time.monotonic() - sw.since,
+                                         [], old))
+        live = [f for f in pauses if f.set_running_or_notify_cancel()]
+        if live:
             engine.paused = True
-            for fut in self._pauses:
-                fut.set_result([])
-            self._pauses.clear()
-        self._update_hold(engine)
+            logger.info("generation paused (wait)")
+            for fut in live:
+                settle(fut, [])
+        elif pauses:
+            logger.warning("pause (wait) not applied: its caller left")
 
     def _fail_all(self, engine: LLMEngine, message: str) -> None:
         self._disp.fail_all(message)
@@ -321,6 +403,6 @@ class EngineLoop:
                 logger.exception("could not drain aborted requests at shutdown")
         self._disp.fail_all("the server is shutting down")
         for sw in self._swaps:
-            sw.future.set_exception(NotReady("the server is shutting down"))
+            settle(sw.future, exc=NotReady("the server is shutting down"))
         for fut in self._pauses:
-            fut.set_exception(NotReady("the server is shutting down"))
+            settle(fut, exc=NotReady("the server is shutting down"))

@@ -46,6 +46,8 @@ class _EngineCollector(Collector):
             ("num_requests_running", "Sequences in the running batch", engine.num_running),
             ("num_requests_waiting", "Sequences waiting for a slot", engine.num_waiting),
             ("paused", "1 while generation is paused", 1.0 if engine.paused else 0.0),
+            ("admission_held", "1 while a push or pause in mode wait holds waiting requests back",
+             1.0 if engine.hold_admission else 0.0),
             ("spec_decode_mean_accepted_length", "Tokens per sequence per speculative step (recent steps)",
              _retry(lambda: stats.mean_accepted_length)),
         ):
@@ -114,7 +116,12 @@ class Metrics:
                               registry=r)
         self.swap_seconds = Histogram(P + "weight_swap_seconds", "Time the engine loop was held for a swap",
                                       ["role"], buckets=LATENCY_BUCKETS, registry=r)
+        self.unrecorded = Counter(P + "rollouts_unrecorded", "Finished rollouts a rollout callback (the buffer) "
+                                  "failed to take: they reached the client but not the buffer", registry=r)
         r.register(_EngineCollector(self))
+
+    def rollout_unrecorded(self) -> None:
+        self.unrecorded.inc()
 
     def bind_engine(self, engine: LLMEngine) -> None:
         self.engine = engine

@@ -8,9 +8,11 @@ keep); a drafter swap never holds generation back. One push per role at a time.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import time
 from collections.abc import AsyncIterator, Iterable
+from concurrent.futures import Future
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -111,6 +113,26 @@ class WeightManager:
         elif replaced is not None:
             self.loop.hooks.release(replaced)  # freed on the hooks thread, not the event loop
 
+    def _abandoned(self, role: str, version: str, model: CausalLM, pending: Future[SwapResult]) -> None:
+        """The caller left while its push waited. Not applied yet: it never will be (the engine skips a
+        cancelled swap) and the staged weights are freed. Already being applied: it completes, and shows in the
+        version and the log."""
+        if pending.cancelled():
+            logger.warning("push of %s weights %s cancelled: the client left before it was applied; "
+                           "the staged weights are freed", role, version)
+            self._keep_or_free(role, model)
+            return
+        aloop = asyncio.get_running_loop()
+
+        def finished(f: Future[SwapResult]) -> None:
+            failed = f.cancelled() or f.exception() is not None
+            if not failed:
+                logger.warning("push of %s weights %s applied although its client left", role, version)
+            with contextlib.suppress(RuntimeError):  # the event loop is closed: nothing to keep
+                aloop.call_soon_threadsafe(self._keep_or_free, role, model if failed else f.result().replaced)
+
+        pending.add_done_callback(finished)
+
     def _swap_drafter(self, engine: LLMEngine, model: CausalLM, version: str) -> CausalLM:
         found = draft_model_of(engine)
         if found is None:
@@ -121,7 +143,12 @@ class WeightManager:
     async def _apply(self, role: str, version: str, model: CausalLM, mode: str, nbytes: int,
                      start: float) -> PushResult:
         if role == "target":
-            swap: SwapResult = await asyncio.wrap_future(self.loop.swap_target(model, version, mode))
+            pending = self.loop.swap_target(model, version, mode)
+            try:
+                swap: SwapResult = await asyncio.wrap_future(pending)
+            except asyncio.CancelledError:
+                self._abandoned(role, version, model, pending)
+                raise
             self._keep_or_free(role, swap.replaced)
             return PushResult(role, version, nbytes, time.perf_counter() - start, swap.swap_seconds,
                               swap.wait_seconds, swap.aborted)

@@ -12,6 +12,7 @@ from dataclasses import dataclass
 from typing import Any
 
 import grpc
+from google.protobuf.message import DecodeError
 
 from service.api.protogen import pb2
 
@@ -59,6 +60,42 @@ def _parse_chunk(buf: memoryview) -> ChunkView | None:
     return ChunkView(offset, data)
 
 
+@dataclass(slots=True)
+class Corrupt:
+    """A message that did not parse; the handler answers INVALID_ARGUMENT (gRPC itself would say UNKNOWN)."""
+
+    error: str
+
+
+def _parser(request_cls: Any) -> Callable[[bytes], Any]:
+    def parse(raw: bytes) -> Any:
+        try:
+            return request_cls.FromString(raw)
+        except DecodeError as exc:
+            return Corrupt(f"corrupt {request_cls.DESCRIPTOR.name} message: {exc}")
+
+    return parse
+
+
+def _unary(fn: Callable[..., Any]) -> Callable[..., Any]:
+    async def handle(request: Any, context: grpc.aio.ServicerContext) -> Any:
+        if isinstance(request, Corrupt):
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, request.error)
+        return await fn(request, context)
+
+    return handle
+
+
+def _unary_stream(fn: Callable[..., Any]) -> Callable[..., Any]:
+    async def handle(request: Any, context: grpc.aio.ServicerContext) -> Any:
+        if isinstance(request, Corrupt):
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, request.error)
+        async for item in fn(request, context):
+            yield item
+
+    return handle
+
+
 def parse_push_request(raw: bytes) -> Any:
     try:
         view = _parse_chunk(memoryview(raw))
@@ -66,7 +103,10 @@ def parse_push_request(raw: bytes) -> Any:
         view = None
     if view is not None:
         return view
-    msg = pb2.PushWeightsRequest.FromString(raw)
+    try:
+        msg = pb2.PushWeightsRequest.FromString(raw)
+    except DecodeError as exc:
+        return Corrupt(f"corrupt PushWeightsRequest message: {exc}")
     if msg.WhichOneof("kind") == "chunk":
         return ChunkView(msg.chunk.offset, memoryview(msg.chunk.data))
     return msg
@@ -87,8 +127,11 @@ def add_rollout_servicer(servicer: Any, server: grpc.aio.Server) -> None:
         request_cls = getattr(pb2, method.input_type.name)
         response_cls = getattr(pb2, method.output_type.name)
         factory = _FACTORIES[(method.client_streaming, method.server_streaming)]
-        deserialize = parse_push_request if method.name == "PushWeights" else request_cls.FromString
-        handlers[method.name] = factory(getattr(servicer, method.name), request_deserializer=deserialize,
+        deserialize = parse_push_request if method.name == "PushWeights" else _parser(request_cls)
+        fn = getattr(servicer, method.name)
+        if not method.client_streaming:
+            fn = _unary_stream(fn) if method.server_streaming else _unary(fn)
+        handlers[method.name] = factory(fn, request_deserializer=deserialize,
                                         response_serializer=response_cls.SerializeToString)
     server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(SERVICE.full_name, handlers),))
     if hasattr(server, "add_registered_method_handlers"):
