@@ -205,8 +205,8 @@ async def run_load(http_url: str, grpc_target: str, *, concurrency: int, request
 
     return {
         "requests": len(outcomes), "concurrency": concurrency, "max_tokens": max_tokens, "ok": len(answered),
-        "errors": sum(1 for o in outcomes if o.error), "errors_by_kind": dict(Counter(o.error for o in outcomes
-                                                                                    if o.error)),
+        "errors": sum(1 for o in outcomes if o.error),
+        "errors_by_kind": dict(Counter(f"{o.kind}:{o.error}" for o in outcomes if o.error)),
         "refusals": sum(1 for o in outcomes if o.refused),
         "truncated_samples": sum(o.truncated for o in outcomes), "requests_by_kind": dict(Counter(j.kind
                                                                                                for j in jobs)),
