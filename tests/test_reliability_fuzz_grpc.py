@@ -29,8 +29,8 @@ from service.api.server import BackgroundServer
 logger = logging.getLogger(__name__)
 
 SEED = 12
-MESSAGES_PER_RPC = 45
-RAW_PER_RPC = 12
+MESSAGES_PER_RPC = 100
+RAW_PER_RPC = 20
 CALL_TIMEOUT_S = 30.0
 VOCAB = 512
 LIMITS = Limits(max_tokens=8, max_n=4, max_message_bytes=2**20)
