@@ -77,11 +77,12 @@ def test_freshness_alarm_after_a_policy_push_then_recovery(target, redis_server,
             served_before_push = server_tokens_per_step(c, seed=1)
             c.load_weights(str(new_policy), "v1")  # the RL trainer pushes a new policy
             stale_served = server_tokens_per_step(c, seed=2)
-            for i in range(4):
+            for i in range(8):  # the alarm needs a measurement on rollouts of the new version: a few rounds
                 server_tokens_per_step(c, seed=200 + i)
                 pump(trainer)
                 if trainer.alarm.events and trainer.alarm.events[-1].stale is not None:
                     break
+            assert trainer.alarm.events, "no freshness alarm after the policy push"
             event = trainer.alarm.events[-1]
             assert event.version == "v1" and event.stale is not None and trainer.teacher.version == "v1"
             assert event.stale - 1 < cfg_ratio(trainer, "alarm") * (event.before - 1)

@@ -190,10 +190,12 @@ def test_a_rollout_the_buffer_cannot_take_is_counted():
 
     hooks.on_rollout_finished.append(flaky)
     hooks.start()
+    delivered: list[str] = []
     for rec in ("a", "unencodable", "b"):
-        hooks.rollout_finished(rec)  # type: ignore[arg-type]
+        hooks.rollout_finished(rec, lambda rec=rec: delivered.append(rec))  # type: ignore[arg-type]
     hooks.stop()
     assert taken == ["a", "b"]
+    assert delivered == ["a", "unencodable", "b"]  # the client still gets every sample
     assert "specroll:rollouts_unrecorded_total 1.0" in metrics.render().decode()
 
 
