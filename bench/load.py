@@ -184,7 +184,7 @@ async def run_load(http_url: str, grpc_target: str, *, concurrency: int, request
                    timeout_s: float, seed: int = 0) -> dict[str, Any]:
     limits = httpx.Limits(max_connections=concurrency, max_keepalive_connections=concurrency)
     async with (httpx.AsyncClient(base_url=http_url, timeout=timeout_s, limits=limits) as http,
-                AsyncSpecrollClient(grpc_target, timeout_s=timeout_s) as client):
+                AsyncSpecrollClient(grpc_target, timeout_s=timeout_s, retries=0) as client):
         info = (await http.get("/server_info")).json()
         jobs = _jobs(requests, int(info.get("vocab_size") or 64), max_tokens, seed)
         gate = asyncio.Semaphore(concurrency)
