@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import itertools
 import logging
 import time
 import uuid
@@ -190,12 +192,18 @@ class AsyncSpecrollClient:
         manifest = wt.manifest(tensors, role, version, mode)
 
         async def call() -> Any:
-            async def requests() -> AsyncIterator[Any]:
-                yield pb2.PushWeightsRequest(manifest=manifest)
-                for chunk in wt.iter_chunks(tensors, chunk_bytes):
-                    yield chunk
-
-            return await self._push(requests(), metadata=self._admin, timeout=self.timeout_s)
+            # Written message by message, stopping once the server has answered: the server refuses a bad push
+            # after its manifest, and a write after that would hide its status behind INTERNAL (grpc#36066).
+            rpc = self._push(metadata=self._admin, timeout=self.timeout_s)
+            with contextlib.suppress(grpc.RpcError, asyncio.InvalidStateError):  # ended early: its status follows
+                for msg in itertools.chain([pb2.PushWeightsRequest(manifest=manifest)],
+                                           wt.iter_chunks(tensors, chunk_bytes)):
+                    if rpc.done():
+                        break
+                    await rpc.write(msg)
+                else:
+                    await rpc.done_writing()
+            return await rpc
 
         return _push_result(await self._retry(call))
 
