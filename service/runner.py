@@ -88,12 +88,11 @@ class CachedModel:
             pos = torch.where(valid, pos, self.cache.scratch_pos)
         kv_len = max(s + n for s, n in zip(starts, q_lens, strict=True))
         keys = torch.arange(kv_len, device=dev)
-        mask = keys[None, None, :] <= pos[:, :, None]  # [B, Q, L]; padded rows see everything (discarded)
-        G = self.cfg.num_heads // self.cfg.num_kv_heads
-        mask = mask[:, None] if Q == 1 else mask[:, None].repeat(1, 1, G, 1)  # [B, 1, G*Q or 1, L]
+        # Additive mask, once per step for all layers; padded rows see everything (their output is discarded).
+        bias = torch.zeros(B, 1, 1, Q, kv_len, device=dev).masked_fill_(keys > pos[:, None, None, :, None], -torch.inf)
         slots = (torch.arange(B, device=dev) + slot_lo)[:, None].expand(B, Q)
         cos, sin = self.rope.lookup(pos)
-        return AttnMeta(slot_lo, kv_len, slots.reshape(-1), pos.reshape(-1), mask, cos, sin), pos
+        return AttnMeta(slot_lo, kv_len, slots.reshape(-1), pos.reshape(-1), bias, cos, sin), pos
 
     def forward(self, input_ids: torch.Tensor, meta: AttnMeta) -> torch.Tensor:
         """input_ids [B, Q] -> final hidden states [B, Q, hidden]."""
