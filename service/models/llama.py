@@ -25,7 +25,7 @@ class AttnMeta:
     kv_len: int  # attend over cache positions [0, kv_len)
     write_slots: torch.Tensor | None  # [B * Q] cache slot of each new token; None = no cache (training)
     write_pos: torch.Tensor | None  # [B * Q] cache position of each new token (scratch for padding)
-    bias: torch.Tensor | None  # [B, 1, 1, Q, kv_len] float32 additive mask: 0 = attend, -inf = not
+    bias: torch.Tensor | None  # [B * Hkv, G * Q, kv_len] float32 additive mask: 0 = attend, -inf = not
     cos: torch.Tensor  # [B, Q, 1, D]
     sin: torch.Tensor  # [B, Q, 1, D]
 
@@ -91,19 +91,17 @@ class Attention(nn.Module):
 
 def cached_attention(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, bias: torch.Tensor) -> torch.Tensor:
     """q [B, Hkv, G * Q, D] over cache views keys/values [B, Hkv, L, D] with an additive float32 bias
-    [B, 1, 1, Q, L] -> [B, Hkv, G * Q, D] in q's dtype.
+    [B * Hkv, G * Q, L] -> [B, Hkv, G * Q, D] in q's dtype.
 
-    Two batched matmuls with a float32 softmax between them. On CPU this beats SDPA's flash kernel for the
-    few query rows of decode / verify (the kernel's per-call blocking overhead dominates at these sizes),
-    and scores are accumulated in float32 whatever the model dtype. Cache views fold (B, Hkv) into one
-    batch axis without a copy, since the slot and head strides are contiguous multiples."""
+    A scaled QK^T plus the mask in one baddbmm, a float32 softmax, and a bmm with V. On CPU this beats
+    SDPA's flash kernel for the few query rows of decode / verify (the kernel's per-call blocking overhead
+    dominates at these sizes), and scores are accumulated in float32 whatever the model dtype. Cache views
+    fold (B, Hkv) into one batch axis without a copy: the slot and head strides are multiples."""
     B, Hkv, GQ, D = q.shape
     L = keys.shape[2]
-    Q = bias.shape[3]
     qf = q.reshape(B * Hkv, GQ, D).float()
     kf = keys.reshape(B * Hkv, L, D).float()
-    scores = torch.bmm(qf, kf.transpose(1, 2)).view(B, Hkv, GQ // Q, Q, L)
-    probs = scores.mul_(D**-0.5).add_(bias).softmax(-1).view(B * Hkv, GQ, L)
+    probs = torch.baddbmm(bias, qf, kf.transpose(1, 2), alpha=D**-0.5).softmax(-1)
     return torch.bmm(probs.to(values.dtype), values.reshape(B * Hkv, L, D)).view(B, Hkv, GQ, D)
 
 
