@@ -80,20 +80,21 @@ class CachedModel:
         the [B, Q] position tensor (padding entries point at the scratch position)."""
         B, Q = len(starts), max(q_lens)
         dev = self.device
-        start = torch.tensor(starts, dtype=torch.int64, device=dev)
-        offs = torch.arange(Q, device=dev)
-        pos = start[:, None] + offs[None, :]  # [B, Q]
-        if Q > 1:
-            valid = offs[None, :] < torch.tensor(q_lens, dtype=torch.int64, device=dev)[:, None]
-            pos = torch.where(valid, pos, self.cache.scratch_pos)
+        scratch = self.cache.scratch_pos
+        # Positions and cache slots of every new token in one host tensor [2, B, Q].
+        host = [[[s + j if j < n else scratch for j in range(Q)] for s, n in zip(starts, q_lens, strict=True)]]
+        host.append([[slot_lo + b] * Q for b in range(B)])
+        pos, slots = torch.tensor(host, dtype=torch.int64, device=dev).unbind(0)
         kv_len = max(s + n for s, n in zip(starts, q_lens, strict=True))
-        keys = torch.arange(kv_len, device=dev)
-        mask = keys[None, None, :] <= pos[:, :, None]  # [B, Q, L]; padded rows see everything (discarded)
-        G = self.cfg.num_heads // self.cfg.num_kv_heads
-        mask = mask[:, None] if Q == 1 else mask[:, None].repeat(1, 1, G, 1)  # [B, 1, G*Q or 1, L]
-        slots = (torch.arange(B, device=dev) + slot_lo)[:, None].expand(B, Q)
+        # Additive mask, once per step for all layers, already laid out as attention's [B * Hkv, G * Q, L]
+        # batch; padded rows see everything (their output is discarded).
+        Hkv = self.cfg.num_kv_heads
+        G = self.cfg.num_heads // Hkv
+        hidden = torch.arange(kv_len, device=dev) > pos[:, None, None, :, None]  # [B, 1, 1, Q, L]
+        bias = torch.zeros(B, Hkv, G, Q, kv_len, device=dev).masked_fill_(hidden, -torch.inf)
+        bias = bias.view(B * Hkv, G * Q, kv_len)
         cos, sin = self.rope.lookup(pos)
-        return AttnMeta(slot_lo, kv_len, slots.reshape(-1), pos.reshape(-1), mask, cos, sin), pos
+        return AttnMeta(slot_lo, kv_len, slots.reshape(-1), pos.reshape(-1), bias, cos, sin), pos
 
     def forward(self, input_ids: torch.Tensor, meta: AttnMeta) -> torch.Tensor:
         """input_ids [B, Q] -> final hidden states [B, Q, hidden]."""
