@@ -20,7 +20,7 @@ os.environ.setdefault("SPECROLL_DEMO_SIZE", "tiny")
 
 import pytest
 import torch
-from helpers import free_port, make_checkpoint, set_checkpoint_root
+from helpers import free_port, make_checkpoint, set_checkpoint_root, stop_process
 
 torch.set_num_threads(int(os.environ["OMP_NUM_THREADS"]))
 
@@ -122,10 +122,5 @@ def redis_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
         logger.info("redis-server pid %d listening on 127.0.0.1:%d", proc.pid, port)
         yield f"redis://127.0.0.1:{port}/0"
     finally:
-        proc.terminate()
-        try:
-            proc.wait(timeout=10)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait(timeout=10)
+        stop_process(proc)
         log.close()

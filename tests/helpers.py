@@ -13,6 +13,7 @@ import logging
 import os
 import shutil
 import socket
+import subprocess
 import tempfile
 from pathlib import Path
 from typing import Any
@@ -32,6 +33,18 @@ _MIN_BPE_VOCAB = len(SPECIAL_TOKENS) + 256 + 8
 
 _root: Path | None = None
 _cache: dict[str, Path] = {}
+
+
+def stop_process(proc: subprocess.Popen[bytes], timeout: float = 10.0) -> None:
+    """SIGTERM, then SIGKILL if it has not exited within `timeout` seconds."""
+    if proc.poll() is not None:
+        return
+    proc.terminate()
+    try:
+        proc.wait(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        proc.wait(timeout=10)
 
 
 def free_port() -> int:

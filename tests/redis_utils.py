@@ -10,7 +10,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 import pytest
-from helpers import free_port
+from helpers import free_port, stop_process
 
 
 def wait_for(cond: Callable[[], object], timeout: float = 60.0, what: str = "condition") -> None:
@@ -50,6 +50,5 @@ class OwnRedis:
 
     def stop(self) -> None:
         if self.proc is not None:
-            self.proc.terminate()
-            self.proc.wait(10)
+            stop_process(self.proc)
             self.proc = None

@@ -13,7 +13,7 @@ from pathlib import Path
 import httpx
 import pytest
 import redis
-from helpers import free_port, make_checkpoint
+from helpers import free_port, make_checkpoint, stop_process
 from redis_utils import OwnRedis, wait_for
 from service_utils import ADMIN
 
@@ -53,12 +53,7 @@ class Serve:
         self.proc.wait(30)
 
     def stop(self) -> None:
-        if self.proc.poll() is None:
-            self.proc.terminate()
-            try:
-                self.proc.wait(30)
-            except subprocess.TimeoutExpired:
-                self.kill()
+        stop_process(self.proc, 30)
 
 
 def stream_ids(url: str) -> list[str]:

@@ -26,7 +26,7 @@ import httpx
 import pytest
 from deploy_utils import REPO, require_binary, unavailable, wait_for
 from grpc_health.v1 import health_pb2, health_pb2_grpc
-from helpers import free_port
+from helpers import free_port, stop_process
 
 logger = logging.getLogger(__name__)
 
@@ -69,11 +69,7 @@ def docker(tmp_path_factory: pytest.TempPathFactory) -> Iterator[None]:
             unavailable(f"dockerd did not start: {log_path.read_text(errors='replace')[-2000:]}")
         yield
     finally:
-        proc.terminate()
-        try:
-            proc.wait(timeout=30)
-        except subprocess.TimeoutExpired:
-            proc.kill()
+        stop_process(proc, 30)
 
 
 def _local_torch_wheels() -> Path | None:

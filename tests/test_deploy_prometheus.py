@@ -23,7 +23,7 @@ import httpx
 import pytest
 import yaml
 from deploy_utils import DEPLOY, REPO, http_ok, require_binary, wait_for
-from helpers import free_port
+from helpers import free_port, stop_process
 from service_utils import checkpoint_tensors, perturbed
 
 from client import SpecrollClient
@@ -74,12 +74,7 @@ class Proc:
         return True
 
     def stop(self) -> None:
-        self.proc.terminate()
-        try:
-            self.proc.wait(timeout=20)
-        except subprocess.TimeoutExpired:
-            self.proc.kill()
-            self.proc.wait(timeout=10)
+        stop_process(self.proc, 20)
 
 
 def _scrape_config(server_http: int, trainer_metrics: int, rules: Path) -> dict[str, Any]:
