@@ -33,7 +33,7 @@ REPO = Path(__file__).resolve().parent.parent
 
 def configs(args: argparse.Namespace, model: Path) -> dict[str, dict[str, Any]]:
     """Server settings per run: SD off, a fixed (drafter, k), adaptive over all drafters + the trainer."""
-    from service.default_model import default_drafters
+    from service.demo.default_model import default_drafters
 
     d = default_drafters(model)
     fixed = d[args.fixed_drafter]
@@ -158,7 +158,7 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
 def main(argv: list[str] | None = None) -> int:
     args = parse(argv)
     logging.basicConfig(level=logging.WARNING, stream=sys.stderr, format="%(asctime)s %(name)s: %(message)s")
-    from service.default_model import ensure_default_model
+    from service.demo.default_model import ensure_default_model
 
     model = ensure_default_model()
     cfg = GRPOConfig(steps=args.steps, prompts_per_step=args.prompts_per_step, group_size=args.group_size,

@@ -144,8 +144,8 @@ class SpecrollRunner(Runner):
     def __init__(self, model_dir: Path, dtype: str, max_batch: int, max_len: int, new_tokens: int,
                  threads: int) -> None:
         from service.config import EngineConfig
-        from service.engine import LLMEngine
-        from service.sequence import SamplingParams
+        from service.engine.llm_engine import LLMEngine
+        from service.params import SamplingParams
 
         t0 = time.perf_counter()
         self.engine = LLMEngine(EngineConfig(model=str(model_dir), dtype=dtype, max_model_len=max_len,
@@ -415,7 +415,7 @@ def main(argv: list[str] | None = None) -> int:
 
     torch.set_num_threads(args.threads)
     if args.model is None:
-        from service.default_model import ensure_default_model
+        from service.demo.default_model import ensure_default_model
 
         model_dir = ensure_default_model()
     else:

@@ -33,10 +33,10 @@ from safetensors.torch import save_file
 from tqdm import tqdm
 
 from service.config import EngineConfig
-from service.engine import LLMEngine
+from service.engine.llm_engine import LLMEngine
+from service.engine.strategy import bucket_of
 from service.models.loader import load_model
-from service.sequence import SamplingParams
-from service.strategy import bucket_of
+from service.params import SamplingParams
 
 logger = logging.getLogger("bench.spec_decode")
 

@@ -34,7 +34,7 @@ from safetensors.torch import save_file
 
 from client import AsyncSpecrollClient, Sample
 from client import weights as wt
-from service.default_model import init_qwen2_weights
+from service.demo.default_model import init_qwen2_weights
 
 logger = logging.getLogger("bench.weight_push")
 

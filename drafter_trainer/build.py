@@ -11,11 +11,11 @@ import torch
 
 from drafter_trainer.students import DraftStudent, EagleStudent, Student
 from service.config import ModelConfig
-from service.drafters.eagle import init_head, load_head
+from service.engine.drafters.eagle import init_head, load_head
 from service.models.loader import load_model
 
 if TYPE_CHECKING:
-    from service.engine import LLMEngine
+    from service.engine.llm_engine import LLMEngine
 
 logger = logging.getLogger(__name__)
 
@@ -49,8 +49,8 @@ def build_student(spec: str, target_cfg: ModelConfig | None, vocab: int, max_pos
 
 def student_from_engine(engine: LLMEngine, max_positions: int) -> Student:
     """A trainable copy of the drafter an engine is serving right now (in-process trainer)."""
-    from service.drafters.draft_model import DraftModelDrafter
-    from service.drafters.eagle import EagleDrafter
+    from service.engine.drafters.draft_model import DraftModelDrafter
+    from service.engine.drafters.eagle import EagleDrafter
 
     vocab = engine.model_config.vocab_size
     for drafter in engine.drafters.values():

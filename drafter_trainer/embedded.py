@@ -18,7 +18,7 @@ import torch
 from drafter_trainer.config import TrainerConfig
 
 if TYPE_CHECKING:
-    from service.api.server import SpecrollServer
+    from service.app import SpecrollServer
     from service.buffer.memory import MemoryBuffer
 
 logger = logging.getLogger(__name__)

@@ -21,7 +21,7 @@ import torch
 import torch.nn.functional as F
 
 from drafter_trainer.batch import Batch
-from service.sampler import process_logits
+from service.engine.sampler import process_logits
 
 
 def distill_loss(logits: torch.Tensor, batch: Batch, teacher_lp: torch.Tensor | None) -> torch.Tensor:

@@ -16,7 +16,7 @@ from drafter_trainer.students import Student
 
 if TYPE_CHECKING:
     from client import SpecrollClient
-    from service.api.loop import EngineLoop
+    from service.engine.loop import EngineLoop
 
 logger = logging.getLogger(__name__)
 
@@ -77,7 +77,7 @@ class LocalServer:
 
 
 def _draft_name(engine: Any) -> str:
-    from service.drafters.draft_model import DraftModelDrafter
+    from service.engine.drafters.draft_model import DraftModelDrafter
 
     for name, d in engine.drafters.items():
         if isinstance(d, DraftModelDrafter):

@@ -20,7 +20,7 @@ from torch import nn
 
 from drafter_trainer.batch import Batch
 from service.config import ModelConfig
-from service.drafters.eagle import EagleHead
+from service.engine.drafters.eagle import EagleHead
 from service.models.llama import CausalLM, causal_meta
 from service.models.loader import hf_state_dict
 from service.models.rope import Rope

@@ -18,10 +18,10 @@ from pathlib import Path
 import torch
 
 from drafter_trainer.batch import Batch
+from service.engine.sampler import process_logits
 from service.models.llama import CausalLM, causal_meta
 from service.models.loader import load_model
 from service.models.rope import Rope
-from service.sampler import process_logits
 
 logger = logging.getLogger(__name__)
 

@@ -42,8 +42,8 @@ def _engine_config(args: argparse.Namespace):
 
 
 def cmd_generate(args: argparse.Namespace) -> int:
-    from service.engine import LLMEngine
-    from service.sequence import SamplingParams
+    from service.engine.llm_engine import LLMEngine
+    from service.params import SamplingParams
 
     engine = LLMEngine(_engine_config(args))
     if engine.tokenizer is None:
@@ -67,7 +67,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
 
 
 def cmd_build_default(args: argparse.Namespace) -> int:
-    from service.default_model import ensure_default_model
+    from service.demo.default_model import ensure_default_model
 
     sys.stdout.write(f"{ensure_default_model()}\n")
     return 0
@@ -91,9 +91,9 @@ def read_secret(args: argparse.Namespace, name: str) -> str | None:
 
 
 def cmd_serve(args: argparse.Namespace) -> int:
-    from service.api.admission import AdmissionLimits
     from service.api.generation import Limits
-    from service.api.server import ServerConfig, run_server
+    from service.app import ServerConfig, run_server
+    from service.backend.admission import AdmissionLimits
     from service.buffer.config import buffer_config_from_args
 
     engine_config = _engine_config(args)

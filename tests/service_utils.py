@@ -11,7 +11,7 @@ from helpers import free_port
 from safetensors.torch import load_file, save_file
 
 from service.api.generation import Limits
-from service.api.server import BackgroundServer, ServerConfig
+from service.app import BackgroundServer, ServerConfig
 from service.config import EngineConfig
 
 ADMIN = "test-admin-token"

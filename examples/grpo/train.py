@@ -48,7 +48,7 @@ def main(argv: list[str] | None = None) -> int:
     cfg = GRPOConfig(**{f.name: getattr(args, f.name) for f in fields(GRPOConfig)})
     server = None
     if args.spawn_server:
-        from service.default_model import default_drafters, ensure_default_model
+        from service.demo.default_model import default_drafters, ensure_default_model
 
         model = Path(cfg.model) if cfg.model else ensure_default_model()
         drafters = default_drafters(model)

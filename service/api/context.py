@@ -8,14 +8,14 @@ from typing import TYPE_CHECKING, Any
 
 from service.api.auth import Auth
 from service.api.generation import InvalidRequest, Limits, check_request
-from service.api.hooks import Hooks
-from service.api.loop import EngineLoop, NotReady, check_mode
-from service.api.metrics import Metrics
-from service.api.pushes import WeightManager
+from service.api.push_service import WeightManager
+from service.backend.hooks import Hooks
+from service.backend.metrics import Metrics
+from service.engine.loop import EngineLoop, NotReady, check_mode
 
 if TYPE_CHECKING:
-    from service.engine import LLMEngine
-    from service.sequence import SamplingParams
+    from service.engine.llm_engine import LLMEngine
+    from service.params import SamplingParams
     from service.tokenizer import Tokenizer
 
 

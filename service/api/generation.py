@@ -14,11 +14,11 @@ from collections.abc import AsyncIterator, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
-from service.api.events import Chunk, Failed, GenRequest, RequestHandle, SampleDone
-from service.sequence import SamplingError, SamplingParams, VersionSpan, check_fits
+from service.backend.events import Chunk, Failed, GenRequest, RequestHandle, SampleDone
+from service.params import SamplingError, SamplingParams, VersionSpan, check_fits
 
 if TYPE_CHECKING:
-    from service.api.loop import EngineLoop
+    from service.engine.loop import EngineLoop
     from service.tokenizer import Tokenizer
 
 

@@ -12,15 +12,15 @@ import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
-from service.api.admission import Overloaded
 from service.api.auth import AuthError
 from service.api.context import ServiceContext
-from service.api.events import Chunk, Failed, GenRequest, RequestHandle, SampleDone
 from service.api.generation import InvalidRequest, ServiceError, check_prompt, make_params
-from service.api.loop import NotReady
 from service.api.protogen import pb2, pb2_grpc
-from service.api.weights import Manifest, PushError, PushResult, PushUnsupported, TensorEntry
+from service.api.push_protocol import Manifest, PushError, PushResult, PushUnsupported, TensorEntry
 from service.api.wire import ChunkView, Corrupt, add_rollout_servicer
+from service.backend.admission import Overloaded
+from service.backend.events import Chunk, Failed, GenRequest, RequestHandle, SampleDone
+from service.engine.loop import NotReady
 
 logger = logging.getLogger(__name__)
 

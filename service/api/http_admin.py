@@ -18,7 +18,7 @@ from pydantic import BaseModel, ConfigDict
 
 from service.api.disconnect import unless_disconnected
 from service.api.http_server import UPLOAD_PATH, AdminCtx, ApiCtx
-from service.api.weights import PushError, PushResult
+from service.api.push_protocol import PushError, PushResult
 
 router = APIRouter(tags=["admin"])
 

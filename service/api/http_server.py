@@ -14,13 +14,13 @@ from fastapi.responses import JSONResponse, PlainTextResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST
 from starlette.exceptions import HTTPException
 
-from service.api.admission import Overloaded
 from service.api.auth import AuthError
 from service.api.context import ServiceContext
 from service.api.disconnect import ClientGone
 from service.api.generation import InvalidRequest, ServiceError
-from service.api.loop import NotReady
-from service.api.weights import PushError, PushUnsupported
+from service.api.push_protocol import PushError, PushUnsupported
+from service.backend.admission import Overloaded
+from service.engine.loop import NotReady
 
 logger = logging.getLogger(__name__)
 

@@ -21,7 +21,7 @@ from service.buffer.redis_buffer import RedisBuffer
 from service.buffer.spool import Spool
 
 if TYPE_CHECKING:
-    from service.api.server import SpecrollServer
+    from service.app import SpecrollServer
 
 logger = logging.getLogger(__name__)
 

@@ -29,7 +29,7 @@ def _params(params: Any) -> Any:
 
 
 def payload_of(record: Any, top_k: int = 0) -> Any:
-    """A RolloutRecord (service.api.events) as a RolloutPayload. Top-k logprobs are kept (up to `top_k` per
+    """A RolloutRecord (service.backend.events) as a RolloutPayload. Top-k logprobs are kept (up to `top_k` per
     token) only when the record carries them; sampling params only when it has them."""
     msg = pb2.RolloutPayload(
         rollout_id=record.rollout_id, request_id=record.request_id, index=record.index,

@@ -84,8 +84,8 @@ def tokenizer_corpus() -> list[str]:
 def greedy_accuracy(model_dir: Path, per_size: int, seed: int = 99) -> dict[str, float]:
     """Greedy accuracy by number of terms, served by our own engine from the written folder."""
     from service.config import EngineConfig
-    from service.engine import LLMEngine
-    from service.sequence import SamplingParams
+    from service.engine.llm_engine import LLMEngine
+    from service.params import SamplingParams
 
     engine = LLMEngine(EngineConfig(model=str(model_dir), max_model_len=1024, max_num_seqs=64))
     assert engine.tokenizer is not None

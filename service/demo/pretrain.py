@@ -22,7 +22,7 @@ from service.config import ModelConfig
 from service.demo.data import Batch, batches
 from service.demo.export import init_weights
 from service.demo.task import Difficulty
-from service.drafters.eagle import EagleHead, init_head
+from service.engine.drafters.eagle import EagleHead, init_head
 from service.models.llama import CausalLM, causal_meta
 from service.models.rope import Rope
 from service.tokenizer import Tokenizer

@@ -94,7 +94,7 @@ def build(out: Path, size_name: str) -> dict[str, str]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    from service.default_model import model_name
+    from service.demo.default_model import model_name
 
     p = argparse.ArgumentParser(prog="python3 -m service.demo.ship", description=__doc__.split("\n\n")[0])
     p.add_argument("--size", default="full", help="demo size (default full)")

@@ -1,0 +1,1 @@
+"""The seam: the RolloutBackend interface and the typed messages that cross it."""

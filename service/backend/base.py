@@ -1,0 +1,242 @@
+"""The seam between the transport layer and an engine: the `RolloutBackend` interface and the typed values that
+cross it.
+
+`service/api/` (HTTP, gRPC, weight-push protocol), the rollout buffer and the CLI depend on this module only;
+the native engine (`service/engine/native.py`) and the vLLM backend (`service/vllm/`) implement it. Nothing here
+holds a live engine object: what crosses is plain data (`BackendInfo`, `StatsSnapshot`, events), futures, and
+named tensors for weight pushes.
+
+Threads: every method may be called from any thread. Methods returning a `Future` queue the work for the
+backend's own engine thread and resolve it there; a caller that cancels the future (its client left) withdraws
+work that has not started. `stage_weights` blocks (it copies tensors): call it off the event loop.
+"""
+
+from __future__ import annotations
+
+import abc
+import re
+from collections.abc import Iterable, Mapping
+from concurrent.futures import Future
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    import torch
+
+    from service.backend.admission import Admission
+    from service.backend.events import GenRequest, RequestHandle
+    from service.backend.hooks import Hooks
+    from service.tokenizer import Tokenizer
+
+MODES = ("wait", "abort", "keep")
+"""How a pause or a weight commit treats running requests: let them finish first, abort them (partial outputs
+returned), or keep them running (a commit applies between two steps; later tokens carry the new version)."""
+
+ROLES = ("target", "drafter")
+
+# Capabilities a backend may announce in BackendInfo.capabilities (clients read them from GetServerInfo).
+CAP_ADAPTIVE_SD = "adaptive_sd"  # speculation depth chosen per step from live measurements
+CAP_DRAFTER_PUSH = "drafter_push"  # the drafter has weights a push (or the sidecar) can replace
+CAP_RAW_LOGPROBS = "raw_logprobs"
+CAP_TOP_LOGPROBS = "top_logprobs"
+CAP_SEEDS = "seeds"
+
+
+class NotReady(RuntimeError):
+    """The model is not loaded (yet), failed to load, or the backend is stopping (503 / UNAVAILABLE)."""
+
+
+class PushError(ValueError):
+    """A weight push that does not fit what the role serves (400 / INVALID_ARGUMENT)."""
+
+
+class PushUnsupported(RuntimeError):
+    """This backend cannot take this kind of push, e.g. a drafter without weights (409 / FAILED_PRECONDITION)."""
+
+
+def check_mode(mode: str | None) -> str:
+    mode = (mode or "wait").lower()
+    if mode not in MODES:
+        raise ValueError(f"mode must be one of {list(MODES)}, got {mode!r}")
+    return mode
+
+
+_IGNORED = re.compile(r"rotary_emb\.inv_freq$")
+
+
+@dataclass(frozen=True, slots=True)
+class WeightSpec:
+    """What a push to one role must match: every tensor of `shapes` (Hugging Face names), nothing unknown.
+    `tolerated` may be present and is ignored (a tied checkpoint's lm_head)."""
+
+    role: str
+    architecture: str
+    shapes: Mapping[str, tuple[int, ...]]
+    tolerated: Mapping[str, tuple[int, ...]] = field(default_factory=dict)
+
+    def check(self, shapes: Mapping[str, tuple[int, ...]], *, partial: bool = False) -> None:
+        """Raise PushError naming unknown, missing or misshaped tensors."""
+        def want(name: str) -> tuple[int, ...] | None:
+            return self.shapes.get(name) or self.tolerated.get(name)
+
+        unknown = sorted(n for n in shapes if want(n) is None and not _IGNORED.search(n))
+        missing = [] if partial else sorted(n for n in self.shapes if n not in shapes)
+        wrong = sorted(f"{n}: got {list(s)}, expected {list(want(n) or ())}" for n, s in shapes.items()
+                       if want(n) is not None and tuple(s) != want(n))
+        problems = []
+        if unknown:
+            problems.append(f"unknown tensors {unknown[:8]}{' ...' if len(unknown) > 8 else ''}")
+        if missing:
+            problems.append(f"missing tensors {missing[:8]}{' ...' if len(missing) > 8 else ''}")
+        if wrong:
+            problems.append(f"wrong shapes {wrong[:8]}")
+        if problems:
+            raise PushError(f"{self.role} weights do not match {self.architecture}: " + "; ".join(problems))
+
+
+@dataclass(frozen=True, slots=True)
+class BackendInfo:
+    """What does not change while the model is loaded."""
+
+    backend: str  # "native" | "vllm"
+    model_path: Path
+    vocab_size: int
+    max_model_len: int
+    dtype: str
+    eos_token_id: int | None
+    drafter: str  # the --drafter setting, "none" without speculation
+    num_slots: int  # sequences the running batch can hold
+    capabilities: frozenset[str] = frozenset()
+
+
+@dataclass(frozen=True, slots=True)
+class StatsSnapshot:
+    """The engine's state and counters, taken on the engine's side (one consistent copy per step)."""
+
+    policy_version: str = "0"
+    drafter_version: str = "0"
+    num_running: int = 0
+    num_waiting: int = 0
+    paused: bool = False
+    admission_held: bool = False  # a wait-mode push or pause holds waiting requests back
+    strategy: str = "plain"  # the decoding strategy of the last step
+    mean_accepted_length: float = 0.0  # tokens per sequence per speculative step, recent steps
+    num_steps: int = 0
+    prompt_tokens: int = 0
+    generation_tokens: int = 0
+    spec_drafts: int = 0
+    spec_draft_tokens: int = 0
+    spec_accepted_tokens: int = 0
+    accepted_per_position: tuple[int, ...] = ()
+
+
+@dataclass(slots=True)
+class SwapResult:
+    version: str
+    swap_seconds: float
+    wait_seconds: float
+    aborted: list[str] = field(default_factory=list)
+
+
+@dataclass(slots=True)
+class Staged:
+    """Weights received for `role`, checked and placed beside the serving ones, not serving yet. Only the
+    backend that staged them reads `payload`."""
+
+    role: str
+    nbytes: int
+    payload: Any = None
+
+
+class RolloutBackend(abc.ABC):
+    """A rollout engine behind the transport layer. Implementations: native (`service/engine/native.py`),
+    vLLM (`service/vllm/`)."""
+
+    hooks: Hooks  # finished rollouts and rewards go out through these (the rollout buffer subscribes)
+    admission: Admission  # bounds on queued work; submit_all admits whole requests or raises Overloaded
+
+    # -- lifecycle -----------------------------------------------------------------------------------------
+    @abc.abstractmethod
+    def start(self) -> None:
+        """Start loading the model and serving in the background; `wait_loaded` tells when it is done."""
+
+    @abc.abstractmethod
+    def stop(self, timeout: float = 30.0) -> None:
+        """Abort what is in flight (every stream gets its final event), then stop the engine."""
+
+    @abc.abstractmethod
+    def wait_loaded(self, timeout: float | None = None) -> bool:
+        """Block until the model is loaded or failed to load; False on timeout."""
+
+    @property
+    @abc.abstractmethod
+    def load_error(self) -> BaseException | None:
+        """Why the model failed to load (liveness fails), None while loading or once loaded."""
+
+    @property
+    @abc.abstractmethod
+    def ready(self) -> bool:
+        """Loaded and serving (also while paused)."""
+
+    @property
+    @abc.abstractmethod
+    def alive(self) -> bool:
+        """False once the engine failed or stopped: the process should be restarted."""
+
+    # -- what it serves --------------------------------------------------------------------------------------
+    @abc.abstractmethod
+    def info(self) -> BackendInfo:
+        """Raises NotReady until loaded."""
+
+    @property
+    @abc.abstractmethod
+    def tokenizer(self) -> Tokenizer | None:
+        """The model's tokenizer (None: token ids only). Raises NotReady until loaded."""
+
+    @abc.abstractmethod
+    def stats(self) -> StatsSnapshot:
+        """The latest snapshot (never blocks on the engine thread). Raises NotReady until loaded."""
+
+    # -- generation ------------------------------------------------------------------------------------------
+    @abc.abstractmethod
+    def submit_all(self, items: list[tuple[GenRequest, RequestHandle]]) -> None:
+        """Admit every request or none (raises Overloaded), then queue them. Each handle then receives the
+        request's chunks and one SampleDone per sample, or one Failed (bad input found by the engine: invalid)."""
+
+    @abc.abstractmethod
+    def abort(self, request_id: str, reason: str = "client") -> Future[bool]:
+        """End a request; its samples finish with reason "abort" and their partial outputs."""
+
+    @abc.abstractmethod
+    def abort_all(self, reason: str = "admin") -> Future[list[str]]: ...
+
+    @abc.abstractmethod
+    def pause(self, mode: str) -> Future[list[str]]:
+        """Pause generation (mode wait | abort | keep); resolves once nothing runs, with the aborted ids."""
+
+    @abc.abstractmethod
+    def resume(self) -> Future[None]: ...
+
+    # -- weights ---------------------------------------------------------------------------------------------
+    @abc.abstractmethod
+    def weight_roles(self) -> dict[str, WeightSpec]:
+        """The roles a push may target now. A role left out raises PushUnsupported from `unsupported(role)`."""
+
+    @abc.abstractmethod
+    def unsupported(self, role: str) -> str:
+        """Why `role` cannot be pushed to on this server ("" if it can)."""
+
+    @abc.abstractmethod
+    def stage_weights(self, role: str, tensors: Iterable[tuple[str, torch.Tensor]]) -> Staged:
+        """Copy checked tensors (in the role's WeightSpec) beside the serving weights. Blocks; never on the engine
+        thread or an event loop. Raises PushError if they do not fit; the serving weights are untouched."""
+
+    @abc.abstractmethod
+    def commit_weights(self, staged: Staged, version: str, mode: str) -> Future[SwapResult]:
+        """Serve `staged` as `version` between two steps, following `mode`. Cancelling the future before it
+        applies withdraws the push (the staged weights are released by the backend)."""
+
+    @abc.abstractmethod
+    def discard(self, staged: Staged) -> None:
+        """Release staged weights that will not be committed."""

@@ -1,0 +1,1 @@
+"""The native PyTorch engine: scheduler, runner, sampler, drafters, the engine thread."""

@@ -1,0 +1,40 @@
+"""The drafter interface: propose k tokens per running sequence; keep whatever state follows the batch."""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+
+import torch
+
+from service.engine.sampler import SamplingBatch
+from service.engine.scheduler import SlotCopy
+from service.engine.sequence import Sequence
+from service.engine.speculative.verify import DraftProposal
+from service.models.llama import AttnMeta
+
+
+class Drafter(ABC):
+    """A source of draft tokens. `propose` must not change what the target sees; verification is exact
+    whatever a drafter proposes, so a bad drafter costs speed, never correctness."""
+
+    name: str = "drafter"
+    version: str = "0"
+
+    @abstractmethod
+    def propose(self, seqs: list[Sequence], k: int, sb: SamplingBatch) -> DraftProposal:
+        """Draft tokens [B, k] for sequences in slot order, with their distributions (None = one-hot)."""
+
+    def after_step(self, seqs: list[Sequence], prev_num_tokens: list[int], num_accepted: list[int], k: int) -> None:
+        """Called after a speculative step with each row's accepted draft count."""
+
+    def observe(self, seq: Sequence) -> None:
+        """Called whenever a sequence gained tokens (any step kind) or finished."""
+
+    def observe_target_hidden(self, meta: AttnMeta, hidden: torch.Tensor) -> None:
+        """The target's final hidden states [B, Q, H] of every target forward, with its write positions."""
+
+    def apply_copies(self, copies: list[SlotCopy]) -> None:
+        """Follow the target cache's slot moves and forks."""
+
+    def reset(self) -> None:
+        """Forget per-sequence state (after a weight swap)."""

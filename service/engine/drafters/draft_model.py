@@ -1,0 +1,99 @@
+"""Draft model: a small causal LM sharing the target's tokenizer, with its own KV cache in the same slots.
+
+A sequence's draft cache holds positions [0, seq.draft_cached). Each proposal first catches up on the
+tokens the draft has not seen (after a prefill, after SD was off, after accepted tokens) in one extend pass,
+then decodes k - 1 more tokens. After verification the valid draft prefix is cut back to what was accepted,
+which is a length change only.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from service.engine.drafters.base import Drafter
+from service.engine.kv_cache import KVCache
+from service.engine.runner import CachedModel
+from service.engine.sampler import STREAM_DRAFT, SamplingBatch, process_logits, sample_from, uniforms
+from service.engine.scheduler import SlotCopy
+from service.engine.sequence import Sequence
+from service.engine.speculative.verify import DraftProposal
+from service.models.llama import CausalLM
+
+
+class DraftModelDrafter(Drafter):
+    name = "draft"
+
+    def __init__(self, model: CausalLM, target_vocab: int, num_slots: int, max_positions: int,
+                 device: torch.device, version: str = "0") -> None:
+        dtype = next(model.parameters()).dtype
+        cache = KVCache(model.config, num_slots, max_positions, dtype, device)
+        self.exec = CachedModel(model, cache, device)
+        self.device = device
+        self.version = version
+        self.target_vocab = target_vocab
+        self._stale = False
+
+    def swap_model(self, model: CausalLM, version: str) -> None:
+        """Serve a new drafter from the next proposal on; every sequence catches up again."""
+        self.exec.model = model
+        self.version = version
+        self.reset()
+
+    def reset(self) -> None:
+        self._stale = True
+
+    def _logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """Draft logits over the target's vocabulary (checkpoints often pad vocabularies differently)."""
+        logits = self.exec.model.logits(hidden)
+        V, Vd = self.target_vocab, logits.shape[-1]
+        if Vd >= V:
+            return logits[..., :V]
+        return torch.nn.functional.pad(logits, (0, V - Vd), value=float("-inf"))
+
+    def propose(self, seqs: list[Sequence], k: int, sb: SamplingBatch) -> DraftProposal:
+        if self._stale:
+            for s in seqs:
+                s.draft_cached = 0
+            self._stale = False
+        B = len(seqs)
+        V = self.target_vocab
+        # Catch up: feed every token the draft cache lacks, ending with the sequence's last token.
+        starts = [min(s.draft_cached, s.num_tokens - 1) for s in seqs]
+        hidden, last = self.exec.extend(0, starts, [s.tokens_from(st) for s, st in zip(seqs, starts, strict=True)])
+        logits = self._logits(hidden[torch.arange(B, device=self.device), last])  # [B, V]
+        tokens, probs = [], []
+        positions = [s.num_tokens for s in seqs]
+        for j in range(k):
+            if j:
+                meta, _ = self.exec.build_meta(0, [p + j - 1 for p in positions], [1] * B)
+                logits = self._logits(self.exec.forward(tokens[-1][:, None], meta)[:, 0])
+            draft_sb = sb if j == 0 else _shift(sb, j)
+            logprobs = process_logits(logits, draft_sb)
+            q = logprobs.exp()
+            drawn = sample_from(q, uniforms(sb.seeds, sb.counters + j, STREAM_DRAFT))
+            greedy_tok = logits.argmax(-1)
+            tok = torch.where(sb.greedy, greedy_tok, drawn)
+            # Greedy rows propose the argmax deterministically: their q is one-hot.
+            q = torch.where(sb.greedy[:, None], torch.nn.functional.one_hot(greedy_tok, V).to(q.dtype), q)
+            tokens.append(tok)
+            probs.append(q)
+        return DraftProposal(
+            tokens=torch.stack(tokens, dim=1),
+            lengths=torch.full((B,), k, dtype=torch.int64, device=self.device),
+            probs=torch.stack(probs, dim=1),
+        )
+
+    def after_step(self, seqs: list[Sequence], prev_num_tokens: list[int], num_accepted: list[int], k: int) -> None:
+        # Valid draft positions: everything before the last token, plus the accepted drafts it computed.
+        for s, t, a in zip(seqs, prev_num_tokens, num_accepted, strict=True):
+            s.draft_cached = t + min(k - 1, a)
+
+    def apply_copies(self, copies: list[SlotCopy]) -> None:
+        self.exec.cache.copy_slots(copies)
+
+
+def _shift(sb: SamplingBatch, j: int) -> SamplingBatch:
+    """The same rows with counters advanced by j (only counters differ between draft positions)."""
+    from dataclasses import replace
+
+    return replace(sb, counters=sb.counters + j)

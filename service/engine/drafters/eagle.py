@@ -1,0 +1,152 @@
+"""EAGLE-style draft head: one decoder layer over [token embedding ‖ target feature], sharing the target's
+embedding and LM head.
+
+Feature f_t is the target's final (normed) hidden state at position t. Head position t reads (f_t, x_{t+1})
+and predicts f_{t+1}, whose logits (through the target's LM head) draft x_{t+2}. Drafting continues from the
+head's own predicted features. Target features of every position are kept in a per-slot store written by each
+target forward, so the head catches up after a prefill or a plain stretch in one extend pass, like a draft
+model. After verification the head's cache is cut back to positions that used real features.
+"""
+
+from __future__ import annotations
+
+from dataclasses import replace
+from pathlib import Path
+
+import torch
+from safetensors.torch import load_file
+from torch import nn
+
+from service.config import ModelConfig
+from service.engine.drafters.base import Drafter
+from service.engine.kv_cache import KVCache
+from service.engine.runner import CachedModel
+from service.engine.sampler import STREAM_DRAFT, SamplingBatch, process_logits, sample_from, uniforms
+from service.engine.scheduler import SlotCopy
+from service.engine.sequence import Sequence
+from service.engine.speculative.verify import DraftProposal
+from service.models.llama import AttnMeta, CausalLM, DecoderLayer, RMSNorm
+
+
+class EagleHead(nn.Module):
+    def __init__(self, target_cfg: ModelConfig) -> None:
+        super().__init__()
+        self.config = replace(target_cfg, num_layers=1)
+        H = target_cfg.hidden_size
+        self.fc = nn.Linear(2 * H, H, bias=False)
+        self.layer = DecoderLayer(self.config, 0)
+        self.norm = RMSNorm(H, target_cfg.rms_norm_eps)
+
+    def forward(self, embeds: torch.Tensor, features: torch.Tensor, meta: AttnMeta,
+                k_cache: torch.Tensor | None = None, v_cache: torch.Tensor | None = None) -> torch.Tensor:
+        """embeds, features [B, Q, H] -> predicted next features [B, Q, H]. No caches with a causal_meta."""
+        x = self.fc(torch.cat([embeds, features], dim=-1))
+        k, v = (None, None) if k_cache is None else (k_cache[0], v_cache[0])
+        return self.norm(self.layer(x, meta, k, v))
+
+
+def init_head(target_cfg: ModelConfig, seed: int = 0) -> EagleHead:
+    """A freshly initialised head (what the distillation sidecar starts from)."""
+    gen = torch.Generator().manual_seed(seed)
+    head = EagleHead(target_cfg)
+    with torch.no_grad():
+        for name, p in head.named_parameters():
+            if "norm" in name:
+                p.fill_(1.0)
+            else:
+                p.copy_(torch.randn(p.shape, generator=gen) * 0.02)
+    return head
+
+
+def load_head(path: Path, target_cfg: ModelConfig) -> EagleHead:
+    head = EagleHead(target_cfg)
+    tensors = load_file(str(Path(path) / "model.safetensors"))
+    missing, unexpected = head.load_state_dict(tensors, strict=False)
+    if missing or unexpected:
+        raise ValueError(f"EAGLE head weights at {path}: missing {missing[:5]}, unexpected {unexpected[:5]}")
+    return head
+
+
+class EagleDrafter(Drafter):
+    name = "eagle"
+
+    def __init__(self, head: EagleHead, target: CachedModel, num_slots: int, device: torch.device,
+                 version: str = "0") -> None:
+        self.target = target  # the runner's target: its current model's embedding and LM head are used
+        dtype = target.dtype
+        self.head = head.to(device=device, dtype=dtype).eval().requires_grad_(False)
+        cache = KVCache(head.config, num_slots, target.cache.max_positions, dtype, device)
+        self.exec = CachedModel(self.head, cache, device)
+        H = target.cfg.hidden_size
+        self.features = torch.zeros(num_slots, target.cache.max_positions, H, dtype=dtype, device=device)
+        self.cached: dict[int, int] = {}  # seq_id -> head positions with real features
+        self.device = device
+        self.version = version
+
+    def swap_head(self, head: EagleHead, version: str) -> None:
+        self.head = head.to(device=self.device, dtype=self.target.dtype).eval().requires_grad_(False)
+        self.exec.model = self.head
+        self.version = version
+        self.reset()
+
+    def reset(self) -> None:
+        self.cached.clear()
+
+    def observe_target_hidden(self, meta: AttnMeta, hidden: torch.Tensor) -> None:
+        self.features[meta.write_slots, meta.write_pos] = hidden.reshape(-1, hidden.shape[-1])
+
+    def apply_copies(self, copies: list[SlotCopy]) -> None:
+        self.exec.cache.copy_slots(copies)
+        for c in copies:
+            if c.length > 0 and c.src != c.dst:
+                self.features[c.dst, : c.length] = self.features[c.src, : c.length]
+
+    def observe(self, seq: Sequence) -> None:
+        if seq.is_finished:
+            self.cached.pop(seq.seq_id, None)
+
+    def _draft_logits(self, feature: torch.Tensor) -> torch.Tensor:
+        return self.target.model.logits(feature)
+
+    def propose(self, seqs: list[Sequence], k: int, sb: SamplingBatch) -> DraftProposal:
+        B, dev = len(seqs), self.device
+        target = self.target.model
+        # Catch up on head positions [start, T - 1): inputs (f_t, x_{t+1}); f_t is known for t < T - 1.
+        starts = [min(self.cached.get(s.seq_id, 0), s.num_tokens - 2) for s in seqs]
+        tokens = [s.tokens_from(st + 1) for s, st in zip(seqs, starts, strict=True)]
+        q_lens = [len(t) for t in tokens]
+        Q = max(q_lens)
+        ids = torch.tensor([t + [0] * (Q - len(t)) for t in tokens], dtype=torch.int64, device=dev)
+        meta, pos = self.exec.build_meta(0, starts, q_lens)
+        feats = self.features[torch.arange(B, device=dev)[:, None], pos]  # [B, Q, H]
+        out = self.head(target.embed_tokens(ids), feats, meta, self.exec.cache.k, self.exec.cache.v)
+        last = torch.tensor([n - 1 for n in q_lens], dtype=torch.int64, device=dev)
+        feature = out[torch.arange(B, device=dev), last]  # predicted f_{T-1}: [B, H]
+        draft_tokens, draft_probs = [], []
+        for j in range(k):
+            if j:
+                meta, _ = self.exec.build_meta(0, [s.num_tokens - 2 + j for s in seqs], [1] * B)
+                emb = target.embed_tokens(draft_tokens[-1])[:, None]
+                feature = self.head(emb, feature[:, None], meta, self.exec.cache.k, self.exec.cache.v)[:, 0]
+            logits = self._draft_logits(feature)
+            q = process_logits(logits, replace(sb, counters=sb.counters + j)).exp()
+            drawn = sample_from(q, uniforms(sb.seeds, sb.counters + j, STREAM_DRAFT))
+            greedy_tok = logits.argmax(-1)
+            tok = torch.where(sb.greedy, greedy_tok, drawn)
+            q = torch.where(sb.greedy[:, None], nn.functional.one_hot(greedy_tok, q.shape[-1]).to(q.dtype), q)
+            draft_tokens.append(tok)
+            draft_probs.append(q)
+        for s in seqs:
+            self.cached[s.seq_id] = s.num_tokens - 1
+        return DraftProposal(torch.stack(draft_tokens, 1), torch.full((B,), k, dtype=torch.int64, device=dev),
+                             torch.stack(draft_probs, 1))
+
+
+def build_eagle(spec: str, target: CachedModel, num_slots: int, device: torch.device, seed: int) -> EagleDrafter:
+    """'eagle' (fresh head) or 'eagle:DIR' (head weights from DIR/model.safetensors)."""
+    _, _, path = spec.partition(":")
+    head = load_head(Path(path), target.cfg) if path else init_head(target.cfg, seed)
+    return EagleDrafter(head, target, num_slots, device)
+
+
+__all__ = ["CausalLM", "EagleDrafter", "EagleHead", "build_eagle", "init_head", "load_head"]

@@ -1,0 +1,123 @@
+"""Model-free suffix drafter: continue the sequence the way matching text continued before.
+
+The index for a group (the samples of one prompt, or a trainer-given group id) holds the prompt and output
+of every sample, plus recent finished rollouts of the same prompt from earlier steps. Each n-gram
+(1 <= n <= max_ngram) maps to where its latest occurrence was followed by another token; a proposal takes
+the longest n-gram ending the sequence that occurred before and copies what followed it. Plain dicts on the
+host: cheap enough for every step.
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict, deque
+from dataclasses import dataclass, field
+
+import torch
+
+from service.engine.drafters.base import Drafter
+from service.engine.sampler import SamplingBatch
+from service.engine.sequence import Sequence
+from service.engine.speculative.verify import DraftProposal
+
+
+@dataclass(slots=True)
+class _Group:
+    docs: dict[int, list[int]] = field(default_factory=dict)  # doc id -> tokens
+    indexed: dict[int, int] = field(default_factory=dict)  # doc id -> positions indexed so far
+    table: dict[tuple[int, ...], tuple[int, int]] = field(default_factory=dict)  # n-gram -> (doc, next pos)
+    live: int = 0  # running sequences in the group
+
+    def index(self, doc_id: int, max_ngram: int) -> None:
+        doc, start = self.docs[doc_id], self.indexed.get(doc_id, 0)
+        # n-grams ending at position i, pointing at the token i + 1 that followed them.
+        for i in range(max(start, 0), len(doc) - 1):
+            for n in range(1, min(max_ngram, i + 1) + 1):
+                self.table[tuple(doc[i - n + 1 : i + 1])] = (doc_id, i + 1)
+        self.indexed[doc_id] = max(len(doc) - 1, start)
+
+    def lookup(self, tokens: list[int], k: int, max_ngram: int) -> list[int]:
+        for n in range(min(max_ngram, len(tokens)), 0, -1):
+            hit = self.table.get(tuple(tokens[-n:]))
+            if hit is not None:
+                doc_id, pos = hit
+                return self.docs[doc_id][pos : pos + k]
+        return []
+
+    def continuation(self, tokens: list[int], k: int, max_ngram: int) -> list[int]:
+        """Up to k tokens; a match that runs into the end of its document is extended by matching again."""
+        out: list[int] = []
+        while len(out) < k:
+            piece = self.lookup((tokens[-max_ngram:] + out)[-max_ngram:], k - len(out), max_ngram)
+            if not piece:
+                break
+            out += piece
+        return out
+
+
+class SuffixDrafter(Drafter):
+    name = "suffix"
+
+    def __init__(self, device: torch.device, max_ngram: int = 6, history_prompts: int = 4096,
+                 history_per_prompt: int = 16) -> None:
+        self.device = device
+        self.max_ngram = max_ngram
+        self.groups: dict[str, _Group] = {}
+        self.seq_group: dict[int, str] = {}
+        self.history: OrderedDict[tuple[int, ...], deque[list[int]]] = OrderedDict()
+        self.history_prompts, self.history_per_prompt = history_prompts, history_per_prompt
+        self._next_doc = -1  # history docs get negative ids
+
+    def _group_of(self, seq: Sequence) -> _Group:
+        key = seq.group_id or seq.request_id
+        group = self.groups.get(key)
+        if group is None:
+            group = self.groups[key] = _Group()
+            for past in self.history.get(tuple(seq.prompt_token_ids), ()):
+                doc_id, self._next_doc = self._next_doc, self._next_doc - 1
+                group.docs[doc_id] = past
+                group.index(doc_id, self.max_ngram)
+        if seq.seq_id not in self.seq_group:
+            self.seq_group[seq.seq_id] = key
+            group.docs[seq.seq_id] = list(seq.prompt_token_ids)
+            group.live += 1
+        return group
+
+    def observe(self, seq: Sequence) -> None:
+        group = self._group_of(seq)
+        doc = group.docs[seq.seq_id]
+        missing = seq.num_tokens - len(doc)
+        if missing > 0:
+            doc += seq.output_token_ids[-missing:]
+            group.index(seq.seq_id, self.max_ngram)
+        if seq.is_finished:
+            self._retire(seq, group)
+
+    def _retire(self, seq: Sequence, group: _Group) -> None:
+        key = self.seq_group.pop(seq.seq_id)
+        prompt = tuple(seq.prompt_token_ids)
+        if seq.output_token_ids:
+            past = self.history.setdefault(prompt, deque(maxlen=self.history_per_prompt))
+            past.append(list(seq.prompt_token_ids) + list(seq.output_token_ids))
+            self.history.move_to_end(prompt)
+            while len(self.history) > self.history_prompts:
+                self.history.popitem(last=False)
+        group.live -= 1
+        if group.live <= 0:
+            del self.groups[key]
+
+    def propose(self, seqs: list[Sequence], k: int, sb: SamplingBatch) -> DraftProposal:
+        rows, lengths = [], []
+        for seq in seqs:
+            group = self._group_of(seq)
+            doc = group.docs[seq.seq_id]
+            cont = group.continuation(doc, k, self.max_ngram)
+            lengths.append(len(cont))
+            rows.append(cont + [0] * (k - len(cont)))
+        return DraftProposal(
+            tokens=torch.tensor(rows, dtype=torch.int64, device=self.device).view(len(seqs), k),
+            lengths=torch.tensor(lengths, dtype=torch.int64, device=self.device),
+            probs=None,
+        )
+
+    def reset(self) -> None:
+        self.history.clear()

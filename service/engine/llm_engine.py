@@ -1,0 +1,322 @@
+"""The engine: add_request / step / abort / generate. One step = schedule -> run -> postprocess."""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+import random
+import time
+import uuid
+from collections.abc import Sequence as Seq
+from pathlib import Path
+
+import torch
+from tqdm import tqdm
+
+from service.config import EngineConfig, ModelConfig
+from service.engine.drafters import build_drafters, expand_auto
+from service.engine.drafters.base import Drafter
+from service.engine.drafters.draft_model import DraftModelDrafter
+from service.engine.kv_cache import KVCache, slots_for_budget
+from service.engine.runner import ModelRunner, TokenResult
+from service.engine.scheduler import Scheduler, SchedulerOutput
+from service.engine.sequence import Request, RequestOutput, Sequence, StepOutput, completion_of
+from service.engine.stats import EngineStats, StepRecord
+from service.engine.strategy import PLAIN, AdaptiveStrategy, Ewma, Strategy
+from service.models.llama import CausalLM
+from service.models.loader import load_model
+from service.params import SamplingError, SamplingParams
+from service.tokenizer import Tokenizer
+
+logger = logging.getLogger(__name__)
+
+SPEC_HEADROOM = 16  # cache positions past max_model_len that speculative verification may write
+BETWEEN_STEPS_MAX_S = 0.05  # a longer gap between two steps is idle time, not per-step overhead
+
+
+def sample_seed(base: int, index: int) -> int:
+    """Distinct, deterministic seeds for the n samples of one seeded request."""
+    digest = hashlib.blake2b(f"{base}:{index}".encode(), digest_size=8).digest()
+    return int.from_bytes(digest, "little") >> 1
+
+
+class LLMEngine:
+    def __init__(self, config: EngineConfig | None = None) -> None:
+        self.config = config = config or EngineConfig()
+        if config.num_threads:
+            torch.set_num_threads(config.num_threads)
+        if config.model is None:
+            from service.demo.default_model import ensure_default_model
+
+            config.model = str(ensure_default_model())
+        self.model_path = Path(config.model)
+        self.device = torch.device(config.device)
+        self.dtype = getattr(torch, config.dtype)
+        self.model_config: ModelConfig = ModelConfig.from_dir(self.model_path)
+        model = load_model(self.model_path, self.dtype, self.device)
+        self.tokenizer = Tokenizer.from_dir(self.model_path)
+        eos = set(self.model_config.eos_token_ids)
+        if self.tokenizer is not None and self.tokenizer.eos_token_id is not None:
+            eos.add(self.tokenizer.eos_token_id)
+        self.eos_token_ids = tuple(sorted(eos))
+        max_positions = config.max_model_len + SPEC_HEADROOM + 1
+        budget = config.kv_cache_memory_gb * 2**30
+        num_slots = min(config.max_num_seqs, slots_for_budget(self.model_config, max_positions, self.dtype, budget))
+        self.cache = KVCache(self.model_config, num_slots, max_positions, self.dtype, self.device)
+        self.scheduler = Scheduler(num_slots, config.max_num_batched_tokens)
+        self.runner = ModelRunner(model, self.cache, self.device)
+        self.requests: dict[str, Request] = {}
+        self._rng = random.Random(config.seed)
+        self._aborted: list[Sequence] = []
+        self.failures: dict[str, str] = {}  # request id -> error, for requests that failed on their own
+        self.policy_version = str(config.extra.get("policy_version", "0"))
+        config.drafter = expand_auto(config.drafter, self.model_path)
+        self.drafters: dict[str, Drafter] = build_drafters(config.drafter, self)
+        self._last_step_end: float | None = None
+        self._between_steps = Ewma()
+        self.runner.drafters = list(self.drafters.values())
+        fixed = None
+        if config.spec == "off" or not self.drafters:
+            fixed = PLAIN
+        elif config.spec == "fixed":
+            fixed = Strategy(next(iter(self.drafters)), config.spec_k)
+        self.strategy = AdaptiveStrategy(list(self.drafters), fixed=fixed, seed=config.seed)
+        self.spec_strategy = PLAIN.name
+        self.paused = False  # step() does nothing while paused (weight pushes, admin pause)
+        self.stats = EngineStats()
+
+    # -- requests ---------------------------------------------------------------------------------
+    def add_request(
+        self,
+        prompt_token_ids: Seq[int],
+        params: SamplingParams | None = None,
+        request_id: str | None = None,
+        group_id: str | None = None,
+    ) -> str:
+        params = params or SamplingParams()
+        prompt = [int(t) for t in prompt_token_ids]
+        vocab, max_len = self.model_config.vocab_size, self.config.max_model_len
+        if not prompt:
+            raise SamplingError("prompt must contain at least one token")
+        if len(prompt) >= max_len:
+            raise SamplingError(f"prompt has {len(prompt)} tokens; max_model_len is {max_len}")
+        bad = [t for t in prompt if not 0 <= t < vocab]
+        if bad:
+            raise SamplingError(f"prompt token ids out of range [0, {vocab}): {bad[:5]}")
+        if params.top_logprobs > vocab:  # one request must never fail the batch it runs in
+            raise SamplingError(f"top_logprobs={params.top_logprobs} exceeds the vocabulary size {vocab}")
+        if params.n > self.scheduler.num_slots:
+            raise SamplingError(f"n={params.n} exceeds the {self.scheduler.num_slots} sequences the cache holds")
+        request_id = request_id or uuid.uuid4().hex
+        if request_id in self.requests:
+            raise SamplingError(f"request id {request_id!r} is already in use")
+        seqs = [
+            Sequence(
+                request_id=request_id, index=i, prompt_token_ids=prompt, params=params,
+                seed=sample_seed(params.seed, i) if params.seed is not None else self._rng.getrandbits(63),
+                group_id=group_id,
+            )
+            for i in range(params.n)
+        ]
+        req = Request(request_id, prompt, params, seqs, group_id)
+        self.requests[request_id] = req
+        self.scheduler.add(req)
+        return request_id
+
+    def abort(self, request_id: str) -> bool:
+        """Abort a request at any step; its sequences end with finish reason abort and partial output."""
+        if request_id not in self.requests:
+            return False
+        self._aborted += self.scheduler.abort(request_id)
+        return True
+
+    def abort_all(self) -> list[str]:
+        """Abort every waiting and running request; returns their ids."""
+        ids = list(self.requests)
+        for rid in ids:
+            self.abort(rid)
+        return ids
+
+    @property
+    def hold_admission(self) -> bool:
+        """While True, no waiting request starts (running ones continue): the 'wait' mode of a push."""
+        return self.scheduler.hold_admission
+
+    @hold_admission.setter
+    def hold_admission(self, value: bool) -> None:
+        self.scheduler.hold_admission = value
+
+    def swap_target(self, model: CausalLM, version: str) -> None:
+        """Serve `model` from the next step on. Call between steps; running sequences keep their KV."""
+        if model.config != self.model_config:
+            raise ValueError("new target weights must have the same architecture as the serving model")
+        self.runner.model = model
+        self.policy_version = str(version)
+
+    def has_unfinished(self) -> bool:
+        return self.scheduler.has_work() or bool(self._aborted)
+
+    @property
+    def num_running(self) -> int:
+        return len(self.scheduler.running)
+
+    @property
+    def num_waiting(self) -> int:
+        return self.scheduler.num_waiting_seqs
+
+    # -- the step ---------------------------------------------------------------------------------
+    def step(self) -> list[StepOutput]:
+        start = time.perf_counter()
+        if self._last_step_end is not None and start - self._last_step_end < BETWEEN_STEPS_MAX_S:
+            # Work between two steps (streaming the last step's tokens out, API threads holding the GIL) is
+            # paid once per step, so it is part of what a step costs when strategies are compared.
+            self._between_steps.update(start - self._last_step_end, 0.1)
+        try:
+            return self._step(start)
+        finally:
+            self._last_step_end = time.perf_counter()
+
+    @property
+    def between_steps_s(self) -> float:
+        return self._between_steps.value or 0.0
+
+    def _step(self, start: float) -> list[StepOutput]:
+        outputs = self._drain_aborted()
+        if self.paused:
+            return outputs
+        sched = self.scheduler.schedule()
+        if sched.kind == "idle":
+            self.runner.apply_copies(sched.moves)
+            return outputs
+        strategy = self.strategy.choose(len(sched.seqs)) if sched.kind == "decode" else PLAIN
+        self.spec_strategy = strategy.name
+        if strategy.k:
+            return outputs + self._spec_step(sched, strategy, start)
+        seqs, results = self.runner.run(sched)
+        outputs += self._postprocess(sched.kind, seqs, [[r] for r in results])
+        seconds = time.perf_counter() - start
+        if sched.kind == "decode":
+            self.strategy.record(PLAIN, len(seqs), seconds + self.between_steps_s)
+        self.stats.record_step(sched.kind, sched, len(seqs), seconds)
+        return outputs
+
+    def _spec_step(self, sched: SchedulerOutput, strategy: Strategy, start: float) -> list[StepOutput]:
+        drafter = self.drafters[strategy.drafter]
+        k = strategy.k
+        prev_tokens = [s.num_tokens for s in sched.seqs]
+        seqs, per_seq, accepted, drafted, draft_s = self.runner.spec_step(sched, drafter, k)
+        drafter.after_step(seqs, prev_tokens, accepted, k)
+        outputs = self._postprocess("decode", seqs, per_seq)
+        seconds = time.perf_counter() - start
+        self.strategy.record(strategy, len(seqs), seconds + self.between_steps_s, accepted)
+        emitted = sum(s.num_tokens - t for s, t in zip(seqs, prev_tokens, strict=True))
+        record = StepRecord("spec", len(seqs), seconds, strategy.name, k, sum(drafted), sum(accepted), emitted,
+                            draft_s, seconds - draft_s)
+        self.stats.record_step("spec", sched, len(seqs), seconds, record)
+        self.stats.add_accepted_per_position([sum(1 for a in accepted if a > j) for j in range(k)])
+        return outputs
+
+    @property
+    def drafter_version(self) -> str:
+        return ",".join(f"{n}@{d.version}" for n, d in self.drafters.items()) or "none"
+
+    def swap_drafter(self, name: str, model: CausalLM, version: str) -> None:
+        """Serve a new draft model from the next step on (call between steps)."""
+        drafter = self.drafters.get(name)
+        if not isinstance(drafter, DraftModelDrafter):
+            raise ValueError(f"no draft-model drafter named {name!r}; drafters: {sorted(self.drafters)}")
+        drafter.swap_model(model, str(version))
+
+    def _postprocess(self, kind: str, seqs: list[Sequence], results: list[list[TokenResult]]) -> list[StepOutput]:
+        """Append each sequence's new tokens in order, stopping exactly where plain decoding would."""
+        outputs = []
+        for seq, tokens in zip(seqs, results, strict=True):
+            if seq.is_finished:  # its request failed earlier in this step
+                continue
+            try:
+                self._append(seq, tokens)
+            except Exception as exc:  # attributable to this request only: it ends, the others go on
+                logger.exception("request %s failed in postprocessing; the rest of the batch continues",
+                                 seq.request_id)
+                self.fail_request(seq.request_id, f"request failed: {exc}")
+                continue
+            outputs.append(self._emit(seq))
+        self._forget_finished(seqs)
+        return outputs
+
+    def _append(self, seq: Sequence, tokens: list[TokenResult]) -> None:
+        finished = False
+        for res in tokens:
+            finished = seq.append_token(res.token, res.logprob, res.raw_logprob, res.top,
+                                        self.eos_token_ids, self.config.max_model_len)
+            if finished:
+                break
+        seq.num_cached = seq.num_tokens - 1  # every token but the newest has its K/V in the cache
+        seq.record_versions(self.policy_version, self.drafter_version)
+        if finished:
+            self.scheduler.release(seq)
+        for d in self.runner.drafters:
+            d.observe(seq)
+
+    def fail_request(self, request_id: str, message: str) -> None:
+        """End one request after an error that is its own: its samples end with finish reason abort and the
+        message waits in `failures` for the API layer; no other request is touched."""
+        if request_id in self.requests:
+            self.failures[request_id] = message
+            self.abort(request_id)
+
+    def take_failures(self) -> dict[str, str]:
+        failures, self.failures = self.failures, {}
+        return failures
+
+    def _emit(self, seq: Sequence) -> StepOutput:
+        start, seq.num_emitted = seq.num_emitted, len(seq.output_token_ids)
+        p = seq.params
+        return StepOutput(
+            request_id=seq.request_id, index=seq.index,
+            new_token_ids=seq.output_token_ids[start:], new_logprobs=seq.logprobs[start:],
+            finished=seq.is_finished, finish_reason=seq.finish_reason.value if seq.finish_reason else None,
+            new_raw_logprobs=seq.raw_logprobs[start:] if p.raw_logprobs else None,
+            new_top_logprobs=seq.top_logprobs[start:] if p.top_logprobs else None,
+            policy_version=self.policy_version, drafter_version=self.drafter_version,
+            num_prompt_tokens=len(seq.prompt_token_ids), num_output_tokens=len(seq.output_token_ids),
+        )
+
+    def _drain_aborted(self) -> list[StepOutput]:
+        aborted, self._aborted = self._aborted, []
+        for seq in aborted:
+            for d in self.runner.drafters:
+                d.observe(seq)
+        outputs = [self._emit(s) for s in aborted]
+        self._forget_finished(aborted)
+        return outputs
+
+    def _forget_finished(self, seqs: list[Sequence]) -> None:
+        for rid in {s.request_id for s in seqs if s.is_finished}:
+            req = self.requests.get(rid)
+            if req is not None and req.is_finished:
+                del self.requests[rid]
+
+    # -- offline convenience ----------------------------------------------------------------------
+    def generate(
+        self,
+        prompts: Seq[Seq[int]],
+        params: SamplingParams | Seq[SamplingParams] | None = None,
+        use_tqdm: bool = False,
+    ) -> list[RequestOutput]:
+        """Run prompts to completion; outputs in prompt order."""
+        params_list = list(params) if isinstance(params, list | tuple) else [params] * len(prompts)
+        if len(params_list) != len(prompts):
+            raise ValueError("params must be one SamplingParams or one per prompt")
+        reqs = []
+        for prompt, p in zip(prompts, params_list, strict=True):
+            rid = self.add_request(prompt, p)
+            reqs.append(self.requests[rid])
+        total = sum(r.params.n * r.params.max_tokens for r in reqs)
+        with tqdm(total=total, disable=not use_tqdm, unit="tok", desc="generate") as bar:
+            while any(not r.is_finished for r in reqs):
+                bar.update(sum(len(o.new_token_ids) for o in self.step()))
+        return [
+            RequestOutput(r.request_id, r.prompt_token_ids, [completion_of(s) for s in r.seqs], True)
+            for r in reqs
+        ]

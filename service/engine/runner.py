@@ -1,0 +1,201 @@
+"""The model runner: the only place that turns scheduled sequences into tensors and runs the model."""
+
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+import torch
+
+from service.engine.kv_cache import KVCache
+from service.engine.sampler import SampleResult, SamplingBatch, sample
+from service.engine.scheduler import SchedulerOutput, SlotCopy
+from service.engine.sequence import Sequence
+from service.engine.speculative.verify import verify
+from service.models.llama import AttnMeta, CausalLM
+from service.models.rope import Rope
+
+if TYPE_CHECKING:
+    from service.engine.drafters.base import Drafter
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass(slots=True)
+class TokenResult:
+    """Host-side result of sampling one token for one sequence."""
+
+    token: int
+    logprob: float
+    raw_logprob: float | None
+    top: dict[int, float] | None
+
+
+def to_host(res: SampleResult, seqs: list[Sequence], extra: torch.Tensor | None = None):
+    """One device->host transfer for everything sampled this step. With `extra` ([B, m] integers, B
+    dividing the number of rows), returns (results, extra as B lists) from the same transfer."""
+    cols = [res.tokens.double()[:, None], res.logprobs.double()[:, None]]
+    if res.raw_logprobs is not None:
+        cols.append(res.raw_logprobs.double()[:, None])
+    if res.top_ids is not None:
+        cols += [res.top_ids.double(), res.top_values.double()]
+    packed = torch.cat(cols, dim=1)
+    if extra is not None:
+        per = packed.shape[0] // extra.shape[0]
+        packed = torch.cat([packed, extra.double().repeat_interleave(per, dim=0)], dim=1)
+    rows = packed.tolist()
+    k = 0 if res.top_ids is None else res.top_ids.shape[1]
+    has_raw = res.raw_logprobs is not None
+    out = []
+    for seq, row in zip(seqs, rows, strict=True):
+        raw = row[2] if has_raw and seq.params.raw_logprobs else None
+        top = None
+        if seq.params.top_logprobs:
+            base = 2 + has_raw
+            n = seq.params.top_logprobs
+            top = {int(i): v for i, v in zip(row[base : base + n], row[base + k : base + k + n], strict=True)}
+        out.append(TokenResult(int(row[0]), row[1], raw, top))
+    if extra is not None:
+        per = len(rows) // extra.shape[0]
+        m = extra.shape[1]
+        return out, [[int(v) for v in r[-m:]] for r in rows[::per]]
+    return out
+
+
+class CachedModel:
+    """A decoder with its own static KV cache and RoPE table; builds the per-forward attention metadata."""
+
+    def __init__(self, model: CausalLM, cache: KVCache, device: torch.device) -> None:
+        self.model = model
+        self.cfg = model.config
+        self.cache = cache
+        self.device = device
+        self.dtype = next(model.parameters()).dtype
+        self.rope = Rope(self.cfg, cache.max_positions, device, self.dtype)
+
+    def build_meta(self, slot_lo: int, starts: list[int], q_lens: list[int]) -> tuple[AttnMeta, torch.Tensor]:
+        """Rows b = slots slot_lo + b append q_lens[b] tokens at positions starts[b]...; returns meta and
+        the [B, Q] position tensor (padding entries point at the scratch position)."""
+        B, Q = len(starts), max(q_lens)
+        dev = self.device
+        scratch = self.cache.scratch_pos
+        # Positions and cache slots of every new token in one host tensor [2, B, Q].
+        host = [[[s + j if j < n else scratch for j in range(Q)] for s, n in zip(starts, q_lens, strict=True)]]
+        host.append([[slot_lo + b] * Q for b in range(B)])
+        pos, slots = torch.tensor(host, dtype=torch.int64, device=dev).unbind(0)
+        kv_len = max(s + n for s, n in zip(starts, q_lens, strict=True))
+        # Additive mask, once per step for all layers, already laid out as attention's [B * Hkv, G * Q, L]
+        # batch; padded rows see everything (their output is discarded).
+        Hkv = self.cfg.num_kv_heads
+        G = self.cfg.num_heads // Hkv
+        hidden = torch.arange(kv_len, device=dev) > pos[:, None, None, :, None]  # [B, 1, 1, Q, L]
+        bias = torch.zeros(B, Hkv, G, Q, kv_len, device=dev).masked_fill_(hidden, -torch.inf)
+        bias = bias.view(B * Hkv, G * Q, kv_len)
+        cos, sin = self.rope.lookup(pos)
+        return AttnMeta(slot_lo, kv_len, slots.reshape(-1), pos.reshape(-1), bias, cos, sin), pos
+
+    def forward(self, input_ids: torch.Tensor, meta: AttnMeta) -> torch.Tensor:
+        """input_ids [B, Q] -> final hidden states [B, Q, hidden]."""
+        return self.model(input_ids, meta, self.cache.k, self.cache.v)
+
+    def extend(self, slot_lo: int, starts: list[int], tokens: list[list[int]]) -> tuple[torch.Tensor, torch.Tensor]:
+        """Append per-row token lists at positions starts[b]...; returns hidden [B, Q, H] and the index of
+        each row's last real token [B]."""
+        q_lens = [len(t) for t in tokens]
+        Q = max(q_lens)
+        ids = torch.tensor([t + [0] * (Q - len(t)) for t in tokens], dtype=torch.int64, device=self.device)
+        meta, _ = self.build_meta(slot_lo, starts, q_lens)
+        last = torch.tensor([n - 1 for n in q_lens], dtype=torch.int64, device=self.device)
+        return self.forward(ids, meta), last
+
+
+class ModelRunner:
+    """Runs the target for prefill, decode and speculative steps; drafters plug in through `spec_step`."""
+
+    def __init__(self, model: CausalLM, cache: KVCache, device: torch.device) -> None:
+        self.target = CachedModel(model, cache, device)
+        self.cache = cache
+        self.device = device
+        self.cfg = model.config
+        self.drafters: list[Drafter] = []  # every drafter that keeps per-slot state follows slot copies
+
+    @property
+    def model(self) -> CausalLM:
+        return self.target.model
+
+    @model.setter
+    def model(self, model: CausalLM) -> None:
+        self.target.model = model
+
+    def build_meta(self, slot_lo: int, starts: list[int], q_lens: list[int]) -> tuple[AttnMeta, torch.Tensor]:
+        return self.target.build_meta(slot_lo, starts, q_lens)
+
+    def forward(self, input_ids: torch.Tensor, meta: AttnMeta) -> torch.Tensor:
+        """The target forward; every drafter sees the resulting hidden states (feature-based drafters)."""
+        hidden = self.target.forward(input_ids, meta)
+        for d in self.drafters:
+            d.observe_target_hidden(meta, hidden)
+        return hidden
+
+    def apply_copies(self, copies: list[SlotCopy]) -> None:
+        self.cache.copy_slots(copies)
+        for d in self.drafters:
+            d.apply_copies(copies)
+
+    # -- one engine step --------------------------------------------------------------------------
+    @torch.inference_mode()
+    def run(self, out: SchedulerOutput) -> tuple[list[Sequence], list[TokenResult]]:
+        """Run a prefill or plain decode step: one token per sequence."""
+        self.apply_copies(out.moves)
+        if out.kind == "prefill":
+            return self._prefill(out)
+        return self._decode(out.seqs)
+
+    def _prefill(self, out: SchedulerOutput) -> tuple[list[Sequence], list[TokenResult]]:
+        prompts = [r.prompt_token_ids for r in out.requests]
+        q_lens = [len(p) for p in prompts]
+        Q = max(q_lens)
+        ids = torch.tensor([p + [0] * (Q - len(p)) for p in prompts], dtype=torch.int64, device=self.device)
+        meta, _ = self.target.build_meta(out.slot_lo, [0] * len(prompts), q_lens)
+        hidden = self.forward(ids, meta)  # [P, Q, hidden]
+        last = torch.tensor([n - 1 for n in q_lens], device=self.device)
+        logits = self.model.logits(hidden[torch.arange(len(prompts), device=self.device), last])  # [P, V]
+        self.apply_copies(out.forks)
+        seqs = [s for r in out.requests for s in r.seqs]
+        row_of = torch.tensor([i for i, r in enumerate(out.requests) for _ in r.seqs], device=self.device)
+        sb = SamplingBatch.build(seqs, self.cfg.vocab_size, self.device)
+        return seqs, to_host(sample(logits[row_of], sb), seqs)
+
+    def _decode(self, seqs: list[Sequence]) -> tuple[list[Sequence], list[TokenResult]]:
+        ids = torch.tensor([[s.last_token] for s in seqs], dtype=torch.int64, device=self.device)
+        meta, _ = self.target.build_meta(0, [s.num_cached for s in seqs], [1] * len(seqs))
+        logits = self.model.logits(self.forward(ids, meta)[:, 0])  # [B, V]
+        sb = SamplingBatch.build(seqs, self.cfg.vocab_size, self.device)
+        return seqs, to_host(sample(logits, sb), seqs)
+
+    @torch.inference_mode()
+    def spec_step(
+        self, out: SchedulerOutput, drafter: Drafter, k: int
+    ) -> tuple[list[Sequence], list[list[TokenResult]], list[int], list[int], float]:
+        """Draft k tokens per sequence, verify them in one target pass. Returns the sequences, the tokens
+        each emits (1..k+1), the accepted and proposed draft counts, and the seconds spent drafting."""
+        self.apply_copies(out.moves)
+        seqs = out.seqs
+        B = len(seqs)
+        sb = SamplingBatch.build(seqs, self.cfg.vocab_size, self.device)
+        t0 = time.perf_counter()
+        draft = drafter.propose(seqs, k, sb)
+        draft_seconds = time.perf_counter() - t0
+        last = torch.tensor([[s.last_token] for s in seqs], dtype=torch.int64, device=self.device)
+        ids = torch.cat([last, draft.tokens], dim=1)  # [B, k + 1]
+        meta, _ = self.target.build_meta(0, [s.num_cached for s in seqs], [k + 1] * B)
+        hidden = self.forward(ids, meta)  # [B, k + 1, hidden]
+        res = verify(self.model.logits(hidden), draft, sb)
+        # One host transfer: [B, k + 1] sampled columns plus num_accepted.
+        flat_seqs = [s for s in seqs for _ in range(k + 1)]
+        rows, extra = to_host(res.sample, flat_seqs, extra=torch.stack([res.num_accepted, draft.lengths], 1))
+        num_accepted = [e[0] for e in extra]
+        per_seq = [rows[b * (k + 1) : b * (k + 1) + num_accepted[b] + 1] for b in range(B)]
+        return seqs, per_seq, num_accepted, [e[1] for e in extra], draft_seconds

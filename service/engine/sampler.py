@@ -1,0 +1,149 @@
+"""Logit processing and sampling, vectorised over rows with per-row parameters.
+
+Processing (the distribution a token is drawn from, and whose logprob we return):
+    logits / temperature -> keep top_k -> keep smallest set with mass >= top_p -> drop p < min_p * p_max
+    -> renormalise.  Greedy rows (temperature 0) are processed with temperature 1 and take the argmax.
+Randomness is counter-based: the uniform for a row is a hash of (sequence seed, output position, stream),
+so a seeded sequence samples the same tokens whatever else shares its batch, with no per-row generator.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from service.engine.sequence import Sequence
+
+_M32 = 0xFFFFFFFF
+STREAM_SAMPLE, STREAM_ACCEPT, STREAM_DRAFT = 0, 1, 2
+
+
+def _mix32(x: torch.Tensor) -> torch.Tensor:
+    """A 32-bit integer hash (xor-shift-multiply) on int64 tensors holding values < 2^32."""
+    x = x & _M32
+    x = ((x ^ (x >> 16)) * 0x7FEB352D) & _M32
+    x = ((x ^ (x >> 15)) * 0x846CA68B) & _M32
+    return x ^ (x >> 16)
+
+
+def uniforms(seeds: torch.Tensor, counters: torch.Tensor, stream: int) -> torch.Tensor:
+    """Uniforms in (0, 1) for int64 seeds [N] and counters [N] or [N, K]; float32, counters' shape."""
+    if counters.dim() == 2:
+        seeds = seeds[:, None]
+    h = _mix32((seeds >> 32) + 0x9E3779B9)
+    h = _mix32(h ^ (seeds & _M32))
+    h = _mix32(h ^ (counters & _M32))
+    h = _mix32(h ^ (counters >> 32) ^ (stream * 0x85EBCA6B))
+    return ((h >> 8).to(torch.float32) + 0.5) * (1.0 / 2**24)
+
+
+@dataclass(slots=True)
+class SamplingBatch:
+    """Per-row sampling parameters as tensors [N], plus which optional steps any row needs."""
+
+    temperature: torch.Tensor  # 1.0 for greedy rows
+    greedy: torch.Tensor  # bool
+    top_p: torch.Tensor
+    top_k: torch.Tensor  # long, vocab size where disabled
+    min_p: torch.Tensor
+    seeds: torch.Tensor  # int64
+    counters: torch.Tensor  # int64: output position of the token being sampled
+    use_top_k: bool
+    use_top_p: bool
+    use_min_p: bool
+    all_greedy: bool
+    need_raw: bool
+    num_top_logprobs: int
+
+    @classmethod
+    def build(cls, seqs: list[Sequence], vocab_size: int, device: torch.device) -> SamplingBatch:
+        """Two host-built tensors per step (one float32, one int64); the fields are their columns."""
+        params = [s.params for s in seqs]
+        greedy = [p.temperature == 0 for p in params]
+        top_k = [p.top_k if 0 < p.top_k < vocab_size else vocab_size for p in params]
+        floats = torch.tensor(
+            [[1.0 if g else p.temperature, p.top_p, p.min_p, float(g)] for g, p in zip(greedy, params, strict=True)],
+            dtype=torch.float32, device=device,
+        )
+        ints = torch.tensor(
+            [[k, s.seed, len(s.output_token_ids)] for k, s in zip(top_k, seqs, strict=True)],
+            dtype=torch.int64, device=device,
+        )
+        return cls(
+            temperature=floats[:, 0], greedy=floats[:, 3] > 0, top_p=floats[:, 1], top_k=ints[:, 0],
+            min_p=floats[:, 2], seeds=ints[:, 1], counters=ints[:, 2],
+            use_top_k=any(k < vocab_size for k in top_k),
+            use_top_p=any(p.top_p < 1.0 for p in params),
+            use_min_p=any(p.min_p > 0.0 for p in params),
+            all_greedy=all(greedy),
+            need_raw=any(p.raw_logprobs for p in params),
+            num_top_logprobs=max(p.top_logprobs for p in params),
+        )
+
+    def repeat(self, k: int) -> SamplingBatch:
+        """Each row's parameters repeated k times (rows of [N, k, V] flattened to [N * k, V])."""
+        r = lambda t: t.repeat_interleave(k, dim=0)
+        counters = (self.counters[:, None] + torch.arange(k, device=self.counters.device)).reshape(-1)
+        return SamplingBatch(
+            r(self.temperature), r(self.greedy), r(self.top_p), r(self.top_k), r(self.min_p), r(self.seeds),
+            counters, self.use_top_k, self.use_top_p, self.use_min_p, self.all_greedy, self.need_raw,
+            self.num_top_logprobs,
+        )
+
+
+def process_logits(logits: torch.Tensor, sb: SamplingBatch) -> torch.Tensor:
+    """float32 logits [N, V] -> processed logprobs [N, V] (-inf outside the kept set)."""
+    scaled = logits if sb.all_greedy else logits / sb.temperature[:, None]
+    if sb.use_top_k or sb.use_top_p:
+        sorted_logits, order = scaled.sort(dim=-1, descending=True)
+        rank = torch.arange(scaled.shape[-1], device=scaled.device)
+        drop = rank[None, :] >= sb.top_k[:, None]  # [N, V] in sorted order
+        if sb.use_top_p:
+            probs = sorted_logits.masked_fill(drop, float("-inf")).softmax(-1)
+            mass_before = probs.cumsum(-1) - probs
+            drop |= mass_before >= sb.top_p[:, None]
+        scaled = scaled.masked_fill(torch.zeros_like(drop).scatter_(1, order, drop), float("-inf"))
+    if sb.use_min_p:
+        probs = scaled.softmax(-1)
+        scaled = scaled.masked_fill(probs < sb.min_p[:, None] * probs.amax(-1, keepdim=True), float("-inf"))
+    return scaled.log_softmax(-1)
+
+
+def sample_from(probs: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
+    """Inverse-CDF sampling: probs [N, V] (unnormalised is fine), u [N] in (0, 1) -> token ids [N]."""
+    cdf = probs.cumsum(-1)
+    target = u[:, None] * cdf[:, -1:]
+    return (cdf < target).sum(-1).clamp_(max=probs.shape[-1] - 1)
+
+
+@dataclass(slots=True)
+class SampleResult:
+    tokens: torch.Tensor  # [N] long
+    logprobs: torch.Tensor  # [N] processed logprob of the token
+    raw_logprobs: torch.Tensor | None  # [N]
+    top_ids: torch.Tensor | None  # [N, K]
+    top_values: torch.Tensor | None  # [N, K]
+
+
+def sample(logits: torch.Tensor, sb: SamplingBatch) -> SampleResult:
+    """Draw one token per row from float32 logits [N, V]."""
+    logprobs = process_logits(logits, sb)
+    if sb.all_greedy:
+        tokens = logits.argmax(-1)
+    else:
+        drawn = sample_from(logprobs.exp(), uniforms(sb.seeds, sb.counters, STREAM_SAMPLE))
+        tokens = torch.where(sb.greedy, logits.argmax(-1), drawn)
+    return finish_sample(tokens, logprobs, logits, sb)
+
+
+def finish_sample(
+    tokens: torch.Tensor, logprobs: torch.Tensor, logits: torch.Tensor, sb: SamplingBatch
+) -> SampleResult:
+    """Gather the returned logprobs for chosen tokens [N] from processed logprobs [N, V]."""
+    chosen = logprobs.gather(-1, tokens[:, None]).squeeze(-1)
+    raw = logits.log_softmax(-1).gather(-1, tokens[:, None]).squeeze(-1) if sb.need_raw else None
+    top_ids = top_values = None
+    if sb.num_top_logprobs:
+        top_values, top_ids = logprobs.topk(min(sb.num_top_logprobs, logprobs.shape[-1]), dim=-1)
+    return SampleResult(tokens, chosen, raw, top_ids, top_values)

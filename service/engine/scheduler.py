@@ -1,0 +1,135 @@
+"""Continuous-batching scheduler over plain request objects. No torch here.
+
+Cache slots: every running sequence owns one slot of the static KV cache, and running sequences always
+occupy slots 0..B-1 (slot == batch row). When a sequence leaves, the sequence in the last slot moves into
+the hole, so a decode batch is always a contiguous view of the cache, even deep in the long tail.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass, field
+
+from service.engine.sequence import Request, Sequence, SequenceStatus
+from service.params import FinishReason
+
+
+@dataclass(slots=True)
+class SlotCopy:
+    """Copy K/V positions [0, length) of cache slot `src` into slot `dst`."""
+
+    src: int
+    dst: int
+    length: int
+
+
+@dataclass(slots=True)
+class SchedulerOutput:
+    kind: str  # "prefill" | "decode" | "idle"
+    # Prefill: one row per request (its first sample), rows occupy slots [slot_lo, slot_lo + len(requests)).
+    requests: list[Request] = field(default_factory=list)
+    # Decode: running sequences in slot order, slots [0, len(seqs)).
+    seqs: list[Sequence] = field(default_factory=list)
+    # Compaction moves to apply, in order, before the forward pass.
+    moves: list[SlotCopy] = field(default_factory=list)
+    # After a prefill: copy each request's prompt K/V into its other samples' slots.
+    forks: list[SlotCopy] = field(default_factory=list)
+    slot_lo: int = 0
+
+    @property
+    def num_rows(self) -> int:
+        return len(self.requests) if self.kind == "prefill" else len(self.seqs)
+
+
+class Scheduler:
+    def __init__(self, num_slots: int, max_num_batched_tokens: int) -> None:
+        if num_slots < 1:
+            raise ValueError("the KV cache must hold at least one sequence")
+        self.num_slots = num_slots
+        self.max_num_batched_tokens = max_num_batched_tokens
+        self.waiting: deque[Request] = deque()
+        self.running: list[Sequence] = []  # running[i].slot == i
+        # (src, dst, sequence): the copy length is read at schedule time, after the step that moved the
+        # sequence has finished updating its cached length.
+        self._pending_moves: list[tuple[int, int, Sequence]] = []
+        self.hold_admission = False
+
+    # -- queue management -------------------------------------------------------------------------
+    def add(self, request: Request) -> None:
+        if request.params.n > self.num_slots:
+            raise ValueError(f"n={request.params.n} exceeds the {self.num_slots} sequences the KV cache holds")
+        self.waiting.append(request)
+
+    @property
+    def num_waiting_seqs(self) -> int:
+        return sum(len(r.seqs) for r in self.waiting)
+
+    def has_work(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    def schedule(self) -> SchedulerOutput:
+        moves = [SlotCopy(src, dst, seq.num_cached) for src, dst, seq in self._pending_moves]
+        self._pending_moves = []
+        admitted = [] if self.hold_admission else self._admit()
+        if admitted:
+            slot_lo = len(self.running)
+            forks: list[SlotCopy] = []
+            leaders = [r.seqs[0] for r in admitted]
+            siblings = [s for r in admitted for s in r.seqs[1:]]
+            for seq in leaders + siblings:
+                seq.slot = len(self.running)
+                seq.status = SequenceStatus.RUNNING
+                self.running.append(seq)
+            for r in admitted:
+                forks += [SlotCopy(r.seqs[0].slot, s.slot, len(r.prompt_token_ids)) for s in r.seqs[1:]]
+            return SchedulerOutput("prefill", requests=admitted, moves=moves, forks=forks, slot_lo=slot_lo)
+        if self.running:
+            return SchedulerOutput("decode", seqs=list(self.running), moves=moves)
+        return SchedulerOutput("idle", moves=moves)
+
+    def _admit(self) -> list[Request]:
+        admitted: list[Request] = []
+        free = self.num_slots - len(self.running)
+        longest = 0
+        while self.waiting:
+            req = self.waiting[0]
+            need = len(req.seqs)
+            longest_next = max(longest, len(req.prompt_token_ids))
+            over_budget = longest_next * (len(admitted) + 1) > self.max_num_batched_tokens
+            if need > free or (admitted and over_budget):
+                break
+            self.waiting.popleft()
+            admitted.append(req)
+            free -= need
+            longest = longest_next
+        return admitted
+
+    # -- leaving the batch ------------------------------------------------------------------------
+    def release(self, seq: Sequence) -> None:
+        """Free a finished sequence's slot, moving the last running sequence into the hole."""
+        slot = seq.slot
+        if slot < 0 or slot >= len(self.running) or self.running[slot] is not seq:
+            return
+        last = len(self.running) - 1
+        if slot != last:
+            mover = self.running[last]
+            self.running[slot] = mover
+            mover.slot = slot
+            self._pending_moves.append((last, slot, mover))
+        self.running.pop()
+        seq.slot = -1
+
+    def abort(self, request_id: str) -> list[Sequence]:
+        """Finish every sequence of the request with reason abort; returns the sequences it touched."""
+        touched: list[Sequence] = []
+        for req in list(self.waiting):
+            if req.request_id == request_id:
+                self.waiting.remove(req)
+                for s in req.seqs:
+                    s.finish(FinishReason.ABORT)
+                touched += req.seqs
+        for seq in [s for s in self.running if s.request_id == request_id]:
+            seq.finish(FinishReason.ABORT)
+            self.release(seq)
+            touched.append(seq)
+        return touched

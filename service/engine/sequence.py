@@ -1,0 +1,168 @@
+"""Request and sequence state: plain Python objects shared by the scheduler, the runner and the API layers."""
+
+from __future__ import annotations
+
+import enum
+import itertools
+import time
+from dataclasses import dataclass, field
+
+from service.params import FinishReason, SamplingParams, VersionSpan
+
+
+class SequenceStatus(enum.Enum):
+    WAITING = "waiting"
+    RUNNING = "running"
+    FINISHED = "finished"
+
+
+_seq_counter = itertools.count()
+
+
+@dataclass(slots=True, eq=False)
+class Sequence:
+    """One sample being generated. Its KV lives in cache slot `slot`; positions [0, num_cached) are valid."""
+
+    request_id: str
+    index: int  # sample index within the request (0..n-1)
+    prompt_token_ids: list[int]
+    params: SamplingParams
+    seed: int
+    group_id: str | None = None
+    seq_id: int = field(default_factory=lambda: next(_seq_counter))
+    output_token_ids: list[int] = field(default_factory=list)
+    logprobs: list[float] = field(default_factory=list)
+    raw_logprobs: list[float] = field(default_factory=list)
+    top_logprobs: list[dict[int, float]] = field(default_factory=list)
+    version_spans: list[VersionSpan] = field(default_factory=list)
+    status: SequenceStatus = SequenceStatus.WAITING
+    finish_reason: FinishReason | None = None
+    slot: int = -1
+    num_cached: int = 0  # tokens whose K/V are in the target cache
+    draft_cached: int = 0  # tokens whose K/V are in a draft model's cache
+    num_emitted: int = 0  # output tokens already handed out by step()
+    arrival_time: float = field(default_factory=time.monotonic)
+    first_token_time: float | None = None
+    finish_time: float | None = None
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.prompt_token_ids) + len(self.output_token_ids)
+
+    @property
+    def last_token(self) -> int:
+        return self.output_token_ids[-1] if self.output_token_ids else self.prompt_token_ids[-1]
+
+    @property
+    def is_finished(self) -> bool:
+        return self.status is SequenceStatus.FINISHED
+
+    def token_at(self, pos: int) -> int:
+        n_prompt = len(self.prompt_token_ids)
+        return self.prompt_token_ids[pos] if pos < n_prompt else self.output_token_ids[pos - n_prompt]
+
+    def tokens_from(self, start: int) -> list[int]:
+        n_prompt = len(self.prompt_token_ids)
+        if start >= n_prompt:
+            return self.output_token_ids[start - n_prompt :]
+        return self.prompt_token_ids[start:] + self.output_token_ids
+
+    def append_token(
+        self, token: int, logprob: float, raw_logprob: float | None, top: dict[int, float] | None,
+        eos_token_ids: tuple[int, ...], max_model_len: int,
+    ) -> bool:
+        """Record one generated token; returns True when the sequence finished with it."""
+        self.output_token_ids.append(token)
+        self.logprobs.append(logprob)
+        if raw_logprob is not None:
+            self.raw_logprobs.append(raw_logprob)
+        if top is not None:
+            self.top_logprobs.append(top)
+        if self.first_token_time is None:
+            self.first_token_time = time.monotonic()
+        p = self.params
+        if token in p.stop_token_ids or (not p.ignore_eos and token in eos_token_ids):
+            self.finish(FinishReason.STOP)
+        elif len(self.output_token_ids) >= p.max_tokens or self.num_tokens >= max_model_len:
+            self.finish(FinishReason.LENGTH)
+        return self.is_finished
+
+    def record_versions(self, policy_version: str, drafter_version: str) -> None:
+        """Attribute the output tokens not yet covered by a span to the given weight versions."""
+        end = len(self.output_token_ids)
+        last = self.version_spans[-1] if self.version_spans else None
+        if last is not None and (last.policy_version, last.drafter_version) == (policy_version, drafter_version):
+            last.end = end
+        elif last is None or last.end < end:
+            self.version_spans.append(VersionSpan(policy_version, drafter_version, last.end if last else 0, end))
+
+    def finish(self, reason: FinishReason) -> None:
+        self.status = SequenceStatus.FINISHED
+        self.finish_reason = reason
+        self.finish_time = time.monotonic()
+
+
+@dataclass(slots=True)
+class Request:
+    """A prompt with its n samples; the samples share the prompt's prefill."""
+
+    request_id: str
+    prompt_token_ids: list[int]
+    params: SamplingParams
+    seqs: list[Sequence]
+    group_id: str | None = None
+
+    @property
+    def is_finished(self) -> bool:
+        return all(s.is_finished for s in self.seqs)
+
+
+@dataclass(slots=True)
+class CompletionOutput:
+    index: int
+    token_ids: list[int]
+    logprobs: list[float]
+    finish_reason: str | None
+    raw_logprobs: list[float] | None = None
+    top_logprobs: list[dict[int, float]] | None = None
+    version_spans: list[VersionSpan] = field(default_factory=list)
+    text: str | None = None
+
+
+@dataclass(slots=True)
+class RequestOutput:
+    request_id: str
+    prompt_token_ids: list[int]
+    outputs: list[CompletionOutput]
+    finished: bool
+
+
+@dataclass(slots=True)
+class StepOutput:
+    """What one engine step produced for one sequence: the new tokens since the last step."""
+
+    request_id: str
+    index: int
+    new_token_ids: list[int]
+    new_logprobs: list[float]
+    finished: bool
+    finish_reason: str | None
+    new_raw_logprobs: list[float] | None = None
+    new_top_logprobs: list[dict[int, float]] | None = None
+    policy_version: str = ""
+    drafter_version: str = ""
+    num_prompt_tokens: int = 0
+    num_output_tokens: int = 0
+
+
+def completion_of(seq: Sequence) -> CompletionOutput:
+    p = seq.params
+    return CompletionOutput(
+        index=seq.index,
+        token_ids=list(seq.output_token_ids),
+        logprobs=list(seq.logprobs),
+        finish_reason=seq.finish_reason.value if seq.finish_reason else None,
+        raw_logprobs=list(seq.raw_logprobs) if p.raw_logprobs else None,
+        top_logprobs=list(seq.top_logprobs) if p.top_logprobs else None,
+        version_spans=[VersionSpan(v.policy_version, v.drafter_version, v.start, v.end) for v in seq.version_spans],
+    )

@@ -1,0 +1,83 @@
+"""Lossless speculative verification, vectorised over the batch.
+
+For each row: draft tokens x_1..x_k were drawn from q_1..q_k (one-hot for deterministic drafters), the
+target gave p_1..p_{k+1} (processed exactly as in plain decoding). Accept x_j with probability
+min(1, p_j(x_j) / q_j(x_j)); at the first rejection j draw from normalize(max(0, p_j - q_j)); if all k are
+accepted draw a bonus token from p_{k+1}. Positions past a row's draft length count as rejections with
+q = 0, which makes the "residual" simply p: the row falls back to plain sampling there.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from service.engine.sampler import (
+    STREAM_ACCEPT,
+    STREAM_SAMPLE,
+    SampleResult,
+    SamplingBatch,
+    finish_sample,
+    process_logits,
+    sample_from,
+    uniforms,
+)
+
+
+@dataclass(slots=True)
+class DraftProposal:
+    tokens: torch.Tensor  # [B, k] long
+    lengths: torch.Tensor  # [B] long, valid drafts per row (<= k)
+    probs: torch.Tensor | None  # [B, k, V] processed draft distribution; None = deterministic (one-hot)
+
+
+@dataclass(slots=True)
+class VerifyResult:
+    tokens: torch.Tensor  # [B, k + 1]: accepted drafts, then the correction/bonus token, then padding
+    num_accepted: torch.Tensor  # [B]; row b emits num_accepted[b] + 1 tokens
+    sample: SampleResult  # logprobs etc. of tokens, flattened to [B * (k + 1)]
+
+
+def verify(target_logits: torch.Tensor, draft: DraftProposal, sb: SamplingBatch) -> VerifyResult:
+    """target_logits [B, k + 1, V] float32 from the verify pass over [last token, x_1..x_k]."""
+    B, K1, V = target_logits.shape
+    k = K1 - 1
+    dev = target_logits.device
+    sb_all = sb.repeat(K1)  # rows b * (k + 1) + j; counters = output position of verify position j
+    target_logprobs = process_logits(target_logits.reshape(B * K1, V), sb_all).view(B, K1, V)
+    target_probs = target_logprobs.exp()
+    positions = torch.arange(k, device=dev)
+    in_draft = positions[None, :] < draft.lengths[:, None]  # [B, k]
+    x = draft.tokens
+    p_x = target_probs[:, :k].gather(-1, x[..., None]).squeeze(-1)  # [B, k]
+    q_x = torch.ones_like(p_x) if draft.probs is None else draft.probs.gather(-1, x[..., None]).squeeze(-1)
+    u = uniforms(sb.seeds, sb.counters[:, None] + positions[None, :], STREAM_ACCEPT)  # [B, k]
+    accepted = (u * q_x <= p_x) & in_draft  # u <= p/q without dividing by q
+    target_argmax = target_logits.argmax(-1)  # [B, k + 1]
+    accepted = torch.where(sb.greedy[:, None], (x == target_argmax[:, :k]) & in_draft, accepted)
+    num_accepted = accepted.to(torch.int64).cumprod(1).sum(1)  # [B]
+
+    # The residual row at the first rejection (or p_{k+1} when everything was accepted).
+    rows = torch.arange(B, device=dev)
+    p_row = target_probs[rows, num_accepted]  # [B, V]
+    rejected_draft = num_accepted < draft.lengths  # a real draft token was rejected at num_accepted
+    at = num_accepted.clamp(max=k - 1)
+    if draft.probs is None:
+        residual = p_row.clone()
+        hit = x[rows, at]
+        residual[rows, hit] = torch.where(rejected_draft, 0.0, residual[rows, hit])
+    else:
+        q_row = draft.probs[rows, at] * rejected_draft[:, None]
+        residual = (p_row - q_row).clamp_(min=0)
+    # p == q exactly leaves no residual mass; rejection then had probability 0, any fallback is fine.
+    empty = residual.sum(-1, keepdim=True) <= 0
+    residual = torch.where(empty, p_row, residual)
+    next_token = sample_from(residual, uniforms(sb.seeds, sb.counters + num_accepted, STREAM_SAMPLE))
+    next_token = torch.where(sb.greedy, target_argmax[rows, num_accepted], next_token)
+
+    tokens = torch.cat([x, x.new_zeros(B, 1)], dim=1)  # [B, k + 1]
+    tokens[rows, num_accepted] = next_token
+    flat = tokens.reshape(-1)
+    result = finish_sample(flat, target_logprobs.reshape(B * K1, V), target_logits.reshape(B * K1, V), sb_all)
+    return VerifyResult(tokens, num_accepted, result)

@@ -1,0 +1,234 @@
+"""Adaptive speculation strategy: per step, pick (drafter, k) for the running batch. Torch-free.
+
+The choice is a bandit over arms {plain} + drafters x ks, scored by predicted throughput
+    batch * E[tokens per row] / step cost,   E = (1 - alpha^(k+1)) / (1 - alpha)
+where alpha is the drafter's per-token acceptance rate. It is Thompson sampling: each step draws alpha from
+the drafter's posterior and a cost from the cost posterior, and runs the arm whose draw is best. Why this
+and not a greedy rule with a small exploration rate (what we had, 9% behind the best fixed k): a rollout
+spends only a few dozen steps in each batch bucket, so the strategy cannot afford to measure arms one by one
+and cannot afford to sit on an arm it has wrongly written off either. Thompson sampling spends exploration
+in proportion to the chance an arm is best: arms clearly worse are almost never run, near-ties (where a
+wrong pick costs little) are run often, and it needs no tuned exploration rate.
+
+What makes it fast to converge is sharing across arms:
+- Cost: one online least-squares model of step cost for all arms and batch sizes (`StepCostModel`: target
+  a + b*B, plus k * (u_d + v_d*B) per drafter). Two measured arms of a drafter in any buckets predict all its
+  ks in every bucket. Per (bucket, arm), a correction factor (measured / predicted, shrunk towards 1 by the
+  number of measurements) absorbs what a line misses; the cost draw's spread shrinks with those measurements.
+  Costs are what the engine measured, including the work between two steps.
+- Switches: the first step of a draft model after other arms ran pays its catch-up (it feeds itself every
+  token it missed). That is kept out of the arm's cost (one costly catch-up would write the arm off, and
+  the longer it stayed off the costlier the next catch-up: the old strategy sat on plain decoding at full
+  batch for that reason) and learned apart, per row per step missed; it is charged, spread over
+  `switch_horizon` steps, to arms that would switch.
+- Acceptance: one Beta posterior per drafter, fed by every speculative step of any k (a row that accepted a
+  of k drafts saw a successes and, if a < k, one failure; one step counts for at most `trials_per_step`
+  trials, since a batch's rows are not independent). Counts are discounted every step, so a drafter that
+  has not run for a while becomes uncertain again and gets re-tried when it may have recovered.
+- Collapse: when the newest step (or, at small batches where one step holds few trials, the newest few)
+  is far outside the posterior (a policy push made the drafter stale), the posterior restarts from those
+  steps, so the strategy leaves a collapsed drafter after one step instead of after a slow decay.
+Two rules keep exploration cheap: a new bucket starts with one plain step (a plain step is never a costly
+mistake, and it separates the target's cost from the drafters' in the model), and a drafter whose
+acceptance is barely known is probed at the smallest k, which measures its acceptance as well as a deep k
+does at a fraction of the price of a wrong guess.
+"""
+
+from __future__ import annotations
+
+import math
+import random
+from collections import deque
+from dataclasses import dataclass, field
+
+from service.engine.speculative.cost_model import StepCostModel
+
+
+@dataclass(frozen=True, slots=True)
+class Strategy:
+    drafter: str | None  # None = plain decoding
+    k: int = 0
+
+    @property
+    def name(self) -> str:
+        return "plain" if self.drafter is None or self.k == 0 else f"{self.drafter}:k={self.k}"
+
+
+PLAIN = Strategy(None, 0)
+
+
+def bucket_of(batch_size: int) -> int:
+    return 1 << max(batch_size - 1, 0).bit_length()
+
+
+@dataclass(slots=True)
+class Ewma:
+    value: float | None = None
+    n: int = 0
+
+    def update(self, x: float, rate: float) -> None:
+        self.value = x if self.value is None else (1 - rate) * self.value + rate * x
+        self.n += 1
+
+
+@dataclass(slots=True)
+class Acceptance:
+    """Discounted Beta posterior of one drafter's per-token acceptance rate."""
+
+    hits: float = 0.0
+    trials: float = 0.0
+    recent: deque[tuple[int, int]] = field(default_factory=lambda: deque(maxlen=4))  # for change detection
+
+    def mean(self, prior: float, prior_trials: float) -> float:
+        return (self.hits + prior * prior_trials) / (self.trials + prior_trials)
+
+
+@dataclass(slots=True)
+class AdaptiveStrategy:
+    drafters: list[str]
+    ks: tuple[int, ...] = (1, 2, 3, 4, 6, 8)
+    prior_alpha: float = 0.6
+    prior_trials: float = 2.0  # weight of prior_alpha, in trials
+    discount: float = 0.995  # per step, on acceptance counts
+    trials_per_step: float = 48.0  # one step counts for at most this many trials (rows are not independent)
+    cost_spread: float = 0.05  # relative spread of an unmeasured arm's cost draw
+    seed: int = 0
+    fixed: Strategy | None = None  # set to pin one strategy (k = 0 pins plain decoding)
+    model: StepCostModel = field(init=False)
+    accept: dict[str, Acceptance] = field(init=False)
+    correction: dict[tuple[int, Strategy], Ewma] = field(default_factory=dict)  # measured / predicted cost
+    switch_horizon: float = 32.0  # a switch's catch-up cost is spread over this many steps of the new arm
+    switch_max_steps: int = 32
+    switch_cost: dict[str, Ewma] = field(default_factory=dict)  # catch-up seconds per row per step missed
+    _away: dict[str, int] = field(default_factory=dict)  # steps since each drafter last ran
+    _plain_buckets: set[int] = field(default_factory=set)
+    _steady: dict[str, int] = field(default_factory=dict)  # steps measured without a switch, per drafter
+    _last: str | None = None  # drafter of the last recorded step (None: plain)
+    _rng: random.Random = field(init=False)
+
+    def __post_init__(self) -> None:
+        self._rng = random.Random(self.seed)
+        self.model = StepCostModel(list(self.drafters))
+        self.accept = {d: Acceptance() for d in self.drafters}
+
+    @property
+    def arms(self) -> list[Strategy]:
+        return [PLAIN] + [Strategy(d, k) for d in self.drafters for k in self.ks]
+
+    def acceptance(self, drafter: str) -> float:
+        return self.accept[drafter].mean(self.prior_alpha, self.prior_trials)
+
+    def _draw_acceptance(self, drafter: str) -> float:
+        a = self.accept[drafter]
+        hits = a.hits + self.prior_alpha * self.prior_trials
+        misses = a.trials - a.hits + (1 - self.prior_alpha) * self.prior_trials
+        return self._rng.betavariate(max(hits, 1e-3), max(misses, 1e-3))
+
+    @staticmethod
+    def tokens_per_row(alpha: float, k: int) -> float:
+        if k == 0:
+            return 1.0
+        a = min(max(alpha, 0.0), 0.999)
+        return (1 - a ** (k + 1)) / (1 - a)
+
+    def expected_tokens(self, s: Strategy) -> float:
+        return self.tokens_per_row(self.acceptance(s.drafter), s.k) if s.k else 1.0
+
+    def _correction(self, batch_size: int, s: Strategy) -> tuple[float, int]:
+        c = self.correction.get((bucket_of(batch_size), s))
+        if c is None or c.value is None:
+            return 1.0, 0
+        return 1.0 + (c.value - 1.0) * c.n / (c.n + 2), c.n
+
+    def predicted_cost(self, batch_size: int, s: Strategy) -> float:
+        return self.model.predict(s.drafter, s.k, batch_size) * self._correction(batch_size, s)[0]
+
+    def predicted_throughput(self, batch_size: int, s: Strategy) -> float:
+        return batch_size * self.expected_tokens(s) / self.predicted_cost(batch_size, s)
+
+    def choose(self, batch_size: int) -> Strategy:
+        if self.fixed is not None:
+            return self.fixed
+        if not self.drafters:
+            return PLAIN
+        if bucket_of(batch_size) not in self._plain_buckets:
+            return PLAIN  # measure the baseline of a new bucket first (see the module docstring)
+        alpha = {d: self._draw_acceptance(d) for d in self.drafters}
+        best, best_value = PLAIN, -1.0
+        for s in self.arms:
+            corr, n = self._correction(batch_size, s)
+            noise = math.exp(self._rng.gauss(0.0, self.cost_spread / math.sqrt(1 + n)))
+            cost = self.model.predict(s.drafter, s.k, batch_size) * corr * noise
+            if s.k and s.drafter != self._last and s.drafter in self.switch_cost:
+                catch_up = (self.switch_cost[s.drafter].value or 0.0) * batch_size * self._missed_steps(s.drafter)
+                cost += catch_up / self.switch_horizon
+            value = self.tokens_per_row(alpha[s.drafter], s.k) / cost if s.k else 1.0 / cost
+            if value > best_value:
+                best, best_value = s, value
+        if best.k and self.accept[best.drafter].trials < self.trials_per_step:
+            # Its acceptance is barely known (never measured, or not for a long while): a draw picked it
+            # because it may be good. Probe it at the smallest k, which measures its acceptance as well and
+            # costs least if the draw was wrong.
+            return Strategy(best.drafter, min(best.k, self.ks[0]))
+        return best
+
+    def record(self, s: Strategy, batch_size: int, seconds: float, num_accepted: list[int] | None = None) -> None:
+        """One step's measurement: its wall seconds, and num_accepted per row for speculative steps."""
+        drafter = s.drafter if s.k else None
+        switched, self._last = drafter is not None and drafter != self._last, drafter
+        for d in self.drafters:
+            self._away[d] = 0 if d == drafter else self._away.get(d, 0) + 1
+        if switched and self._steady.get(drafter, 0):
+            # The first step after a switch pays the drafter's catch-up (a draft model feeds itself every
+            # token it missed). That is the price of switching, not of the arm: kept apart, or one costly
+            # catch-up would write the arm off, and the longer it stays off the costlier the next catch-up.
+            excess = max(0.0, seconds - self.predicted_cost(batch_size, s))
+            missed = batch_size * self._missed_steps(drafter)
+            self.switch_cost.setdefault(drafter, Ewma()).update(excess / missed, 0.3)
+        else:
+            if drafter is not None:
+                self._steady[drafter] = self._steady.get(drafter, 0) + 1
+            if self.model.measured:
+                ratio = seconds / self.model.predict(drafter, s.k, batch_size)
+                self.correction.setdefault((bucket_of(batch_size), s), Ewma()).update(ratio, 0.3)
+            self.model.record(drafter, s.k, batch_size, seconds)
+        if drafter is None:
+            self._plain_buckets.add(bucket_of(batch_size))
+        for a in self.accept.values():
+            a.hits *= self.discount
+            a.trials *= self.discount
+        if drafter is not None and num_accepted:
+            # Rows whose drafter proposed fewer than k count the missing drafts as failures.
+            hits = sum(num_accepted)
+            trials = hits + sum(1 for n in num_accepted if n < s.k)
+            if trials:
+                self._observe(drafter, hits, trials)
+
+    def _missed_steps(self, drafter: str) -> int:
+        """Steps a drafter missed, capped: one catch-up pass over many tokens costs far less than as many
+        steps, and an uncapped charge would lock the strategy out of a drafter the longer it stays away."""
+        return min(max(1, self._away.get(drafter, 1)), self.switch_max_steps)
+
+    def _observe(self, drafter: str, hits: int, trials: int) -> None:
+        a = self.accept[drafter]
+        a.recent.append((hits, trials))
+        # A change, not noise (a policy push made the drafter stale): trust the newest steps alone. One
+        # step decides at large batches; at small ones, where a step holds few trials, the last few do.
+        h = t = 0
+        for step_hits, step_trials in reversed(a.recent):
+            h, t = h + step_hits, t + step_trials
+            if a.trials >= self.trials_per_step and t >= 6 and self._changed(a.hits / a.trials, h / t, t):
+                scale = min(1.0, self.trials_per_step / t)
+                a.hits, a.trials = h * scale, t * scale
+                a.recent.clear()
+                return
+        scale = min(1.0, self.trials_per_step / trials)
+        a.hits += hits * scale
+        a.trials += trials * scale
+
+    @staticmethod
+    def _changed(p: float, observed: float, trials: float) -> bool:
+        return abs(observed - p) > 0.15 + 3 * math.sqrt(max(p * (1 - p), 0.01) / trials)
+
+    def snapshot(self) -> dict[str, float]:
+        return {d: self.acceptance(d) for d in self.drafters}

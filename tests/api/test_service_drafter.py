@@ -1,0 +1,72 @@
+"""Drafter weight pushes: a served draft model is replaced between steps while requests stream."""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+from helpers import make_checkpoint
+from service_utils import ADMIN, checkpoint_tensors, perturbed, start_server
+
+from client import AsyncSpecrollClient, FailedPrecondition, InvalidArgument, Sample, SpecrollClient
+from service.engine.llm_engine import LLMEngine
+
+pytestmark = pytest.mark.skipif(not hasattr(LLMEngine, "swap_drafter"), reason="engine has no swap_drafter yet")
+
+
+@pytest.fixture(scope="module")
+def target_dir():
+    return make_checkpoint("qwen2", tied=True)
+
+
+@pytest.fixture(scope="module")
+def draft_dir():
+    return make_checkpoint("qwen2", tied=True, num_layers=1, hidden_size=32, intermediate_size=64, num_heads=2,
+                           seed=11)
+
+
+def test_drafter_push_swaps_between_steps(target_dir, draft_dir):
+    srv = start_server(target_dir, engine_kw={"drafter": str(draft_dir), "spec": "fixed", "spec_k": 3})
+    draft = checkpoint_tensors(draft_dir)
+    try:
+        async def run() -> tuple[list[Sample], object]:
+            async with AsyncSpecrollClient(srv.grpc_target, admin_token=ADMIN) as c:
+                started = asyncio.Event()
+
+                async def consume(i: int) -> Sample:
+                    async for ev in c.stream([3, 4, 5 + i], max_tokens=120, temperature=1.0, seed=i,
+                                             ignore_eos=True):
+                        started.set()
+                        if isinstance(ev, Sample):
+                            return ev
+                    raise AssertionError("no final")
+
+                tasks = [asyncio.create_task(consume(i)) for i in range(4)]
+                await started.wait()
+                result = await c.push_weights(perturbed(draft, seed=2), "d1", role="drafter")
+                return list(await asyncio.gather(*tasks)), result
+
+        finals, result = asyncio.run(run())
+        assert result.role == "drafter" and result.version == "d1"
+        with SpecrollClient(srv.grpc_target, admin_token=ADMIN) as c:
+            info = c.server_info()
+            assert "d1" in info.drafter_version and info.policy_version == "0"
+            assert all(s.finish_reason == "length" and s.num_output_tokens == 120 for s in finals)
+            assert any(len({v.drafter_version for v in s.version_spans}) == 2 for s in finals)
+            with pytest.raises(InvalidArgument, match="drafter push"):
+                c.push_weights({k: v for k, v in list(draft.items())[1:]}, "d2", role="drafter")
+            assert "d1" in c.server_info().drafter_version
+            res = c.load_weights(str(draft_dir), "d3", role="drafter")
+            assert res.version == "d3" and "d3" in c.server_info().drafter_version
+    finally:
+        srv.stop()
+
+
+def test_drafter_push_without_draft_model_is_refused(target_dir):
+    srv = start_server(target_dir, engine_kw={"drafter": "suffix"})
+    try:
+        with SpecrollClient(srv.grpc_target, admin_token=ADMIN) as c, \
+                pytest.raises(FailedPrecondition, match="no draft model"):
+            c.push_weights(checkpoint_tensors(target_dir), "d1", role="drafter")
+    finally:
+        srv.stop()

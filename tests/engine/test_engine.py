@@ -1,0 +1,141 @@
+"""Engine behaviour: continuous batching, batch invariance, stop/length/abort, n samples, logprobs."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from helpers import make_checkpoint
+
+from service.config import EngineConfig
+from service.engine.llm_engine import LLMEngine
+from service.params import SamplingError, SamplingParams
+
+
+@pytest.fixture(scope="module")
+def engine():
+    return LLMEngine(EngineConfig(model=str(make_checkpoint("qwen2", tied=True)), max_model_len=256, max_num_seqs=40))
+
+
+def rand_prompts(n, vocab=512, seed=0, lo=2, hi=24):
+    g = torch.Generator().manual_seed(seed)
+    lengths = torch.randint(lo, hi, (n,), generator=g).tolist()
+    return [torch.randint(1, vocab, (k,), generator=g).tolist() for k in lengths]
+
+
+@pytest.mark.parametrize(
+    "params",
+    [SamplingParams(temperature=0, max_tokens=40, ignore_eos=True),
+     SamplingParams(temperature=0.8, top_p=0.9, top_k=50, seed=1234, max_tokens=40, ignore_eos=True)],
+    ids=["greedy", "seeded"],
+)
+def test_batch_invariance(engine, params):
+    target = rand_prompts(1, seed=42)[0]
+    [alone] = engine.generate([target], params)
+    others = rand_prompts(31, seed=7)
+    other_params = [SamplingParams(temperature=1.0, max_tokens=int(5 + 3 * i), ignore_eos=True) for i in range(31)]
+    mixed = engine.generate([*others[:15], target, *others[15:]], [*other_params[:15], params, *other_params[15:]])
+    assert mixed[15].outputs[0].token_ids == alone.outputs[0].token_ids
+    torch.testing.assert_close(mixed[15].outputs[0].logprobs, alone.outputs[0].logprobs, atol=1e-5, rtol=0)
+
+
+def test_short_requests_do_not_wait_for_long_ones(engine):
+    long_id = engine.add_request([5, 6, 7], SamplingParams(temperature=0, max_tokens=120, ignore_eos=True))
+    for _ in range(5):
+        engine.step()
+    short_id = engine.add_request([8, 9], SamplingParams(temperature=0, max_tokens=3, ignore_eos=True))
+    finished_order = []
+    while engine.has_unfinished():
+        finished_order += [o.request_id for o in engine.step() if o.finished]
+    assert finished_order == [short_id, long_id]
+
+
+def test_stop_tokens_and_max_tokens(engine):
+    prompt = [3, 4, 5, 6]
+    [ref] = engine.generate([prompt], SamplingParams(temperature=0, max_tokens=30, ignore_eos=True))
+    toks = ref.outputs[0].token_ids
+    assert ref.outputs[0].finish_reason == "length" and len(toks) == 30
+    stop = toks[10]
+    [out] = engine.generate([prompt], SamplingParams(temperature=0, max_tokens=30, stop_token_ids=(stop,)))
+    first = toks.index(stop)
+    assert out.outputs[0].token_ids == toks[: first + 1]
+    assert out.outputs[0].finish_reason == "stop"
+
+
+def test_abort_mid_generation_keeps_partial_output(engine):
+    rid = engine.add_request([1, 2, 3], SamplingParams(temperature=0, max_tokens=100, ignore_eos=True))
+    keep = engine.add_request([4, 5], SamplingParams(temperature=0, max_tokens=20, ignore_eos=True))
+    got: dict[str, list[int]] = {rid: [], keep: []}
+    reasons = {}
+    for _ in range(6):
+        for o in engine.step():
+            got[o.request_id] += o.new_token_ids
+    assert engine.abort(rid)
+    assert not engine.abort("no-such-request")
+    while engine.has_unfinished():
+        for o in engine.step():
+            got[o.request_id] += o.new_token_ids
+            if o.finished:
+                reasons[o.request_id] = o.finish_reason
+    assert reasons == {rid: "abort", keep: "length"}
+    assert len(got[rid]) == 6 and len(got[keep]) == 20
+    [ref] = engine.generate([[4, 5]], SamplingParams(temperature=0, max_tokens=20, ignore_eos=True))
+    assert got[keep] == ref.outputs[0].token_ids
+
+
+def test_n_samples_share_prefill_and_differ(engine):
+    params = SamplingParams(n=8, temperature=1.0, seed=5, max_tokens=12, ignore_eos=True)
+    [out] = engine.generate([[7, 8, 9, 10]], params)
+    seqs = [tuple(c.token_ids) for c in out.outputs]
+    assert len(seqs) == 8 and len(set(seqs)) > 1
+    # the same seed gives the same 8 samples; each sample equals a single-sample request with that seed.
+    [again] = engine.generate([[7, 8, 9, 10]], params)
+    assert [tuple(c.token_ids) for c in again.outputs] == seqs
+    [greedy] = engine.generate([[7, 8, 9, 10]], SamplingParams(n=4, temperature=0, max_tokens=12, ignore_eos=True))
+    assert len({tuple(c.token_ids) for c in greedy.outputs}) == 1
+
+
+def test_eos_stops_unless_ignored(tmp_path):
+    path = make_checkpoint("llama", tied=True)
+    engine = LLMEngine(EngineConfig(model=str(path), max_model_len=64))
+    [ref] = engine.generate([[1, 2]], SamplingParams(temperature=0, max_tokens=20, ignore_eos=True))
+    eos = ref.outputs[0].token_ids[4]
+    engine.eos_token_ids = (eos,)
+    [out] = engine.generate([[1, 2]], SamplingParams(temperature=0, max_tokens=20))
+    assert out.outputs[0].token_ids[-1] == eos and out.outputs[0].finish_reason == "stop"
+
+
+def test_max_model_len_caps_generation(engine):
+    [out] = engine.generate([list(range(1, 250))], SamplingParams(temperature=0, max_tokens=100, ignore_eos=True))
+    assert len(out.outputs[0].token_ids) == 7 and out.outputs[0].finish_reason == "length"
+
+
+def test_bad_input_is_rejected_with_a_message(engine):
+    with pytest.raises(SamplingError, match="out of range"):
+        engine.add_request([1, 99999])
+    with pytest.raises(SamplingError, match="at least one token"):
+        engine.add_request([])
+    with pytest.raises(SamplingError, match="max_model_len"):
+        engine.add_request(list(range(1, 300)))
+    with pytest.raises(SamplingError, match="top_p"):
+        SamplingParams(top_p=0.0)
+    with pytest.raises(SamplingError, match="temperature"):
+        SamplingParams(temperature=-1)
+
+
+def test_many_more_requests_than_slots(engine):
+    prompts = rand_prompts(100, seed=3)
+    outs = engine.generate(prompts, SamplingParams(temperature=0, max_tokens=5, ignore_eos=True))
+    assert all(len(o.outputs[0].token_ids) == 5 for o in outs)
+    [single] = engine.generate([prompts[77]], SamplingParams(temperature=0, max_tokens=5, ignore_eos=True))
+    assert single.outputs[0].token_ids == outs[77].outputs[0].token_ids
+
+
+def test_slot_compaction_keeps_every_sequence_exact(engine):
+    """Sequences leave at different steps, so others move slots; each must match its solo run exactly."""
+    prompts = rand_prompts(24, seed=11)
+    params = [SamplingParams(temperature=0, max_tokens=3 + (i * 7) % 29, ignore_eos=True) for i in range(24)]
+    batched = engine.generate(prompts, params)
+    for prompt, p, out in zip(prompts, params, batched, strict=True):
+        [solo] = engine.generate([prompt], p)
+        assert out.outputs[0].token_ids == solo.outputs[0].token_ids
+        torch.testing.assert_close(out.outputs[0].logprobs, solo.outputs[0].logprobs, atol=1e-5, rtol=0)

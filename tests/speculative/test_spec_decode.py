@@ -1,0 +1,184 @@
+"""Speculative decoding is lossless: greedy equality, logprobs, and the sampled joint distribution."""
+
+from __future__ import annotations
+
+import itertools
+import shutil
+
+import numpy as np
+import pytest
+import torch
+from helpers import make_checkpoint
+from reference import chi_square_pvalue, processed_probs
+from safetensors.torch import load_file, save_file
+
+from service.config import EngineConfig
+from service.engine.llm_engine import LLMEngine
+from service.engine.strategy import PLAIN, Strategy
+from service.params import SamplingParams
+
+
+def perturbed_copy(src, dst, scale: float, seed: int = 0):
+    """A copy of a checkpoint with relative Gaussian noise on every tensor: a draft model that mostly agrees."""
+    if (dst / "config.json").exists():
+        return dst
+    shutil.copytree(src, dst)
+    g = torch.Generator().manual_seed(seed)
+    for f in dst.glob("*.safetensors"):
+        tensors = load_file(str(f))
+        save_file({n: t + scale * t.std() * torch.randn(t.shape, generator=g) for n, t in tensors.items()}, str(f))
+    return dst
+
+
+@pytest.fixture(scope="module")
+def target():
+    return make_checkpoint("qwen2", tied=True, init_std=0.3, seed=1)  # varied (non-looping) greedy output
+
+
+@pytest.fixture(scope="module")
+def drafters(target, tmp_path_factory):
+    root = tmp_path_factory.mktemp("drafters")
+    return {
+        "suffix": "suffix",
+        "self": str(target),
+        "near": str(perturbed_copy(target, root / "near", 0.05)),
+        "llama": str(make_checkpoint("llama", tied=False, seed=3, hidden_size=32, num_layers=1)),
+        "eagle": "eagle",
+    }
+
+
+def run(target, prompts, params, **kw):
+    engine = LLMEngine(EngineConfig(model=str(target), max_model_len=256, max_num_seqs=16, **kw))
+    return engine, engine.generate(prompts, params)
+
+
+PROMPTS = [[5, 6, 7], [9, 8, 7, 6, 5, 4, 3, 2, 1, 11, 12], [300], [17, 17, 17, 17, 2], list(range(40, 70))]
+
+
+@pytest.mark.parametrize("name", ["suffix", "self", "near", "llama", "eagle"])
+@pytest.mark.parametrize("k", [1, 4])
+def test_greedy_output_identical_with_sd(target, drafters, name, k):
+    params = SamplingParams(temperature=0, max_tokens=37, ignore_eos=True)
+    _, base = run(target, PROMPTS, params)
+    engine, spec = run(target, PROMPTS, params, drafter=drafters[name], spec="fixed", spec_k=k)
+    assert engine.stats.spec_drafts > 0
+    for a, b in zip(base, spec, strict=True):
+        assert b.outputs[0].token_ids == a.outputs[0].token_ids
+        torch.testing.assert_close(b.outputs[0].logprobs, a.outputs[0].logprobs, atol=1e-4, rtol=0)
+        assert b.outputs[0].finish_reason == "length"
+
+
+def test_stop_and_max_tokens_inside_an_accepted_run(target, drafters):
+    """The target drafting for itself accepts everything, so stops land inside accepted runs."""
+    params = SamplingParams(temperature=0, max_tokens=60, ignore_eos=True)
+    _, base = run(target, PROMPTS, params)
+    checked_stops = 0
+    for i, out in enumerate(base):
+        toks = out.outputs[0].token_ids
+        fresh = [j for j in range(6, 40) if toks[j] not in toks[:j]]  # a token that first appears at j
+        cuts = [SamplingParams(temperature=0, max_tokens=20 + i, ignore_eos=True)]  # ends mid-run
+        if fresh:
+            cuts.append(SamplingParams(temperature=0, max_tokens=60, stop_token_ids=(toks[fresh[0]],)))
+            checked_stops += 1
+        for cut in cuts:
+            _, [plain] = run(target, [PROMPTS[i]], cut)
+            engine, [spec] = run(target, [PROMPTS[i]], cut, drafter=drafters["self"], spec="fixed", spec_k=7)
+            assert engine.stats.spec_accepted_tokens > 0
+            assert spec.outputs[0].token_ids == plain.outputs[0].token_ids
+            assert spec.outputs[0].finish_reason == plain.outputs[0].finish_reason
+    assert checked_stops >= 2
+
+
+@pytest.mark.parametrize("name", ["suffix", "near", "eagle"])
+def test_sampled_logprobs_equal_a_recompute(target, drafters, name):
+    from transformers import AutoModelForCausalLM
+
+    ref = AutoModelForCausalLM.from_pretrained(target, dtype=torch.float32).eval()
+    kw = dict(temperature=0.8, top_p=0.9, top_k=40)
+    params = SamplingParams(max_tokens=30, seed=7, ignore_eos=True, raw_logprobs=True, top_logprobs=2, **kw)
+    engine, outs = run(target, PROMPTS[:3], params, drafter=drafters[name], spec="fixed", spec_k=3)
+    assert engine.stats.spec_drafts > 0
+    for prompt, out in zip(PROMPTS[:3], outs, strict=True):
+        comp = out.outputs[0]
+        with torch.no_grad():
+            logits = ref(torch.tensor([prompt + comp.token_ids])).logits[0, len(prompt) - 1 : -1]
+        for t, tok in enumerate(comp.token_ids):
+            want = processed_probs(logits[t], **kw)[tok].log().item()
+            assert abs(comp.logprobs[t] - want) < 1e-4
+            assert abs(comp.raw_logprobs[t] - logits[t].log_softmax(-1)[tok].item()) < 1e-4
+
+
+def test_switching_sd_on_mid_generation_does_not_re_prefill(target, drafters):
+    params = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True)
+    _, base = run(target, PROMPTS, params)
+    engine = LLMEngine(EngineConfig(model=str(target), max_model_len=256, drafter=drafters["near"]))
+    engine.strategy.fixed = PLAIN
+    for p in PROMPTS:
+        engine.add_request(p, params)
+    for _ in range(12):
+        engine.step()
+    prompt_tokens = engine.stats.prompt_tokens
+    engine.strategy.fixed = Strategy("draft", 3)
+    seqs = list(engine.scheduler.running)
+    before = [s.num_tokens for s in seqs]
+    engine.step()  # the draft model catches up on every token it missed, in this one step
+    assert all(s.draft_cached >= t for s, t in zip(seqs, before, strict=True))
+    while engine.has_unfinished():
+        engine.step()
+    assert engine.stats.prompt_tokens == prompt_tokens  # no request was prefilled again
+    for s, want in zip(seqs, base, strict=True):
+        assert s.output_token_ids == want.outputs[0].token_ids
+
+
+# -- the sampled distribution -------------------------------------------------------------------------
+SETTINGS = {"t1.0": dict(temperature=1.0), "t0.7-p0.9": dict(temperature=0.7, top_p=0.9), "k5": dict(top_k=5)}
+
+
+@pytest.fixture(scope="module")
+def tiny_drafters(tiny_vocab_model, tmp_path_factory):
+    root = tmp_path_factory.mktemp("tiny-drafters")
+    return {
+        "suffix": "suffix",
+        "agree": str(perturbed_copy(tiny_vocab_model, root / "agree", 0.05)),
+        "disagree": str(make_checkpoint("llama", tied=False, vocab_size=16, seed=99, init_std=0.3)),
+        "eagle": "eagle",
+    }
+
+
+def exact_joint(path, prompt, kw) -> np.ndarray:
+    """P(t1, t2, t3) by enumeration over the 16-token vocabulary, with plain decoding's processing."""
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+    V = model.config.vocab_size
+
+    def next_probs(prefixes):
+        with torch.no_grad():
+            logits = model(torch.tensor([prompt + list(p) for p in prefixes])).logits[:, -1]
+        return [processed_probs(row, **kw) for row in logits]
+
+    p1 = next_probs([()])[0]
+    p2 = next_probs([(a,) for a in range(V)])
+    p3 = next_probs(list(itertools.product(range(V), repeat=2)))
+    joint = p1[:, None, None] * torch.stack(p2)[:, :, None] * torch.stack(p3).view(V, V, V)
+    return joint.reshape(-1).numpy()
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("setting", list(SETTINGS))
+@pytest.mark.parametrize(("name", "k"), [("suffix", 3), ("agree", 1), ("agree", 3), ("disagree", 2), ("eagle", 2)])
+def test_joint_distribution_of_three_tokens_matches(tiny_vocab_model, tiny_drafters, setting, name, k):
+    prompt = [1, 2, 3]
+    kw = SETTINGS[setting]
+    engine = LLMEngine(EngineConfig(model=str(tiny_vocab_model), max_model_len=32, max_num_seqs=400,
+                                    drafter=tiny_drafters[name], spec="fixed", spec_k=k))
+    params = [SamplingParams(n=200, max_tokens=3, seed=5000 + i, ignore_eos=True, **kw) for i in range(100)]
+    outs = engine.generate([prompt] * 100, params)
+    triples = [c.token_ids for o in outs for c in o.outputs]
+    assert len(triples) == 20_000 and all(len(t) == 3 for t in triples)
+    assert engine.stats.spec_draft_tokens > 0
+    if name == "agree":
+        assert engine.stats.spec_accepted_tokens > 0.5 * engine.stats.spec_draft_tokens
+    codes = [(a * 16 + b) * 16 + c for a, b, c in triples]
+    p = chi_square_pvalue(codes, exact_joint(tiny_vocab_model, prompt, kw))
+    assert p > 0.01, f"chi-square p={p:.4g}"

@@ -1,0 +1,208 @@
+"""The adaptive strategy against scripted cost and acceptance models (no timing, no torch)."""
+
+from __future__ import annotations
+
+import math
+import random
+from collections.abc import Callable
+
+import pytest
+
+from service.engine.strategy import PLAIN, AdaptiveStrategy, Strategy, bucket_of
+
+CostFn = Callable[[int, str | None, int], float]
+AlphaFn = Callable[[str, int], float]
+
+
+def cpu_cost(batch: int, drafter: str | None, k: int) -> float:
+    """CPU-like: a verify of batch * (k + 1) tokens costs nearly that many decode tokens; a draft model
+    adds k small forwards, a suffix table almost nothing."""
+    t = 0.010 + 0.0006 * batch * (k + 1)
+    if drafter == "draft":
+        t += k * (0.0015 + 0.00006 * batch)
+    elif drafter == "suffix":
+        t += k * 0.00002 * batch
+    return t
+
+
+def launch_bound_cost(batch: int, drafter: str | None, k: int) -> float:
+    """GPU-like: a large fixed cost per forward, so a wide verify is cheap until the batch is large."""
+    t = 0.020 + 0.0004 * batch * (k + 1)
+    if drafter == "draft":
+        t += k * (0.004 + 0.00002 * batch)
+    return t
+
+
+def roofline_cost(batch: int, drafter: str | None, k: int) -> float:
+    """Weight-read bound until a pass holds enough tokens, compute-bound after: a verify of k + 1 positions
+    is free at batch 1 and costs (k + 1)x at batch 64. The best k differs most between buckets here."""
+    t = max(0.01, 0.0004 * batch * (k + 1))
+    if drafter == "draft":
+        t += k * 0.0008
+    elif drafter == "suffix":
+        t += k * 0.00002 * batch
+    return t
+
+
+def accepted_counts(batch: int, k: int, alpha: float, rng: random.Random) -> list[int]:
+    out = []
+    for _ in range(batch):
+        a = 0
+        while a < k and rng.random() < alpha:
+            a += 1
+        out.append(a)
+    return out
+
+
+def rollout(strategy: AdaptiveStrategy, lengths: list[int], alpha: AlphaFn, cost: CostFn,
+            seed: int = 0) -> tuple[float, list[tuple[int, Strategy]]]:
+    """Drain a batch of sequences with these lengths; returns the scripted seconds and (batch, arm) per step.
+    Measured costs carry 5% multiplicative noise. A draft model catches up on the tokens it missed while
+    other arms ran: each missed token costs every row a twentieth of a plain step's per-row cost."""
+    rng = random.Random(seed)
+    remaining, total, trace = list(lengths), 0.0, []
+    missed = 0  # tokens per row the draft model has not seen
+    while remaining:
+        batch = len(remaining)
+        s = strategy.choose(batch)
+        acc = accepted_counts(batch, s.k, alpha(s.drafter, len(trace)), rng) if s.k else None
+        seconds = cost(batch, s.drafter, s.k) * math.exp(rng.gauss(0.0, 0.05))
+        if s.drafter == "draft" and missed:
+            seconds += 0.05 * (cost(batch, None, 0) - cost(0, None, 0)) * missed
+        strategy.record(s, batch, seconds, acc)
+        total += seconds
+        trace.append((batch, s))
+        emitted = [a + 1 for a in acc] if acc else [1] * batch
+        missed = 0 if s.drafter == "draft" else missed + max(emitted)
+        remaining = [r - e for r, e in zip(remaining, emitted, strict=True) if r > e]
+    return total, trace
+
+
+def lengths(shape: str, seed: int = 0) -> list[int]:
+    rng = random.Random(seed)
+    if shape == "long_tail":
+        return [min(640, max(4, int(math.exp(rng.gauss(math.log(48), 0.9))))) for _ in range(64)]
+    if shape == "heavy_tail":
+        return [min(1500, max(4, int(math.exp(rng.gauss(math.log(24), 1.5))))) for _ in range(64)]
+    return [rng.randint(180, 220) for _ in range(64)]  # near-uniform
+
+
+def constant(value: float) -> AlphaFn:
+    return lambda drafter, step: value if drafter == "draft" else 0.1
+
+
+def collapsing(value: float, at: int) -> AlphaFn:
+    return lambda drafter, step: (value if step < at else 0.05) if drafter == "draft" else 0.1
+
+
+def best_fixed_and_adaptive(shape: str, alpha: AlphaFn, cost: CostFn) -> tuple[float, float]:
+    """Mean scripted seconds over 6 seeds: the best of plain and fixed draft:k, and adaptive over both drafters."""
+    fixed = [PLAIN] + [Strategy("draft", k) for k in (1, 2, 3, 4, 6, 8)]
+    work = lengths(shape)
+
+    def mean_time(make: Callable[[], AdaptiveStrategy]) -> float:
+        return sum(rollout(make(), work, alpha, cost, seed)[0] for seed in range(6)) / 6
+
+    best = min(mean_time(lambda s=s: AdaptiveStrategy(["draft"], fixed=s)) for s in fixed)
+    return best, mean_time(lambda: AdaptiveStrategy(["draft", "suffix"], seed=1))
+
+
+@pytest.mark.parametrize("shape", ["long_tail", "near_uniform", "heavy_tail"])
+@pytest.mark.parametrize("cost", [cpu_cost, launch_bound_cost, roofline_cost])
+def test_never_far_behind_the_best_fixed_arm(shape: str, cost: CostFn) -> None:
+    best, adaptive = best_fixed_and_adaptive(shape, constant(0.85), cost)
+    # A near-uniform rollout of ~100-200 steps never drains, so nothing pays back the steps spent learning
+    # which arm is best: there the bound is 4% (measured: up to 3.3%), elsewhere 3%.
+    assert adaptive <= (1.04 if shape == "near_uniform" else 1.03) * best
+
+
+@pytest.mark.parametrize("cost", [cpu_cost, launch_bound_cost, roofline_cost])
+def test_not_behind_when_acceptance_collapses_halfway(cost: CostFn) -> None:
+    best, adaptive = best_fixed_and_adaptive("long_tail", collapsing(0.85, 60), cost)
+    assert adaptive <= 1.03 * best
+
+
+@pytest.mark.parametrize("shape", ["long_tail", "heavy_tail"])
+def test_ahead_of_every_fixed_arm_where_the_batch_drains(shape: str) -> None:
+    """Where the best k at full batch (none) and in the tail (deep) differ, no fixed arm is good for both."""
+    best, adaptive = best_fixed_and_adaptive(shape, constant(0.85), roofline_cost)
+    assert adaptive * 1.10 <= best
+
+
+def true_best(batch: int, alpha: float, cost: CostFn, arms: list[Strategy]) -> Strategy:
+    return max(arms, key=lambda s: AdaptiveStrategy.tokens_per_row(alpha, s.k) / cost(batch, s.drafter, s.k))
+
+
+@pytest.mark.parametrize("batch", [64, 16, 2])
+def test_converges_to_the_best_arm_per_bucket(batch: int) -> None:
+    strategy = AdaptiveStrategy(["draft"], seed=3)
+    rng = random.Random(0)
+    best = true_best(batch, 0.8, cpu_cost, strategy.arms)
+    chosen = []
+    for _ in range(60):
+        s = strategy.choose(batch)
+        strategy.record(s, batch, cpu_cost(batch, s.drafter, s.k), accepted_counts(batch, s.k, 0.8, rng))
+        chosen.append(s)
+    # Within 40 steps it settles on the best arm (or one within 5% of it: near-ties are not told apart).
+    rate = lambda s: AdaptiveStrategy.tokens_per_row(0.8, s.k) / cpu_cost(batch, s.drafter, s.k)
+    good = [s for s in chosen[40:] if rate(s) >= 0.95 * rate(best)]
+    assert len(good) >= 0.85 * 20, (best, chosen[40:])
+
+
+@pytest.mark.parametrize("cost", [cpu_cost, launch_bound_cost])
+def test_generalises_across_buckets(cost: CostFn) -> None:
+    """Learned at batch 64 and 32, the cost model predicts every arm at batch 16 before it runs there."""
+    strategy = AdaptiveStrategy(["draft"], seed=0)
+    rng = random.Random(0)
+    for batch in [64] * 30 + [32] * 30:
+        s = strategy.choose(batch)
+        strategy.record(s, batch, cost(batch, s.drafter, s.k), accepted_counts(batch, s.k, 0.8, rng))
+    for s in strategy.arms:
+        assert strategy.predicted_cost(16, s) == pytest.approx(cost(16, s.drafter, s.k), rel=0.25)
+
+
+def collapse_run(batch: int, seed: int = 2) -> list[Strategy]:
+    """400 steps at one batch size; the drafter's acceptance collapses at step 100 and recovers at 200."""
+    strategy = AdaptiveStrategy(["draft"], seed=seed)
+    rng = random.Random(0)
+    chosen = []
+    for step in range(400):
+        alpha = 0.9 if step < 100 or step >= 200 else 0.02
+        s = strategy.choose(batch)
+        strategy.record(s, batch, launch_bound_cost(batch, s.drafter, s.k), accepted_counts(batch, s.k, alpha, rng))
+        chosen.append(s)
+    return chosen
+
+
+def test_leaves_a_collapsed_drafter_at_once_and_comes_back() -> None:
+    chosen = collapse_run(8)
+    assert sum(s.k >= 3 for s in chosen[60:100]) >= 36  # deep speculation with a good drafter
+    assert chosen[101] == PLAIN  # one collapsed step, then plain decoding
+    assert sum(s == PLAIN for s in chosen[101:200]) >= 90
+    assert sum(s.k >= 3 for s in chosen[-100:]) >= 80  # the drafter was re-tried and is used again
+
+
+def test_leaves_a_collapsed_drafter_within_a_few_steps_at_batch_two() -> None:
+    """Two rows give a step few trials; the last few steps together tell a collapse from noise."""
+    chosen = collapse_run(2)
+    assert sum(s.k >= 3 for s in chosen[60:100]) >= 36
+    assert PLAIN in chosen[100:108]
+    assert sum(s.k >= 3 for s in chosen[110:200]) == 0
+    assert sum(s.k >= 3 for s in chosen[-100:]) >= 80
+
+
+def test_fixed_and_no_drafter() -> None:
+    assert AdaptiveStrategy([]).choose(3) == PLAIN
+    pinned = Strategy("suffix", 5)
+    assert AdaptiveStrategy(["suffix"], fixed=pinned).choose(64) == pinned
+    assert [bucket_of(b) for b in (1, 2, 3, 5, 64, 65)] == [1, 2, 4, 8, 64, 128]
+
+
+def test_draft_cost_is_learned_per_drafter() -> None:
+    s = AdaptiveStrategy(["suffix", "draft"])
+    s.record(PLAIN, 8, 1.0)
+    for _ in range(5):
+        s.record(Strategy("suffix", 2), 8, 1.1, [2] * 8)  # a model-free drafter: an extra position is cheap
+        s.record(Strategy("draft", 2), 8, 3.0, [2] * 8)  # a draft model: each position costs a forward
+    assert s.predicted_cost(8, Strategy("suffix", 6)) < 1.5 < 5.0 < s.predicted_cost(8, Strategy("draft", 6))
+    assert s.choose(8).drafter == "suffix"  # same acceptance, far cheaper

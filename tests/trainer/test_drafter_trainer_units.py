@@ -1,0 +1,172 @@
+"""Pieces of the drafter trainer: the acceptance measure, the loss with top-k payloads, reward weights,
+Hugging Face names for pushes, and checkpoints with optimizer state."""
+
+from __future__ import annotations
+
+import random
+import time
+from types import SimpleNamespace
+
+import pytest
+import torch
+from helpers import make_checkpoint
+from safetensors.torch import load_file
+
+from drafter_trainer.batch import build_batch, sampling_batch
+from drafter_trainer.checkpoint import CheckpointStore, load_optimizer
+from drafter_trainer.config import TrainerConfig
+from drafter_trainer.objective import acceptance, distill_loss, expected_lengths, mean_beta_length
+from drafter_trainer.pool import RolloutPool
+from drafter_trainer.remote import GrpcServer, PushRefused
+from drafter_trainer.students import EagleStudent
+from service.buffer.codec import decode_entry, entry_fields, payload_of
+from service.engine.drafters.eagle import init_head
+from service.models.loader import hf_state_dict, load_model
+from service.params import SamplingParams, VersionSpan
+
+CPU = torch.device("cpu")
+
+
+def record(rid: str, prompt: list[int], out: list[int], logprobs: list[float], **kw) -> SimpleNamespace:
+    fields = dict(rollout_id=rid, request_id=rid.split(":")[0], index=0, group_id=None, prompt_token_ids=prompt,
+                  output_token_ids=out, logprobs=logprobs, raw_logprobs=None,
+                  version_spans=[VersionSpan("0", "d@0", 0, len(out))], finish_reason="length",
+                  num_prompt_tokens=len(prompt), num_output_tokens=len(out), metadata={}, policy_version="0",
+                  drafter_version="d@0", created_at=0.0, finished_at=1.0)
+    return SimpleNamespace(**{**fields, **kw})
+
+
+def rollout(rec: SimpleNamespace, top_k: int = 0):
+    return decode_entry("1-0", entry_fields(payload_of(rec, top_k)))
+
+
+def test_acceptance_is_exact_with_the_target_and_unbiased_from_samples():
+    gen = torch.Generator().manual_seed(0)
+    V, N = 12, 4
+    target_logits, draft_logits = torch.randn(N, V, generator=gen) * 2, torch.randn(N, V, generator=gen) * 2
+    p, q = target_logits.softmax(-1), draft_logits.softmax(-1)
+    exact = torch.minimum(p, q).sum(-1)
+    draws = 20_000
+    tokens = torch.multinomial(p, draws, replacement=True, generator=gen)  # [N, draws]
+    M = N * draws
+    batch = SimpleNamespace(sb=sampling_batch([1.0] * M, [1.0] * M, [0] * M, [0.0] * M, V, CPU),
+                            targets=tokens.reshape(-1), target_logprob=p.log().gather(1, tokens).reshape(-1),
+                            teacher_ok=torch.zeros(M, dtype=torch.bool))
+    sampled = acceptance(draft_logits.repeat_interleave(draws, 0), batch, None).view(N, draws).mean(1)
+    assert sampled == pytest.approx(exact, abs=0.01)
+    batch.teacher_ok[:] = True
+    full = acceptance(draft_logits.repeat_interleave(draws, 0), batch,
+                      target_logits.log_softmax(-1).repeat_interleave(draws, 0)).view(N, draws)
+    assert torch.allclose(full, exact[:, None].expand(N, draws), atol=1e-6)
+
+
+def test_expected_lengths_match_the_definition():
+    beta = torch.tensor([0.9, 0.5, 0.8, 0.2, 0.7, 0.6, 1.0])
+    owner = torch.tensor([0, 0, 0, 0, 1, 1, 1])
+    got = expected_lengths(beta, owner, k=2)
+    want = [1 + 0.9 + 0.9 * 0.5, 1 + 0.5 + 0.5 * 0.8, 1 + 0.8 + 0.8 * 0.2, 1 + 0.7 + 0.7 * 0.6, 1 + 0.6 + 0.6]
+    assert got.tolist() == pytest.approx(want)
+    assert mean_beta_length(0.5, 3) == pytest.approx(1 + 0.5 + 0.25 + 0.125)
+
+
+def test_payload_top_k_and_params_drive_the_loss():
+    params = SamplingParams(temperature=0.5, top_k=3)
+    tops = [{4: -0.1, 5: -2.5, 6: -3.0}, {7: -0.2, 4: -1.9, 1: -4.0}]
+    rec = record("b:0", [2, 3], [4, 7], [-0.1, -0.2], params=params, top_logprobs=tops)
+    r = rollout(rec, top_k=2)
+    assert (r.temperature, r.top_k, r.top_count) == (0.5, 3, 2) and r.top_ids == [4, 5, 7, 4]
+    batch = build_batch([r], [1.0], None, 16, 64, CPU)
+    logits = torch.randn(2, 16, requires_grad=True)
+    loss = distill_loss(logits, batch, None)
+    lq = (logits / 0.5).log_softmax(-1)
+    p = torch.tensor([[-0.1, -2.5], [-0.2, -1.9]]).softmax(-1)
+    want = -(p * lq.gather(1, torch.tensor([[4, 5], [7, 4]]))).sum(-1).mean()
+    assert float(loss.detach()) == pytest.approx(float(want.detach()), rel=1e-5)
+    loss.backward()
+    assert logits.grad is not None and torch.isfinite(logits.grad).all()
+
+
+def test_reward_and_recency_weights():
+    pool = RolloutPool(TrainerConfig(reward_alpha=0.5, recency_versions=2, stale_weight=0.25))
+    pool.note_version("0")
+    pool.note_version("1")
+    rs = [rollout(record(f"c:{i}", [1], [2], [-1.0], policy_version=v, version_spans=[VersionSpan(v, "d", 0, 1)]))
+          for i, v in enumerate(["1", "1", "1", "0"])]
+    rs[0].reward, rs[1].reward = 1.0, 0.0
+    w = pool.weights(rs)
+    assert w[0] > 1.0 > w[1] and w[2] == 1.0 and w[3] == 0.25
+    pool.note_version("2")
+    assert pool.recency_weight(rs[3]) == 0.0 and pool.recency_weight(rs[0]) == 0.25
+    for r in rs:
+        pool.add(r, "train")
+    picked = pool.sample(4, random.Random(0))
+    assert {r.rollout_id for r in picked} == {"c:0", "c:1", "c:2"}  # version 0 fell out of the window
+    assert not pool.fresh and pool.sample(2, random.Random(0))  # then random recent ones
+
+
+def test_hf_tensors_round_trip_and_checkpoint_with_optimizer(tmp_path):
+    path = make_checkpoint("qwen2", tied=False)
+    model = load_model(path, torch.float32, CPU)
+    original = load_file(str(path / "model.safetensors"))
+    tensors = hf_state_dict(model)
+    assert set(tensors) == set(original) and all(torch.equal(tensors[k], original[k]) for k in original)
+    model.requires_grad_(True)
+    optim = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    model.logits(model.embed_tokens.weight[:3]).sum().backward()
+    optim.step()
+    store = CheckpointStore(tmp_path)
+    store.save(1, model.state_dict(), model.state_dict(), optim, {"round": 1, "ledger": [["a", "train"]]})
+    store.save(2, model.state_dict(), model.state_dict(), optim, {"round": 2, "ledger": [["a", "train"]]})
+    store.save(3, model.state_dict(), model.state_dict(), optim, {"round": 3, "ledger": [["a", "train"]]})
+    assert sorted(p.name for p in tmp_path.glob("ckpt-*")) == ["ckpt-00000002", "ckpt-00000003"]
+    candidate, _served, opt_tensors, state = store.load()
+    assert state["round"] == 3 and torch.equal(candidate["embed_tokens.weight"], model.embed_tokens.weight)
+    fresh = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    load_optimizer(fresh, opt_tensors, state["param_groups"])
+    a, b = optim.state_dict()["state"][0], fresh.state_dict()["state"][0]
+    assert torch.equal(a["exp_avg"], b["exp_avg"]) and float(a["step"]) == float(b["step"])
+
+
+def test_eagle_heads_are_not_pushed_over_grpc():
+    cfg = load_model(make_checkpoint("qwen2", tied=True), torch.float32, CPU).config
+    student = EagleStudent(init_head(cfg), cfg.vocab_size, 64, CPU)
+    with pytest.raises(PushRefused, match="eagle:DIR"):
+        GrpcServer(None).push(student, student.module, "v1")  # type: ignore[arg-type]
+    assert set(student.push_tensors(student.module)) >= {"fc.weight", "norm.weight"}
+
+
+def test_gate_follows_the_running_batch():
+    from drafter_trainer.metrics import TrainerMetrics
+    from drafter_trainer.remote import ServerState
+    from drafter_trainer.trainer import DrafterTrainer
+
+    def gate(st: ServerState, **kw) -> bool:
+        fake = SimpleNamespace(cfg=TrainerConfig(**kw), metrics=TrainerMetrics(), _last_round=time.monotonic())
+        return DrafterTrainer.gate_open(fake, st)  # type: ignore[arg-type]
+
+    busy, tail = ServerState("0", "d", 40, 12, False), ServerState("0", "d", 3, 0, False)
+    idle, paused = ServerState("0", "d", 0, 0, False), ServerState("0", "d", 40, 0, True)
+    assert not gate(busy) and gate(tail) and gate(idle) and gate(paused)
+    assert not gate(tail, gate="idle") and gate(idle, gate="idle") and gate(busy, gate="always")
+    assert not gate(ServerState("0", "d", 9, 0, False), tail_max_running=8)
+    assert gate(busy, max_defer_s=1e-9)  # waited long enough: train anyway
+
+
+def test_a_closing_gate_pauses_the_round_between_steps():
+    from drafter_trainer.metrics import TrainerMetrics
+    from drafter_trainer.trainer import DrafterTrainer
+
+    opens = iter([False, True, True, False, True])
+    sampled: list[int] = []
+    fake = SimpleNamespace(
+        cfg=TrainerConfig(steps_per_round=3, gate="idle"), _round_steps=0, round=0, rng=random.Random(0),
+        metrics=TrainerMetrics(), _last_round=0.0, _still_open=lambda: next(opens),
+        pool=SimpleNamespace(fresh=["r1"], sample=lambda n, rng: sampled.append(n) or []),
+        evaluate=lambda: "measured", commit=lambda: None)
+    round_ = DrafterTrainer.train_round.__get__(fake)
+    assert round_() is None  # one step, then the server got busy: paused, nothing measured
+    assert (fake._round_steps, fake.round, fake.pool.fresh, len(sampled)) == (1, 0, ["r1"], 1)
+    assert round_() is None  # steps 2 and 3, then busy again before the measure
+    assert (fake._round_steps, fake.round, len(sampled)) == (3, 0, 3)
+    assert round_() == "measured"  # no training left: measure, and the round is done
+    assert (fake._round_steps, fake.round, fake.pool.fresh, len(sampled)) == (0, 1, [], 3)
