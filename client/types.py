@@ -98,7 +98,11 @@ class ServerInfo:
     max_waiting_seqs: int = 0  # admission bounds (0: none)
     max_pending_tokens: int = 0
     num_pending_tokens: int = 0
+    backend: str = ""  # "native" | "vllm"
+    capabilities: list[str] = field(default_factory=list)
 
     @classmethod
     def from_proto(cls, msg: Any) -> ServerInfo:
-        return cls(**{f: getattr(msg, f) for f in cls.__dataclass_fields__})
+        values = {f: getattr(msg, f) for f in cls.__dataclass_fields__}
+        values["capabilities"] = list(values["capabilities"])
+        return cls(**values)

@@ -49,19 +49,17 @@ def build_student(spec: str, target_cfg: ModelConfig | None, vocab: int, max_pos
 
 def student_from_engine(engine: LLMEngine, max_positions: int) -> Student:
     """A trainable copy of the drafter an engine is serving right now (in-process trainer)."""
-    from service.engine.drafters.draft_model import DraftModelDrafter
-    from service.engine.drafters.eagle import EagleDrafter
-
     vocab = engine.model_config.vocab_size
-    for drafter in engine.drafters.values():
-        if isinstance(drafter, DraftModelDrafter):
-            kind, path = parse_drafter(engine.config.drafter)
-            source = Path(path) if kind == "draft" and path else None
-            model: Any = copy.deepcopy(drafter.exec.model)
-            return DraftStudent(model, source, vocab, max_positions, engine.device)
-        if isinstance(drafter, EagleDrafter):
-            return EagleStudent(copy.deepcopy(drafter.head), vocab, max_positions, engine.device)
-    raise NothingToTrain(f"the engine's drafters {sorted(engine.drafters)} have no weights to train")
+    found = engine.drafter_weights()
+    if found is None:
+        raise NothingToTrain(f"the engine's drafters {sorted(engine.drafters)} have no weights to train")
+    kind, module = found
+    if kind == "eagle":
+        return EagleStudent(copy.deepcopy(module), vocab, max_positions, engine.device)
+    spec_kind, path = parse_drafter(engine.config.drafter)
+    source = Path(path) if spec_kind == "draft" and path else None
+    model: Any = copy.deepcopy(module)
+    return DraftStudent(model, source, vocab, max_positions, engine.device)
 
 
 def target_config(spec: str | None, version: str, fallback: str | None) -> ModelConfig | None:

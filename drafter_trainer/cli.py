@@ -34,7 +34,7 @@ def build(cfg: TrainerConfig) -> Any:
     from drafter_trainer.build import build_student, target_config
     from drafter_trainer.checkpoint import CheckpointStore
     from drafter_trainer.metrics import TrainerMetrics
-    from drafter_trainer.remote import GrpcServer
+    from drafter_trainer.servers import GrpcServer
     from drafter_trainer.source import RedisSource
     from drafter_trainer.teacher import Teacher, folder_resolver
     from drafter_trainer.trainer import DrafterTrainer

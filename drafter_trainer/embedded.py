@@ -18,8 +18,10 @@ import torch
 from drafter_trainer.config import TrainerConfig
 
 if TYPE_CHECKING:
-    from service.app import SpecrollServer
+    from prometheus_client import CollectorRegistry
+
     from service.buffer.memory import MemoryBuffer
+    from service.engine.native import NativeBackend
 
 logger = logging.getLogger(__name__)
 
@@ -42,9 +44,9 @@ def lower_thread_priority(niceness: int) -> None:
 
 
 class EmbeddedTrainer:
-    def __init__(self, server: SpecrollServer, buffer: MemoryBuffer, checkpoint_dir: str | None = None,
-                 config: TrainerConfig | None = None) -> None:
-        self.server, self.buffer = server, buffer
+    def __init__(self, backend: NativeBackend, buffer: MemoryBuffer, registry: CollectorRegistry,
+                 checkpoint_dir: str | None = None, config: TrainerConfig | None = None) -> None:
+        self.backend, self.buffer, self.registry = backend, buffer, registry
         config = config or TrainerConfig(consumer="in-process")
         self.config = replace(config, checkpoint_dir=checkpoint_dir or config.checkpoint_dir)
         self.trainer: Any = None
@@ -64,13 +66,13 @@ class EmbeddedTrainer:
         from drafter_trainer.build import NothingToTrain, student_from_engine
         from drafter_trainer.checkpoint import CheckpointStore
         from drafter_trainer.metrics import TrainerMetrics
-        from drafter_trainer.remote import LocalServer
+        from drafter_trainer.servers import LocalServer
         from drafter_trainer.source import MemorySource
         from drafter_trainer.teacher import Teacher
         from drafter_trainer.trainer import DrafterTrainer
 
-        loop, cfg = self.server.loop, self.config
-        engine = loop.engine
+        cfg = self.config
+        engine = self.backend.engine
         max_positions = cfg.max_seq_len + 1
         try:
             student = student_from_engine(engine, max_positions)
@@ -78,23 +80,22 @@ class EmbeddedTrainer:
             logger.info("in-process drafter trainer is off: %s", exc)
             return None
 
-        def serving_model(version: str) -> Any:
+        def serving_model(version: str) -> Any:  # the teacher: the policy the engine serves, read-only
             return engine.runner.model if str(engine.policy_version) == version else None
 
         teacher = Teacher(serving_model, engine.device, max_positions)
         store = CheckpointStore(cfg.checkpoint_dir) if cfg.checkpoint_dir else None
-        metrics = TrainerMetrics(self.server.metrics.registry)
+        metrics = TrainerMetrics(self.registry)
         logger.info("in-process drafter trainer: training the %s drafter on this server's rollouts", student.kind)
-        return DrafterTrainer(cfg, MemorySource(self.buffer, cfg.max_deliveries), LocalServer(loop), student,
+        return DrafterTrainer(cfg, MemorySource(self.buffer, cfg.max_deliveries), LocalServer(self.backend), student,
                               teacher, metrics, store)
 
     def _run(self) -> None:
         lower_thread_priority(self.niceness)
-        loop = self.server.loop
-        while not loop.loaded_or_failed.wait(0.5):
+        while not self.backend.wait_loaded(0.5):
             if self._stop.is_set():
                 return
-        if loop.error is not None or self._stop.is_set():
+        if self.backend.load_error is not None or self._stop.is_set():
             return
         try:
             with torch.inference_mode(False):

@@ -25,7 +25,7 @@ from drafter_trainer.ledger import Ledger
 from drafter_trainer.metrics import TrainerMetrics
 from drafter_trainer.objective import acceptance, distill_loss, expected_lengths
 from drafter_trainer.pool import RolloutPool
-from drafter_trainer.remote import PushRefused, ServerState
+from drafter_trainer.servers import PushRefused, ServerState
 from drafter_trainer.source import Entry, Source
 from drafter_trainer.students import Student
 from drafter_trainer.teacher import Teacher

@@ -1,4 +1,5 @@
-"""One process, one engine, two APIs: wiring of the engine loop, gRPC and HTTP servers, and their lifecycle.
+"""The composition root: one backend, two APIs, the rollout buffer and the in-process drafter trainer, wired
+together, and their lifecycle.
 
 `run_server` is what ``specroll serve`` runs (until SIGINT/SIGTERM); `BackgroundServer` runs the same thing
 on a thread with its own event loop (tests, benchmarks, notebooks).
@@ -11,9 +12,9 @@ import contextlib
 import logging
 import signal
 import threading
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import uvicorn
 
@@ -22,18 +23,17 @@ from service.api.context import ServiceContext
 from service.api.generation import Limits
 from service.api.grpc_server import build_grpc_server, set_health
 from service.api.http_server import create_app
-from service.api.push_service import WeightManager
+from service.api.push_service import PushService
 from service.backend.admission import Admission, AdmissionCollector, AdmissionLimits
+from service.backend.base import NotReady, RolloutBackend, StatsSnapshot
 from service.backend.hooks import Hooks
 from service.backend.metrics import Metrics
-from service.buffer import BufferConfig, attach_buffer
+from service.buffer import BufferConfig, MemoryBuffer, attach_buffer
 from service.config import EngineConfig
-from service.engine.loop import EngineLoop
-
-if TYPE_CHECKING:
-    from service.engine.llm_engine import LLMEngine
 
 logger = logging.getLogger(__name__)
+
+BACKENDS = ("native", "vllm")
 
 
 @dataclass
@@ -50,6 +50,8 @@ class ServerConfig:
     shutdown_grace_s: float = 5.0
     buffer: BufferConfig | None = None  # rollout buffer; None: Redis at redis_url, else in memory
     reuse_weight_buffers: bool = True  # keep replaced weights as the buffer for the next push
+    backend: str = "native"  # native | vllm
+    vllm: Any = None  # service.vllm.config.VllmConfig for --backend vllm (None: defaults)
     admission: AdmissionLimits = field(default_factory=AdmissionLimits)  # the bounded queue of work
 
 
@@ -61,41 +63,91 @@ class _Uvicorn(uvicorn.Server):
         yield
 
 
+def build_backend(engine_config: EngineConfig, config: ServerConfig, metrics: Metrics, hooks: Hooks,
+                  admission: Admission) -> RolloutBackend:
+    """The backend `config.backend` names, on the model `engine_config.model` (already resolved)."""
+    if config.backend == "vllm":
+        from service.vllm.backend import VllmBackend
+
+        return VllmBackend(engine_config, config.vllm, metrics, hooks, admission)
+    from service.engine.native import NativeBackend
+
+    return NativeBackend(engine_config, metrics, hooks, admission, config.reuse_weight_buffers)
+
+
 class SpecrollServer:
-    def __init__(self, engine_config: EngineConfig, config: ServerConfig | None = None,
-                 engine_factory: Callable[[], LLMEngine] | None = None) -> None:
+    """The composition root: one backend, the gRPC and HTTP servers on it, the rollout buffer on its finished
+    rollouts and, without Redis, the in-process drafter trainer."""
+
+    def __init__(self, engine_config: EngineConfig, config: ServerConfig | None = None) -> None:
         self.config = config = config or ServerConfig()
+        if config.backend not in BACKENDS:
+            raise ValueError(f"backend must be one of {list(BACKENDS)}, got {config.backend!r}")
         self.engine_config = engine_config
-
-        def default_factory() -> LLMEngine:
-            from service.engine.llm_engine import LLMEngine
-
-            return LLMEngine(engine_config)
-
         self.hooks = Hooks()
         self.metrics = Metrics()
-        self.loop = EngineLoop(engine_factory or default_factory, self.metrics, self.hooks,
-                               Admission(config.admission))
-        self.metrics.registry.register(AdmissionCollector(self.loop.admission))
-        self.metrics.ready_fn = lambda: self.loop.ready.is_set() and self.loop.alive
-        weights = WeightManager(self.loop, self.metrics, config.limits.max_upload_bytes, config.load_root,
-                                config.reuse_weight_buffers)
-        self.ctx = ServiceContext(self.loop, weights, self.metrics, self.hooks,
-                                  Auth(config.admin_token, config.api_token), config.limits,
-                                  config.served_model_name or "")
+        admission = Admission(config.admission)
+        self.backend = build_backend(engine_config, config, self.metrics, self.hooks, admission)
+        self.metrics.registry.register(AdmissionCollector(admission))
+        self.metrics.ready_fn = lambda: self.backend.ready
+        self.metrics.stats_fn = self._stats
+        pushes = PushService(self.backend, self.metrics, config.limits.max_upload_bytes, config.load_root)
+        self.ctx = ServiceContext(self.backend, pushes, self.metrics, Auth(config.admin_token, config.api_token),
+                                  config.limits, config.served_model_name or "")
         self.grpc_port = config.grpc_port
         self.http_port = config.http_port
         self._stop: asyncio.Event | None = None
         self._aloop: asyncio.AbstractEventLoop | None = None
         self.started = threading.Event()
-        self.buffer = attach_buffer(self)
+        self.buffer = attach_buffer(self._buffer_config(), self.hooks, self.metrics.registry)
+        self.trainer = self._start_trainer()
+
+    def _stats(self) -> StatsSnapshot | None:
+        try:
+            return self.backend.stats()
+        except NotReady:
+            return None
+
+    def _buffer_config(self) -> BufferConfig:
+        sc = self.config
+        cfg: BufferConfig = sc.buffer or BufferConfig(redis_url=sc.redis_url, embedded_trainer=False)
+        if cfg.redis_url is None and sc.redis_url:
+            cfg.redis_url = sc.redis_url
+        return cfg
+
+    def _start_trainer(self) -> Any:
+        """The in-process drafter trainer: without Redis, on the native backend, reading the memory buffer."""
+        cfg = self._buffer_config()
+        if not isinstance(self.buffer, MemoryBuffer) or not cfg.embedded_trainer:
+            return None
+        from drafter_trainer.config import TrainerConfig
+        from drafter_trainer.embedded import EmbeddedTrainer
+        from service.engine.native import NativeBackend
+
+        if not isinstance(self.backend, NativeBackend):
+            logger.info("the in-process drafter trainer runs on the native backend only; use the sidecar")
+            return None
+        trainer_cfg = cfg.trainer
+        if trainer_cfg is None:
+            gate = cfg.trainer_gate
+            if gate == "auto":
+                gate = "idle" if str(self.engine_config.device).startswith("cpu") else "tail"
+            trainer_cfg = TrainerConfig(consumer="in-process", gate=gate)
+        trainer = EmbeddedTrainer(self.backend, self.buffer, self.metrics.registry, cfg.trainer_dir, trainer_cfg)
+        trainer.start()
+        return trainer
+
+    def _stop_trainer(self) -> None:
+        if self.trainer is not None:
+            self.trainer.stop()
+            self.trainer = None
 
     async def serve(self) -> None:
         """Start everything, serve until `stop()` is called, then shut down gracefully."""
         self._aloop = asyncio.get_running_loop()
         self._stop = asyncio.Event()
         cfg = self.config
-        self.loop.start()
+        self.backend.start()
         grpc_server, health, self.grpc_port = build_grpc_server(self.ctx, f"{cfg.host}:{cfg.grpc_port}")
         await set_health(health, False)
         await grpc_server.start()
@@ -106,7 +158,7 @@ class SpecrollServer:
             await asyncio.sleep(0.01)
         if http_task.done():
             await grpc_server.stop(0)
-            self.loop.stop()
+            self.backend.stop()
             http_task.result()
             raise OSError(f"HTTP server could not start on {cfg.host}:{cfg.http_port}")
         self.http_port = http.servers[0].sockets[0].getsockname()[1] if http.servers else cfg.http_port
@@ -121,15 +173,16 @@ class SpecrollServer:
             await set_health(health, False)
             http.should_exit = True
             stopping = grpc_server.stop(cfg.shutdown_grace_s)
-            await asyncio.to_thread(self.buffer.stop_trainer)  # before the engine: its last push has a server
-            await asyncio.to_thread(self.loop.stop)
-            await asyncio.to_thread(self.buffer.close)
+            await asyncio.to_thread(self._stop_trainer)  # before the engine: its last push has a server
+            await asyncio.to_thread(self.backend.stop)
+            if self.buffer is not None:
+                await asyncio.to_thread(self.buffer.close)
             await stopping
             await http_task
 
     async def _mark_ready(self, health: Any) -> None:
-        await asyncio.to_thread(self.loop.loaded_or_failed.wait)
-        if self.loop.error is None:
+        await asyncio.to_thread(self.backend.wait_loaded)
+        if self.backend.load_error is None:
             await set_health(health, True)
             logger.info("model loaded; ready")
 
@@ -151,8 +204,8 @@ def run_server(engine_config: EngineConfig, config: ServerConfig) -> int:
         await server.serve()
 
     asyncio.run(main())
-    if server.loop.error is not None:
-        logger.error("the model failed to load: %s", server.loop.error)
+    if server.backend.load_error is not None:
+        logger.error("the model failed to load: %s", server.backend.load_error)
         return 1
     return 0
 
@@ -160,9 +213,8 @@ def run_server(engine_config: EngineConfig, config: ServerConfig) -> int:
 class BackgroundServer:
     """Run a SpecrollServer on a daemon thread; use as a context manager."""
 
-    def __init__(self, engine_config: EngineConfig, config: ServerConfig | None = None,
-                 engine_factory: Callable[[], LLMEngine] | None = None) -> None:
-        self.server = SpecrollServer(engine_config, config, engine_factory)
+    def __init__(self, engine_config: EngineConfig, config: ServerConfig | None = None) -> None:
+        self.server = SpecrollServer(engine_config, config)
         self._error: BaseException | None = None
         self._thread = threading.Thread(target=self._run, name="specroll-server", daemon=True)
 
@@ -178,9 +230,9 @@ class BackgroundServer:
         if not self.server.started.wait(timeout) or self._error is not None:
             raise RuntimeError(f"server did not start: {self._error}")
         if wait_ready:
-            self.server.loop.loaded_or_failed.wait(timeout)
-            if self.server.loop.error is not None:
-                raise RuntimeError(f"model failed to load: {self.server.loop.error}")
+            self.server.backend.wait_loaded(timeout)
+            if self.server.backend.load_error is not None:
+                raise RuntimeError(f"model failed to load: {self.server.backend.load_error}")
         return self
 
     def stop(self, timeout: float = 30.0) -> None:

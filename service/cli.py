@@ -30,11 +30,20 @@ def _engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--threads", type=int, default=int(_env("threads", "0")) or None, help="torch CPU threads")
 
 
+def _model_dir(args: argparse.Namespace) -> str:
+    """The model folder: --model, else the embedded default model (built or unpacked on first use)."""
+    if args.model:
+        return str(args.model)
+    from service.demo.default_model import ensure_default_model
+
+    return str(ensure_default_model())
+
+
 def _engine_config(args: argparse.Namespace):
     from service.config import EngineConfig
 
     return EngineConfig(
-        model=args.model, dtype=args.dtype, device=args.device, max_model_len=args.max_model_len,
+        model=_model_dir(args), dtype=args.dtype, device=args.device, max_model_len=args.max_model_len,
         max_num_seqs=args.max_num_seqs, kv_cache_memory_gb=args.kv_cache_gb, seed=args.seed,
         max_num_batched_tokens=max(8192, args.max_model_len), spec=args.spec, spec_k=args.spec_k,
         num_threads=args.threads, drafter=getattr(args, "drafter", "none"),
@@ -111,11 +120,15 @@ def cmd_serve(args: argparse.Namespace) -> int:
         load_root=args.load_root, limits=limits, reuse_weight_buffers=not args.free_replaced_weights,
         buffer=buffer_config_from_args(args),
         admission=AdmissionLimits(args.max_waiting_seqs, args.max_pending_tokens, args.retry_after),
+        backend=args.backend,
     )
     return run_server(engine_config, config)
 
 
 def _serve_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--backend", default=_env("backend", "native"), choices=["native", "vllm"],
+                   help="the engine behind the APIs: native (PyTorch, CPU or one GPU, adaptive speculation) or "
+                        "vllm (GPUs, tensor/pipeline parallel; needs the specroll[vllm] extra)")
     p.add_argument("--drafter", default=_env("drafter", "auto"),
                    help="auto (suffix + the model folder's draft/ model, if any) | none | suffix | eagle[:DIR] | "
                         "draft-model folder; comma-separated for several")

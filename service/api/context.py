@@ -1,4 +1,4 @@
-"""What both API layers share: the loop, weights, metrics, auth, limits, and the calls they both offer."""
+"""What both API layers share: the backend, weight pushes, metrics, auth, limits, and the calls they both offer."""
 
 from __future__ import annotations
 
@@ -8,44 +8,42 @@ from typing import TYPE_CHECKING, Any
 
 from service.api.auth import Auth
 from service.api.generation import InvalidRequest, Limits, check_request
-from service.api.push_service import WeightManager
-from service.backend.hooks import Hooks
-from service.backend.metrics import Metrics
-from service.engine.loop import EngineLoop, NotReady, check_mode
+from service.backend.base import BackendInfo, NotReady, RolloutBackend, check_mode
 
 if TYPE_CHECKING:
-    from service.engine.llm_engine import LLMEngine
+    from service.api.push_service import PushService
+    from service.backend.metrics import Metrics
     from service.params import SamplingParams
     from service.tokenizer import Tokenizer
 
 
 @dataclass
 class ServiceContext:
-    loop: EngineLoop
-    weights: WeightManager
+    backend: RolloutBackend
+    pushes: PushService
     metrics: Metrics
-    hooks: Hooks
     auth: Auth = field(default_factory=Auth)
     limits: Limits = field(default_factory=Limits)
     model_name: str = ""
 
     @property
     def ready(self) -> bool:
-        return self.loop.ready.is_set() and self.loop.alive
+        return self.backend.ready
 
-    def engine(self) -> LLMEngine:
-        """The engine, for reading state; raises NotReady (503 / UNAVAILABLE) until it is loaded."""
-        if not self.loop.alive and self.loop.ready.is_set():
-            raise NotReady("the engine loop has stopped")
-        return self.loop.engine
+    def model(self) -> BackendInfo:
+        """What the backend serves; raises NotReady (503 / UNAVAILABLE) until it is loaded."""
+        if not self.backend.alive:
+            raise NotReady(f"the engine has stopped: {self.backend.load_error or 'engine loop ended'}")
+        return self.backend.info()
 
     def check_request(self, prompt: list[int], params: SamplingParams) -> None:
         """The model's own bounds on a request (vocabulary, context), checked before it is submitted."""
-        engine = self.engine()
-        check_request(prompt, params, engine.model_config.vocab_size, engine.config.max_model_len)
+        info = self.model()
+        check_request(prompt, params, info.vocab_size, info.max_model_len)
 
     def tokenizer(self) -> Tokenizer | None:
-        return self.engine().tokenizer
+        self.model()
+        return self.backend.tokenizer
 
     def encode(self, text: str) -> list[int]:
         tok = self.tokenizer()
@@ -54,32 +52,35 @@ class ServiceContext:
         return tok.encode(text)
 
     def name(self) -> str:
-        return self.model_name or self.engine().model_path.name
+        return self.model_name or self.model().model_path.name
 
     def info(self, admin: bool = False) -> dict[str, Any]:
         """Server state. The model's absolute path only for the admin (a co-located sidecar reads the target
         from it); anyone else gets the folder's name."""
-        engine = self.engine()
-        tok = engine.tokenizer
+        info = self.model()
+        stats = self.backend.stats()
+        admission = self.backend.admission
         return {
             "model": self.name(),
-            "model_path": str(engine.model_path) if admin else engine.model_path.name,
-            "policy_version": str(engine.policy_version),
-            "drafter_version": str(engine.drafter_version),
-            "num_running": engine.num_running,
-            "num_waiting": engine.num_waiting,
-            "paused": bool(engine.paused),
-            "spec_strategy": str(getattr(engine, "spec_strategy", "plain")),
-            "mean_accepted_length": float(_safe(lambda: engine.stats.mean_accepted_length)),
+            "model_path": str(info.model_path) if admin else info.model_path.name,
+            "backend": info.backend,
+            "capabilities": sorted(info.capabilities),
+            "policy_version": stats.policy_version,
+            "drafter_version": stats.drafter_version,
+            "num_running": stats.num_running,
+            "num_waiting": stats.num_waiting,
+            "paused": stats.paused,
+            "spec_strategy": stats.strategy,
+            "mean_accepted_length": stats.mean_accepted_length,
             "ready": self.ready,
-            "vocab_size": engine.model_config.vocab_size,
-            "max_model_len": engine.config.max_model_len,
-            "dtype": engine.config.dtype,
-            "drafter": str(getattr(engine.config, "drafter", "none")),
-            "eos_token_id": -1 if tok is None or tok.eos_token_id is None else tok.eos_token_id,
-            "max_waiting_seqs": self.loop.admission.limits.max_waiting_seqs,
-            "max_pending_tokens": self.loop.admission.limits.max_pending_tokens,
-            "num_pending_tokens": self.loop.admission.tokens,
+            "vocab_size": info.vocab_size,
+            "max_model_len": info.max_model_len,
+            "dtype": info.dtype,
+            "drafter": info.drafter,
+            "eos_token_id": -1 if info.eos_token_id is None else info.eos_token_id,
+            "max_waiting_seqs": admission.limits.max_waiting_seqs,
+            "max_pending_tokens": admission.limits.max_pending_tokens,
+            "num_pending_tokens": admission.tokens,
         }
 
     async def pause(self, mode: str) -> list[str]:
@@ -87,20 +88,20 @@ class ServiceContext:
             mode = check_mode(mode)
         except ValueError as exc:
             raise InvalidRequest(str(exc)) from exc
-        self.engine()
-        return await asyncio.wrap_future(self.loop.pause(mode))
+        self.model()
+        return await asyncio.wrap_future(self.backend.pause(mode))
 
     async def resume(self) -> None:
-        self.engine()
-        await asyncio.wrap_future(self.loop.resume())
+        self.model()
+        await asyncio.wrap_future(self.backend.resume())
 
     async def abort(self, request_id: str | None, everything: bool = False) -> list[str]:
-        self.engine()
+        self.model()
         if everything:
-            return await asyncio.wrap_future(self.loop.abort_all("admin"))
+            return await asyncio.wrap_future(self.backend.abort_all("admin"))
         if not request_id:
             raise InvalidRequest("give a request id to abort, or all=true")
-        ok = await asyncio.wrap_future(self.loop.abort(request_id, "client"))
+        ok = await asyncio.wrap_future(self.backend.abort(request_id, "client"))
         return [request_id] if ok else []
 
     def report_rewards(self, rewards: dict[str, Any]) -> int:
@@ -111,13 +112,4 @@ class ServiceContext:
             if isinstance(value, bool) or not isinstance(value, int | float):
                 raise InvalidRequest(f"reward for {rid!r} must be a number, got {value!r}")
             clean[rid] = float(value)
-        return self.hooks.report_rewards(clean)
-
-
-def _safe(fn: Any) -> float:
-    for _ in range(5):
-        try:
-            return float(fn())
-        except RuntimeError:  # a deque the engine thread appends to
-            continue
-    return 0.0
+        return self.backend.hooks.report_rewards(clean)

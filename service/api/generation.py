@@ -18,7 +18,7 @@ from service.backend.events import Chunk, Failed, GenRequest, RequestHandle, Sam
 from service.params import SamplingError, SamplingParams, VersionSpan, check_fits
 
 if TYPE_CHECKING:
-    from service.engine.loop import EngineLoop
+    from service.backend.base import RolloutBackend
     from service.tokenizer import Tokenizer
 
 
@@ -95,7 +95,7 @@ def start_all(gens: Sequence[Generation]) -> None:
     if not gens:
         return
     items = [g._request() for g in gens]
-    gens[0].loop.submit_all(items)
+    gens[0].backend.submit_all(items)
     for g, (_, handle) in zip(gens, items, strict=True):
         g._handle = handle
 
@@ -138,12 +138,12 @@ class Update:
 
 
 class Generation:
-    def __init__(self, loop: EngineLoop, tokenizer: Tokenizer | None, prompt: list[int], params: SamplingParams,
+    def __init__(self, backend: RolloutBackend, tokenizer: Tokenizer | None, prompt: list[int], params: SamplingParams,
                  request_id: str | None = None, group_id: str | None = None,
                  metadata: dict[str, str] | None = None, stop: Sequence[str] = (), text: bool = True) -> None:
         if stop and tokenizer is None:
             raise InvalidRequest("stop strings need a tokenizer; this model has none (use stop_token_ids)")
-        self.loop, self.tokenizer, self.prompt, self.params = loop, tokenizer, prompt, params
+        self.backend, self.tokenizer, self.prompt, self.params = backend, tokenizer, prompt, params
         self.request_id = request_id or uuid.uuid4().hex
         self.group_id, self.metadata = group_id, metadata or {}
         self.stop = [s for s in stop if s]
@@ -191,7 +191,7 @@ class Generation:
         else:
             return
         with contextlib.suppress(RuntimeError):  # shutting down: the loop aborts everything itself
-            self.loop.abort(self.request_id, reason)
+            self.backend.abort(self.request_id, reason)
 
     async def run(self) -> list[Sample]:
         async for _ in self.updates():

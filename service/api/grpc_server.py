@@ -12,36 +12,18 @@ import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
-from service.api.auth import AuthError
 from service.api.context import ServiceContext
+from service.api.errors import message_of, retry_after, status_of
 from service.api.generation import InvalidRequest, ServiceError, check_prompt, make_params
-from service.api.protogen import pb2, pb2_grpc
-from service.api.push_protocol import Manifest, PushError, PushResult, PushUnsupported, TensorEntry
+from service.api.push_protocol import Manifest, PushError, PushResult, TensorEntry
 from service.api.wire import ChunkView, Corrupt, add_rollout_servicer
-from service.backend.admission import Overloaded
+from service.backend.base import NotReady
 from service.backend.events import Chunk, Failed, GenRequest, RequestHandle, SampleDone
-from service.engine.loop import NotReady
+from service.protogen import pb2, pb2_grpc
 
 logger = logging.getLogger(__name__)
 
 SERVICE_NAME = pb2.DESCRIPTOR.services_by_name["Rollout"].full_name
-
-
-def status_of(exc: BaseException) -> tuple[grpc.StatusCode, str]:
-    if isinstance(exc, AuthError):
-        return (grpc.StatusCode.PERMISSION_DENIED if exc.denied else grpc.StatusCode.UNAUTHENTICATED), str(exc)
-    if isinstance(exc, PermissionError):
-        return grpc.StatusCode.PERMISSION_DENIED, str(exc)
-    if isinstance(exc, InvalidRequest | PushError | ValueError):
-        return grpc.StatusCode.INVALID_ARGUMENT, str(exc)
-    if isinstance(exc, PushUnsupported):
-        return grpc.StatusCode.FAILED_PRECONDITION, str(exc)
-    if isinstance(exc, NotReady):
-        return grpc.StatusCode.UNAVAILABLE, str(exc)
-    if isinstance(exc, Overloaded):
-        return grpc.StatusCode.RESOURCE_EXHAUSTED, str(exc)
-    logger.error("gRPC call failed: %r", exc)
-    return grpc.StatusCode.INTERNAL, f"internal error: {exc}"
 
 
 def _auth(context: grpc.aio.ServicerContext) -> str | None:
@@ -67,10 +49,10 @@ class RolloutServicer(pb2_grpc.RolloutServicer):  # type: ignore[misc]
         self.ctx = ctx
 
     async def _fail(self, context: grpc.aio.ServicerContext, exc: BaseException) -> None:
-        code, message = status_of(exc)
-        # Overloaded: when to try again, in seconds (like HTTP's Retry-After)
-        trailers = (("retry-after", str(exc.retry_after_s)),) if isinstance(exc, Overloaded) else ()
-        await context.abort(code, message, trailing_metadata=trailers)
+        status = status_of(exc)
+        after = retry_after(exc)  # overloaded: when to try again, in seconds (like HTTP's Retry-After)
+        trailers = (("retry-after", str(after)),) if after is not None else ()
+        await context.abort(status.grpc, message_of(exc, status), trailing_metadata=trailers)
 
     def _params(self, request: Any) -> Any:
         p = request.params
@@ -83,17 +65,18 @@ class RolloutServicer(pb2_grpc.RolloutServicer):  # type: ignore[misc]
         ctx = self.ctx
         try:
             ctx.auth.check_api(_auth(context))
-            engine = ctx.engine()
+            vocab = ctx.model().vocab_size
+            tokenizer = ctx.tokenizer()
             if request.prompt_token_ids and request.prompt_text:
                 raise InvalidRequest("give prompt_token_ids or prompt_text, not both")
             ids = list(request.prompt_token_ids) or (ctx.encode(request.prompt_text) if request.prompt_text else [])
-            prompt = check_prompt(ids, engine.model_config.vocab_size)
+            prompt = check_prompt(ids, vocab)
             params = self._params(request)
             ctx.check_request(prompt, params)
             rid = request.request_id or uuid.uuid4().hex
             handle = RequestHandle(rid, params.n, _running_loop())
-            ctx.loop.submit(GenRequest(prompt, params, rid, request.group_id or None, dict(request.metadata)),
-                            handle)
+            ctx.backend.submit_all([(GenRequest(prompt, params, rid, request.group_id or None,
+                                                dict(request.metadata)), handle)])
         except Exception as exc:
             await self._fail(context, exc)
             return
@@ -102,14 +85,14 @@ class RolloutServicer(pb2_grpc.RolloutServicer):  # type: ignore[misc]
                 if isinstance(ev, Chunk):
                     yield pb2.GenerateResponse(request_id=rid, chunk=_chunk(ev))
                 elif isinstance(ev, SampleDone):
-                    text = engine.tokenizer.decode(ev.token_ids) if request.return_text and engine.tokenizer else ""
+                    text = tokenizer.decode(ev.token_ids) if request.return_text and tokenizer else ""
                     yield pb2.GenerateResponse(request_id=rid, final=_final(ev, text))
                 elif isinstance(ev, Failed):
                     await self._fail(context, InvalidRequest(ev.message) if ev.invalid else ServiceError(ev.message))
         finally:
             if not handle.finished:
                 with contextlib.suppress(NotReady):
-                    ctx.loop.abort(rid, "client")
+                    ctx.backend.abort(rid, "client")
 
     async def _admin(self, context: grpc.aio.ServicerContext, work: Any) -> Any:
         try:
@@ -152,12 +135,12 @@ class RolloutServicer(pb2_grpc.RolloutServicer):  # type: ignore[misc]
                         raise PushError("only chunks may follow the manifest")
                     yield msg.offset, msg.data
 
-            return _weights_reply(await self.ctx.weights.push_stream(_manifest(first.manifest), chunks()))
+            return _weights_reply(await self.ctx.pushes.push_stream(_manifest(first.manifest), chunks()))
         return await self._admin(context, work)
 
     async def LoadWeights(self, request: Any, context: grpc.aio.ServicerContext) -> Any:
         async def work() -> Any:
-            r = await self.ctx.weights.load_path(request.role or "target", request.version, request.path,
+            r = await self.ctx.pushes.load_path(request.role or "target", request.version, request.path,
                                                  request.mode or "wait")
             return _weights_reply(r)
         return await self._admin(context, work)

@@ -118,13 +118,13 @@ async def upload_weights(request: Request, ctx: AdminCtx, version: Annotated[str
             raise PushError(f"checksum mismatch: the body hashes to {digest}, the request says {sha256}")
         tensors = await asyncio.to_thread(_load_file, path)
     await asyncio.to_thread(_check_upload, tensors)
-    return _reply(await unless_disconnected(request, ctx.weights.push_tensors(role, version, tensors, mode, dtype)))
+    return _reply(await unless_disconnected(request, ctx.pushes.push_tensors(role, version, tensors, mode, dtype)))
 
 
 @router.post("/weights/load")
 async def load_weights(req: LoadRequest, ctx: AdminCtx, request: Request) -> dict[str, Any]:
     """Load weights from a safetensors folder the server can read."""
-    return _reply(await unless_disconnected(request, ctx.weights.load_path(req.role, req.version, req.path,
+    return _reply(await unless_disconnected(request, ctx.pushes.load_path(req.role, req.version, req.path,
                                                                            req.mode)))
 
 
@@ -132,19 +132,21 @@ async def load_weights(req: LoadRequest, ctx: AdminCtx, request: Request) -> dic
 async def update_from_disk(req: DiskUpdateRequest, ctx: AdminCtx, request: Request) -> dict[str, Any]:
     """SGLang-style alias of /weights/load for the target."""
     result = await unless_disconnected(
-        request, ctx.weights.load_path("target", req.weight_version, req.model_path, req.mode))
+        request, ctx.pushes.load_path("target", req.weight_version, req.model_path, req.mode))
     return {"success": True, "message": "weights updated", **_reply(result)}
 
 
 @router.get("/weights/version")
 async def weight_version(ctx: ApiCtx) -> dict[str, str]:
-    engine = ctx.engine()
-    return {"policy_version": str(engine.policy_version), "drafter_version": str(engine.drafter_version)}
+    ctx.model()
+    stats = ctx.backend.stats()
+    return {"policy_version": stats.policy_version, "drafter_version": stats.drafter_version}
 
 
 @router.get("/get_weight_version")
 async def get_weight_version(ctx: ApiCtx) -> dict[str, str]:
-    return {"weight_version": str(ctx.engine().policy_version)}
+    ctx.model()
+    return {"weight_version": ctx.backend.stats().policy_version}
 
 
 @router.post("/pause")

@@ -88,7 +88,7 @@ def _prompts(ctx: ServiceContext, prompt: Any) -> list[list[int]]:
         prompts = [list(prompt)]
     if len(prompts) > ctx.limits.max_prompts:
         raise InvalidRequest(f"{len(prompts)} prompts exceed the server limit of {ctx.limits.max_prompts}")
-    vocab = ctx.engine().model_config.vocab_size
+    vocab = ctx.model().vocab_size
     return [check_prompt(p, vocab) for p in prompts]
 
 
@@ -116,10 +116,10 @@ def _choice(gen: Generation, s: Sample, index: int, want: int | None) -> dict[st
 
 @router.get("/v1/models")
 async def models(ctx: ApiCtx) -> dict[str, Any]:
-    engine = ctx.engine()
+    info = ctx.model()
     return {"object": "list", "data": [{"id": ctx.name(), "object": "model", "created": 0, "owned_by": "specroll",
-                                        "max_model_len": engine.config.max_model_len,
-                                        "weight_version": str(engine.policy_version)}]}
+                                        "max_model_len": info.max_model_len,
+                                        "weight_version": ctx.backend.stats().policy_version}]}
 
 
 @router.post("/v1/completions")
@@ -134,7 +134,7 @@ async def completions(req: CompletionRequest, ctx: ApiCtx, request: Request) -> 
         ctx.check_request(p, params)
     base = req.request_id or uuid.uuid4().hex
     tok = ctx.tokenizer()
-    gens = [Generation(ctx.loop, tok, p, params, base if len(prompts) == 1 else f"{base}-{j}",
+    gens = [Generation(ctx.backend, tok, p, params, base if len(prompts) == 1 else f"{base}-{j}",
                        req.group_id, req.metadata, stop) for j, p in enumerate(prompts)]
     head = {"id": f"cmpl-{base}", "object": "text_completion", "created": int(time.time()), "model": ctx.name()}
     if req.stream:

@@ -14,13 +14,8 @@ from fastapi.responses import JSONResponse, PlainTextResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST
 from starlette.exceptions import HTTPException
 
-from service.api.auth import AuthError
 from service.api.context import ServiceContext
-from service.api.disconnect import ClientGone
-from service.api.generation import InvalidRequest, ServiceError
-from service.api.push_protocol import PushError, PushUnsupported
-from service.backend.admission import Overloaded
-from service.engine.loop import NotReady
+from service.api.errors import HANDLED, retry_after, status_of
 
 logger = logging.getLogger(__name__)
 
@@ -34,29 +29,12 @@ def error_body(status: int, message: str, kind: str) -> dict[str, Any]:
 
 
 def error_response(exc: BaseException) -> JSONResponse:
-    status, kind = 500, "internal_error"
-    if isinstance(exc, InvalidRequest | PushError | ValueError):
-        status, kind = 400, "invalid_request_error"
-    elif isinstance(exc, AuthError):
-        status, kind = (403, "permission_error") if exc.denied else (401, "authentication_error")
-    elif isinstance(exc, PermissionError):
-        status, kind = 403, "permission_error"
-    elif isinstance(exc, PushUnsupported):
-        status, kind = 409, "unsupported"
-    elif isinstance(exc, NotReady):
-        status, kind = 503, "unavailable"
-    elif isinstance(exc, Overloaded):
-        status, kind = 503, "overloaded"
-    elif isinstance(exc, ClientGone):
-        status, kind = 499, "client_closed_request"
-    elif isinstance(exc, ServiceError):
-        status, kind = 500, "internal_error"
-    if status == 500:
-        logger.error("request failed: %r", exc)
-    headers = {"WWW-Authenticate": "Bearer"} if status == 401 else None
-    if isinstance(exc, Overloaded):
-        headers = {"Retry-After": str(exc.retry_after_s)}
-    return JSONResponse(error_body(status, str(exc), kind), status_code=status, headers=headers)
+    status = status_of(exc)
+    headers = {"WWW-Authenticate": "Bearer"} if status.http == 401 else None
+    after = retry_after(exc)
+    if after is not None:
+        headers = {"Retry-After": str(after)}
+    return JSONResponse(error_body(status.http, str(exc), status.kind), status_code=status.http, headers=headers)
 
 
 class _TooLarge(HTTPException):
@@ -139,21 +117,20 @@ def create_app(ctx: ServiceContext) -> FastAPI:
         return JSONResponse(error_body(exc.status_code, str(exc.detail), kind), status_code=exc.status_code,
                             headers=exc.headers)
 
-    for cls in (Overloaded, ClientGone, InvalidRequest, PushError, AuthError, PermissionError, PushUnsupported,
-                NotReady, ServiceError, ValueError):
+    for cls in HANDLED:
         app.add_exception_handler(cls, lambda request, exc: error_response(exc))
 
     @app.get("/health", tags=["ops"])
     async def health() -> JSONResponse:
         """Liveness: the process serves HTTP and the engine thread is alive (or still loading)."""
-        failed = ctx.loop.error is not None or (ctx.loop.ready.is_set() and not ctx.loop.alive)
+        failed = not ctx.backend.alive
         return JSONResponse({"status": "error" if failed else "ok"}, status_code=500 if failed else 200)
 
     @app.get("/ready", tags=["ops"])
     async def ready() -> JSONResponse:
         """Readiness: the model is loaded and the engine loop runs (also while paused for a push)."""
         ok = ctx.ready
-        return JSONResponse({"ready": ok, "paused": bool(ok and ctx.loop.engine.paused)},
+        return JSONResponse({"ready": ok, "paused": bool(ok and ctx.backend.stats().paused)},
                             status_code=200 if ok else 503)
 
     @app.get("/metrics", tags=["ops"], response_class=PlainTextResponse,

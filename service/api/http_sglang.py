@@ -83,7 +83,7 @@ def _prompts(ctx: ServiceContext, req: GenerateRequest) -> list[list[int]]:
         prompts = [ctx.encode(t) for t in texts]
     if not prompts or len(prompts) > ctx.limits.max_prompts:
         raise InvalidRequest(f"give 1 to {ctx.limits.max_prompts} prompts, got {len(prompts)}")
-    vocab = ctx.engine().model_config.vocab_size
+    vocab = ctx.model().vocab_size
     return [check_prompt(p, vocab) for p in prompts]
 
 
@@ -129,7 +129,7 @@ async def generate(req: GenerateRequest, ctx: ApiCtx, request: Request) -> Any:
         params, stop = _params(ctx, sp)
         ctx.check_request(prompt, params)
         rid = rids[j] if rids is not None else (base if len(prompts) == 1 else f"{base}-{j}")
-        gens.append(Generation(ctx.loop, tok, prompt, params, rid, req.group_id, req.metadata, stop))
+        gens.append(Generation(ctx.backend, tok, prompt, params, rid, req.group_id, req.metadata, stop))
     single = len(gens) == 1 and gens[0].params.n == 1
     if req.stream:
         return await _stream(gens, req.return_logprob, started, single)

@@ -22,24 +22,14 @@ from typing import Any, Generic, TypeVar
 import numpy as np
 import torch
 
-from service.config import ModelConfig
-from service.models.loader import WeightError, check_tensors
+from service.backend.base import ROLES, PushError, PushUnsupported, WeightSpec
 
 T = TypeVar("T")
 MAX_CHUNK_BYTES = 4 * 2**20
 DTYPES: dict[str, torch.dtype] = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
-ROLES = ("target", "drafter")
 _VERSION = re.compile(r"^[A-Za-z0-9._:+@/-]{1,128}$")
 _HEX64 = re.compile(r"^[0-9a-f]{64}$")
 _SAFETENSORS_DTYPES = {"F32": "float32", "BF16": "bfloat16", "F16": "float16"}
-
-
-class PushError(ValueError):
-    """The push is malformed or does not fit the model; the message says what was wrong."""
-
-
-class PushUnsupported(RuntimeError):
-    """The server cannot take this kind of push (e.g. the engine has no drafter support)."""
 
 
 @dataclass(slots=True)
@@ -90,8 +80,8 @@ def dtype_name(name: str) -> str:
     return key
 
 
-def validate_manifest(m: Manifest, cfg: ModelConfig, max_bytes: int) -> None:
-    """Check a manifest completely before any byte is accepted; `cfg` is the config of the role's model."""
+def validate_manifest(m: Manifest, spec: WeightSpec, max_bytes: int) -> None:
+    """Check a manifest completely before any byte is accepted; `spec` is what the role's weights must be."""
     check_role_version(m.role, m.version)
     if not m.tensors:
         raise PushError("the manifest lists no tensors")
@@ -115,8 +105,8 @@ def validate_manifest(m: Manifest, cfg: ModelConfig, max_bytes: int) -> None:
     if m.total_bytes > max_bytes:
         raise PushError(f"push of {m.total_bytes} bytes exceeds the server limit of {max_bytes} bytes")
     try:
-        check_tensors(cfg, {t.name: t.shape for t in m.tensors})
-    except WeightError as exc:
+        spec.check({t.name: t.shape for t in m.tensors})
+    except PushError as exc:
         raise PushError(f"{m.role} push: {exc}") from exc
 
 

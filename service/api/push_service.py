@@ -1,14 +1,13 @@
 """Weight updates for the running server: chunked pushes, safetensors uploads and loads from a folder.
 
-New weights (target or draft model) are checked completely, built beside the serving ones off the engine
-thread, then swapped between two engine steps. A target swap follows the push's mode (wait | abort |
-keep); a drafter swap never holds generation back. One push per role at a time.
+New weights (target or drafter) are checked completely against the role's `WeightSpec`, staged by the backend
+beside the serving ones off the event loop, then committed: a target commit follows the push's mode (wait |
+abort | keep); a drafter commit never holds generation back. One push per role at a time.
 """
 
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import logging
 import time
 from collections.abc import AsyncIterator, Iterable
@@ -21,44 +20,19 @@ import torch
 from service.api.push_protocol import (
     ChunkReceiver,
     Manifest,
-    PushError,
     PushResult,
-    PushUnsupported,
     check_role_version,
     dtype_name,
     validate_manifest,
 )
-from service.config import ConfigError, ModelConfig
-from service.engine.loop import EngineLoop, SwapResult, check_mode
-from service.models.llama import CausalLM
-from service.models.loader import (
-    WeightError,
-    build_model,
-    check_tensors,
-    iter_safetensors,
-    load_tensors,
-    safetensors_files,
-)
+from service.backend.base import PushError, PushUnsupported, RolloutBackend, Staged, SwapResult, WeightSpec, check_mode
+from service.config import ConfigError
+from service.safetensors_io import iter_safetensors, safetensors_files
 
 if TYPE_CHECKING:
     from service.backend.metrics import Metrics
-    from service.engine.llm_engine import LLMEngine
 
 logger = logging.getLogger(__name__)
-
-
-def draft_model_of(engine: LLMEngine) -> tuple[str, CausalLM] | None:
-    """The engine's draft-model drafter that pushes go to: (name, serving model), or None."""
-    for name, drafter in getattr(engine, "drafters", {}).items():
-        model = getattr(getattr(drafter, "exec", None), "model", None)
-        if isinstance(model, CausalLM):
-            return name, model
-    return None
-
-
-def _placed(model: CausalLM, dtype: torch.dtype, device: torch.device) -> bool:
-    p = next(model.parameters(), None)
-    return p is not None and p.dtype == dtype and p.device.type == device.type
 
 
 def check_mode_or_error(mode: str) -> str:
@@ -68,95 +42,41 @@ def check_mode_or_error(mode: str) -> str:
         raise PushError(str(exc)) from exc
 
 
-class WeightManager:
-    def __init__(self, loop: EngineLoop, metrics: Metrics | None = None, max_push_bytes: int = 2**40,
-                 load_root: str | Path | None = None, reuse_buffers: bool = True) -> None:
-        self.loop = loop
+class PushService:
+    def __init__(self, backend: RolloutBackend, metrics: Metrics | None = None, max_push_bytes: int = 2**40,
+                 load_root: str | Path | None = None) -> None:
+        self.backend = backend
         self.metrics = metrics
         self.max_push_bytes = max_push_bytes
         self.load_root = Path(load_root).resolve() if load_root else None
-        # Double buffering: the weights a swap replaced become the buffer the next push of that role is
-        # loaded into (no allocation, no page faults). The engine keeps no reference to replaced weights.
-        self.reuse_buffers = reuse_buffers
-        self._spare: dict[str, CausalLM] = {}
         self._locks: dict[str, asyncio.Lock] = {}
 
-    # -- per role ---------------------------------------------------------------------------------------
-    def role_config(self, role: str) -> ModelConfig:
-        engine = self.loop.engine
-        if role == "target":
-            return engine.model_config
-        found = draft_model_of(engine)
-        if found is None:
-            drafter = getattr(engine.config, "drafter", "none")
-            raise PushUnsupported(f"the server runs drafter {drafter!r}, which has no draft model to push weights "
-                                  "into (start it with --drafter <draft model folder>)")
-        return found[1].config
+    def role_spec(self, role: str) -> WeightSpec:
+        spec = self.backend.weight_roles().get(role)
+        if spec is None:
+            raise PushUnsupported(self.backend.unsupported(role) or f"this server takes no {role} weights")
+        return spec
 
-    def _build(self, role: str, tensors: Iterable[tuple[str, torch.Tensor]]) -> CausalLM:
-        """The role's new weights, beside the serving ones (runs off the event loop and the engine thread)."""
-        engine = self.loop.engine
-        cfg = self.role_config(role)
-        spare = self._spare.pop(role, None)
-        if spare is not None and spare.config == cfg and _placed(spare, engine.dtype, engine.device):
-            try:
-                load_tensors(spare, tensors)
-            except BaseException:
-                self._spare[role] = spare  # not serving: its contents do not matter, its memory does
-                raise
-            return spare
-        return build_model(cfg, tensors, engine.dtype, engine.device)
+    def _stage(self, role: str, tensors: Iterable[tuple[str, torch.Tensor]]) -> Staged:
+        """Runs off the event loop: the backend copies the tensors beside the serving weights."""
+        return self.backend.stage_weights(role, tensors)
 
-    def _keep_or_free(self, role: str, replaced: Any) -> None:
-        if isinstance(replaced, CausalLM) and self.reuse_buffers:
-            self._spare[role] = replaced
-        elif replaced is not None:
-            self.loop.hooks.release(replaced)  # freed on the hooks thread, not the event loop
-
-    def _abandoned(self, role: str, version: str, model: CausalLM, pending: Future[SwapResult]) -> None:
-        """The caller left while its push waited. Not applied yet: it never will be (the engine skips a
-        cancelled swap) and the staged weights are freed. Already being applied: it completes, and shows in the
-        version and the log."""
-        if pending.cancelled():
-            logger.warning("push of %s weights %s cancelled: the client left before it was applied; "
-                           "the staged weights are freed", role, version)
-            self._keep_or_free(role, model)
-            return
-        aloop = asyncio.get_running_loop()
-
-        def finished(f: Future[SwapResult]) -> None:
-            failed = f.cancelled() or f.exception() is not None
-            if not failed:
-                logger.warning("push of %s weights %s applied although its client left", role, version)
-            with contextlib.suppress(RuntimeError):  # the event loop is closed: nothing to keep
-                aloop.call_soon_threadsafe(self._keep_or_free, role, model if failed else f.result().replaced)
-
-        pending.add_done_callback(finished)
-
-    def _swap_drafter(self, engine: LLMEngine, model: CausalLM, version: str) -> CausalLM:
-        found = draft_model_of(engine)
-        if found is None:
-            raise PushUnsupported("the draft model went away")
-        engine.swap_drafter(found[0], model, version)
-        return found[1]
-
-    async def _apply(self, role: str, version: str, model: CausalLM, mode: str, nbytes: int,
-                     start: float) -> PushResult:
-        if role == "target":
-            pending = self.loop.swap_target(model, version, mode)
-            try:
-                swap: SwapResult = await asyncio.wrap_future(pending)
-            except asyncio.CancelledError:
-                self._abandoned(role, version, model, pending)
-                raise
-            self._keep_or_free(role, swap.replaced)
-            return PushResult(role, version, nbytes, time.perf_counter() - start, swap.swap_seconds,
-                              swap.wait_seconds, swap.aborted)
-        t0 = time.perf_counter()
-        replaced = await asyncio.wrap_future(self.loop.call(lambda e: self._swap_drafter(e, model, version)))
-        swap_seconds = time.perf_counter() - t0
-        self._keep_or_free(role, replaced)
-        return PushResult(role, version, nbytes, time.perf_counter() - start, swap_seconds)
+    async def _apply(self, staged: Staged, version: str, mode: str, start: float) -> PushResult:
+        pending: Future[SwapResult] = self.backend.commit_weights(staged, version, mode)
+        try:
+            swap = await asyncio.wrap_future(pending)
+        except asyncio.CancelledError:
+            # The caller left while its push waited. Not applied yet: it never will be (the backend releases
+            # the staged weights). Already being applied: it completes, and shows in the version and the log.
+            if pending.cancelled():
+                logger.warning("push of %s weights %s cancelled: the client left before it was applied",
+                               staged.role, version)
+            else:
+                pending.add_done_callback(lambda f: None if f.cancelled() or f.exception() else logger.warning(
+                    "push of %s weights %s applied although its client left", staged.role, version))
+            raise
+        return PushResult(staged.role, version, staged.nbytes, time.perf_counter() - start, swap.swap_seconds,
+                          swap.wait_seconds, swap.aborted)
 
     async def _locked(self, role: str, start: float, work: Any) -> PushResult:
         lock = self._locks.setdefault(role, asyncio.Lock())
@@ -179,11 +99,11 @@ class WeightManager:
         start = time.perf_counter()
         manifest.mode = check_mode_or_error(manifest.mode)
         check_role_version(manifest.role, manifest.version)
-        validate_manifest(manifest, self.role_config(manifest.role), self.max_push_bytes)
+        validate_manifest(manifest, self.role_spec(manifest.role), self.max_push_bytes)
         return await self._locked(manifest.role, start, self._receive(manifest, chunks, start))
 
     async def _receive(self, manifest: Manifest, chunks: AsyncIterator[tuple[int, Any]], start: float) -> PushResult:
-        receiver: ChunkReceiver[CausalLM] = ChunkReceiver(manifest, lambda ts: self._build(manifest.role, ts))
+        receiver: ChunkReceiver[Staged] = ChunkReceiver(manifest, lambda ts: self._stage(manifest.role, ts))
         try:
             async for offset, data in chunks:
                 await receiver.afeed(offset, data)
@@ -191,10 +111,11 @@ class WeightManager:
             receiver.cancel()
             raise
         received = time.perf_counter()
-        model = await asyncio.to_thread(receiver.finish)
-        logger.debug("push %s: bytes received after %.3f s, weights built %.3f s later", manifest.version,
+        staged = await asyncio.to_thread(receiver.finish)
+        staged.nbytes = manifest.total_bytes
+        logger.debug("push %s: bytes received after %.3f s, weights staged %.3f s later", manifest.version,
                      received - start, time.perf_counter() - received)
-        return await self._apply(manifest.role, manifest.version, model, manifest.mode, manifest.total_bytes, start)
+        return await self._apply(staged, manifest.version, manifest.mode, start)
 
     async def push_tensors(self, role: str, version: str, tensors: dict[str, torch.Tensor], mode: str = "wait",
                            dtype: str | None = None) -> PushResult:
@@ -202,7 +123,7 @@ class WeightManager:
         start = time.perf_counter()
         check_role_version(role, version)
         mode = check_mode_or_error(mode)
-        cfg = self.role_config(role)
+        spec = self.role_spec(role)
         if not tensors:
             raise PushError("the upload holds no tensors")
         declared = dtype_name(dtype) if dtype else None
@@ -214,13 +135,14 @@ class WeightManager:
         if nbytes > self.max_push_bytes:
             raise PushError(f"upload of {nbytes} bytes exceeds the server limit of {self.max_push_bytes} bytes")
         try:
-            check_tensors(cfg, {n: tuple(t.shape) for n, t in tensors.items()})
-        except WeightError as exc:
+            spec.check({n: tuple(t.shape) for n, t in tensors.items()})
+        except PushError as exc:
             raise PushError(f"{role} upload: {exc}") from exc
 
         async def work() -> PushResult:
-            model = await asyncio.to_thread(self._build, role, tensors.items())
-            return await self._apply(role, version, model, mode, nbytes, start)
+            staged = await asyncio.to_thread(self._stage, role, tensors.items())
+            staged.nbytes = nbytes
+            return await self._apply(staged, version, mode, start)
 
         return await self._locked(role, start, work())
 
@@ -230,11 +152,11 @@ class WeightManager:
         check_role_version(role, version)
         mode = check_mode_or_error(mode)
         folder = self._allowed(path)
-        self.role_config(role)
+        self.role_spec(role)
 
         async def work() -> PushResult:
-            model, nbytes = await asyncio.to_thread(self._read_folder, role, folder)
-            return await self._apply(role, version, model, mode, nbytes, start)
+            staged = await asyncio.to_thread(self._read_folder, role, folder)
+            return await self._apply(staged, version, mode, start)
 
         return await self._locked(role, start, work())
 
@@ -248,7 +170,7 @@ class WeightManager:
             raise PushError(f"no such folder on the server: {path!r}")
         return folder
 
-    def _read_folder(self, role: str, folder: Path) -> tuple[CausalLM, int]:
+    def _read_folder(self, role: str, folder: Path) -> Staged:
         from safetensors import safe_open
 
         try:
@@ -266,7 +188,9 @@ class WeightManager:
                     except PushError as exc:
                         raise PushError(f"tensor {name!r} in {f.name}: {exc}") from exc
         try:
-            check_tensors(self.role_config(role), shapes)
-        except WeightError as exc:
+            self.role_spec(role).check(shapes)
+        except PushError as exc:
             raise PushError(f"{role} folder {str(folder)!r}: {exc}") from exc
-        return self._build(role, iter_safetensors(files)), sum(f.stat().st_size for f in files)
+        staged = self._stage(role, iter_safetensors(files))
+        staged.nbytes = sum(f.stat().st_size for f in files)
+        return staged

@@ -14,7 +14,7 @@ from typing import Any
 import grpc
 from google.protobuf.message import DecodeError
 
-from service.api.protogen import pb2
+from service.protogen import pb2
 
 SERVICE = pb2.DESCRIPTOR.services_by_name["Rollout"]
 

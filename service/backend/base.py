@@ -62,7 +62,7 @@ def check_mode(mode: str | None) -> str:
     return mode
 
 
-_IGNORED = re.compile(r"rotary_emb\.inv_freq$")
+_IGNORED = re.compile(r"(rotary_emb\.inv_freq|\.attn\.bias|\.masked_bias)$")  # buffers, not weights
 
 
 @dataclass(frozen=True, slots=True)
@@ -92,7 +92,7 @@ class WeightSpec:
         if wrong:
             problems.append(f"wrong shapes {wrong[:8]}")
         if problems:
-            raise PushError(f"{self.role} weights do not match {self.architecture}: " + "; ".join(problems))
+            raise PushError(f"checkpoint does not match {self.architecture}: " + "; ".join(problems))
 
 
 @dataclass(frozen=True, slots=True)

@@ -1,7 +1,8 @@
 """Prometheus metrics, named after vLLM's with a ``specroll:`` prefix.
 
-Counters the engine already keeps (tokens, speculative decoding) are read from ``engine.stats`` at scrape
-time; latencies, batch sizes, aborts and weight pushes are observed as they happen.
+Counters the engine already keeps (tokens, speculative decoding) are read from the backend's stats snapshot
+at scrape time; latencies, batch sizes, aborts and weight pushes are observed as they happen. Both backends
+report under these names, so one dashboard serves both.
 """
 
 from __future__ import annotations
@@ -15,8 +16,7 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metri
 from prometheus_client.registry import Collector
 
 if TYPE_CHECKING:
-    from service.engine.llm_engine import LLMEngine
-    from service.engine.stats import StepRecord
+    from service.backend.base import StatsSnapshot
 
 logger = logging.getLogger(__name__)
 
@@ -38,30 +38,29 @@ class _EngineCollector(Collector):
         ready = GaugeMetricFamily(P + "ready", "1 once the model is loaded and the engine loop runs")
         ready.add_metric([], 1.0 if self._m.ready_fn() else 0.0)
         yield ready
-        engine = self._m.engine
-        if engine is None:
+        stats = self._m.stats_fn()
+        if stats is None:
             return
-        stats = engine.stats
         for name, doc, value in (
-            ("num_requests_running", "Sequences in the running batch", engine.num_running),
-            ("num_requests_waiting", "Sequences waiting for a slot", engine.num_waiting),
-            ("paused", "1 while generation is paused", 1.0 if engine.paused else 0.0),
+            ("num_requests_running", "Sequences in the running batch", stats.num_running),
+            ("num_requests_waiting", "Sequences waiting for a slot", stats.num_waiting),
+            ("paused", "1 while generation is paused", 1.0 if stats.paused else 0.0),
             ("admission_held", "1 while a push or pause in mode wait holds waiting requests back",
-             1.0 if engine.hold_admission else 0.0),
+             1.0 if stats.admission_held else 0.0),
             ("spec_decode_mean_accepted_length", "Tokens per sequence per speculative step (recent steps)",
-             _retry(lambda: stats.mean_accepted_length)),
+             stats.mean_accepted_length),
         ):
             g = GaugeMetricFamily(P + name, doc)
             g.add_metric([], float(value))
             yield g
         versions = GaugeMetricFamily(P + "weight_version", "Weight version served, per role (value 1)",
                                      labels=["role", "version"])
-        versions.add_metric(["target", str(engine.policy_version)], 1.0)
-        versions.add_metric(["drafter", str(engine.drafter_version)], 1.0)
+        versions.add_metric(["target", stats.policy_version], 1.0)
+        versions.add_metric(["drafter", stats.drafter_version], 1.0)
         yield versions
         strategy = GaugeMetricFamily(P + "spec_decode_strategy", "Current decoding strategy (value 1)",
                                      labels=["strategy"])
-        strategy.add_metric([str(getattr(engine, "spec_strategy", "plain"))], 1.0)
+        strategy.add_metric([stats.strategy], 1.0)
         yield strategy
         for name, doc, value in (
             ("prompt_tokens", "Prefill tokens processed", stats.prompt_tokens),
@@ -76,26 +75,16 @@ class _EngineCollector(Collector):
             yield c
         per_pos = CounterMetricFamily(P + "spec_decode_num_accepted_tokens_per_pos",
                                       "Draft tokens accepted at each draft position", labels=["position"])
-        for pos, count in enumerate(list(stats.accepted_per_position)):
+        for pos, count in enumerate(stats.accepted_per_position):
             per_pos.add_metric([str(pos)], float(count))
         yield per_pos
-
-
-def _retry(fn: Callable[[], float], tries: int = 5) -> float:
-    """Read a value the engine thread may be changing (a deque being appended to) without locking."""
-    for _ in range(tries):
-        try:
-            return float(fn())
-        except RuntimeError:
-            continue
-    return 0.0
 
 
 class Metrics:
     def __init__(self, ready_fn: Callable[[], bool] | None = None) -> None:
         self.registry = CollectorRegistry(auto_describe=True)
-        self.engine: LLMEngine | None = None
-        self.ready_fn = ready_fn or (lambda: self.engine is not None)
+        self.stats_fn: Callable[[], StatsSnapshot | None] = lambda: None  # the backend's, once it is built
+        self.ready_fn = ready_fn or (lambda: False)
         r = self.registry
         self.ttft = Histogram(P + "time_to_first_token_seconds", "Time from arrival to the first token",
                               buckets=LATENCY_BUCKETS, registry=r)
@@ -123,13 +112,10 @@ class Metrics:
     def rollout_unrecorded(self) -> None:
         self.unrecorded.inc()
 
-    def bind_engine(self, engine: LLMEngine) -> None:
-        self.engine = engine
-
     # -- observations (engine thread and API layers) -----------------------------------------------
-    def observe_step(self, record: StepRecord) -> None:
-        self.batch.observe(record.batch_size)
-        self.strategy_steps.labels(record.strategy or "plain").inc()
+    def observe_step(self, batch_size: int, strategy: str) -> None:
+        self.batch.observe(batch_size)
+        self.strategy_steps.labels(strategy or "plain").inc()
 
     def observe_tokens(self, ttft: float | None, gap: float, n_tokens: int) -> None:
         if ttft is not None:

@@ -12,7 +12,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-from service.api.protogen import pb2
+from service.protogen import pb2
 
 PAYLOAD = "payload"
 

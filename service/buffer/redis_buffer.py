@@ -27,10 +27,10 @@ from typing import Any
 
 import redis
 
-from service.api.protogen import pb2
 from service.buffer.codec import entry_fields, payload_of, spool_reward, spool_rollout
 from service.buffer.config import BufferConfig
 from service.buffer.spool import Spool
+from service.protogen import pb2
 
 logger = logging.getLogger(__name__)
 

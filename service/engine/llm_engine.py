@@ -11,12 +11,15 @@ from collections.abc import Sequence as Seq
 from pathlib import Path
 
 import torch
+from torch import nn
 from tqdm import tqdm
 
+from service.backend.base import StatsSnapshot
 from service.config import EngineConfig, ModelConfig
 from service.engine.drafters import build_drafters, expand_auto
 from service.engine.drafters.base import Drafter
 from service.engine.drafters.draft_model import DraftModelDrafter
+from service.engine.drafters.eagle import EagleDrafter
 from service.engine.kv_cache import KVCache, slots_for_budget
 from service.engine.runner import ModelRunner, TokenResult
 from service.engine.scheduler import Scheduler, SchedulerOutput
@@ -220,12 +223,16 @@ class LLMEngine:
     def drafter_version(self) -> str:
         return ",".join(f"{n}@{d.version}" for n, d in self.drafters.items()) or "none"
 
-    def swap_drafter(self, name: str, model: CausalLM, version: str) -> None:
-        """Serve a new draft model from the next step on (call between steps)."""
-        drafter = self.drafters.get(name)
-        if not isinstance(drafter, DraftModelDrafter):
-            raise ValueError(f"no draft-model drafter named {name!r}; drafters: {sorted(self.drafters)}")
-        drafter.swap_model(model, str(version))
+    def swap_drafter(self, module: nn.Module, version: str) -> None:
+        """Serve new drafter weights (a draft model or an EAGLE head) from the next step on (between steps)."""
+        for drafter in self.drafters.values():
+            if isinstance(drafter, DraftModelDrafter):
+                drafter.swap_model(module, str(version))
+                return
+            if isinstance(drafter, EagleDrafter):
+                drafter.swap_head(module, str(version))
+                return
+        raise ValueError(f"no drafter with weights; drafters: {sorted(self.drafters)}")
 
     def _postprocess(self, kind: str, seqs: list[Sequence], results: list[list[TokenResult]]) -> list[StepOutput]:
         """Append each sequence's new tokens in order, stopping exactly where plain decoding would."""
@@ -298,6 +305,26 @@ class LLMEngine:
                 del self.requests[rid]
 
     # -- offline convenience ----------------------------------------------------------------------
+    def snapshot(self) -> StatsSnapshot:
+        """The engine's state and counters as plain values, for other threads (taken on the engine thread)."""
+        s = self.stats
+        return StatsSnapshot(
+            policy_version=str(self.policy_version), drafter_version=self.drafter_version,
+            num_running=self.num_running, num_waiting=self.num_waiting, paused=self.paused,
+            admission_held=self.hold_admission, strategy=self.spec_strategy,
+            mean_accepted_length=s.mean_accepted_length, num_steps=s.num_steps, prompt_tokens=s.prompt_tokens,
+            generation_tokens=s.generation_tokens, spec_drafts=s.spec_drafts, spec_draft_tokens=s.spec_draft_tokens,
+            spec_accepted_tokens=s.spec_accepted_tokens, accepted_per_position=tuple(s.accepted_per_position))
+
+    def drafter_weights(self) -> tuple[str, nn.Module] | None:
+        """The drafter that has weights (kind "draft_model" or "eagle", its serving module), or None."""
+        for drafter in self.drafters.values():
+            if isinstance(drafter, DraftModelDrafter):
+                return "draft_model", drafter.exec.model
+            if isinstance(drafter, EagleDrafter):
+                return "eagle", drafter.head
+        return None
+
     def generate(
         self,
         prompts: Seq[Seq[int]],

@@ -6,77 +6,31 @@ operations (a "wait" push, a "wait" pause) hold admission and finish once no seq
 
 from __future__ import annotations
 
-import contextlib
 import logging
 import threading
-import time
 from collections import deque
 from collections.abc import Callable
-from concurrent.futures import Future, InvalidStateError
-from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, TypeVar
+from concurrent.futures import Future
+from typing import TYPE_CHECKING, TypeVar
 
 from service.backend.admission import Admission
+from service.backend.base import NotReady, StatsSnapshot, SwapResult
 from service.backend.events import Failed, GenRequest, RequestHandle
 from service.backend.hooks import Hooks
 from service.engine.dispatch import Dispatcher
+from service.engine.holds import Holds, settle
 from service.params import SamplingError
 
 if TYPE_CHECKING:
     from service.backend.metrics import Metrics
     from service.engine.llm_engine import LLMEngine
-    from service.models.llama import CausalLM
 
 logger = logging.getLogger(__name__)
 
 T = TypeVar("T")
 
 
-def settle(fut: Future[Any], result: Any = None, exc: BaseException | None = None) -> bool:
-    """Hand a result to a caller's future unless the caller already gave up (cancelled it): the engine thread
-    never fails because of a caller's state. Returns whether the caller got it."""
-    if fut.done():
-        return False
-    try:
-        if exc is not None:
-            fut.set_exception(exc)
-        else:
-            fut.set_result(result)
-    except InvalidStateError:  # cancelled between the check and the set
-        return False
-    return True
-
-
-MODES = ("wait", "abort", "keep")
 IDLE_WAIT_S = 0.5
-
-
-class NotReady(RuntimeError):
-    """The engine is not loaded (yet), failed to load, or the loop is stopping."""
-
-
-@dataclass(slots=True)
-class SwapResult:
-    version: str
-    swap_seconds: float
-    wait_seconds: float
-    aborted: list[str] = field(default_factory=list)
-    replaced: Any = None  # the model that served before (the caller frees or reuses it)
-
-
-@dataclass(slots=True)
-class _PendingSwap:
-    model: CausalLM
-    version: str
-    future: Future[SwapResult]
-    since: float
-
-
-def check_mode(mode: str) -> str:
-    mode = (mode or "wait").lower()
-    if mode not in MODES:
-        raise ValueError(f"mode must be one of {list(MODES)}, got {mode!r}")
-    return mode
 
 
 class EngineLoop:
@@ -89,14 +43,14 @@ class EngineLoop:
         if metrics is not None and self.hooks.on_rollout_lost is None:
             self.hooks.on_rollout_lost = metrics.rollout_unrecorded
         self._engine: LLMEngine | None = None
+        self.snapshot: StatsSnapshot | None = None  # replaced (never mutated) by the engine thread
         self.error: BaseException | None = None
         self.ready = threading.Event()
         self.loaded_or_failed = threading.Event()
         self._cond = threading.Condition()
         self._commands: deque[Callable[[LLMEngine], None]] = deque()
         self._disp = Dispatcher(metrics, self.hooks)
-        self._swaps: list[_PendingSwap] = []
-        self._pauses: list[Future[list[str]]] = []
+        self.holds = Holds(self._post, self._publish, metrics)
         self._stopping = False
         self._thread = threading.Thread(target=self._run, name="specroll-engine", daemon=True)
 
@@ -163,86 +117,13 @@ class EngineLoop:
         return self.call(lambda engine: self._abort_all(engine, reason))
 
     def pause(self, mode: str) -> Future[list[str]]:
-        """Pause generation; the future resolves (with aborted request ids) once nothing runs."""
-        mode = check_mode(mode)
-        fut: Future[list[str]] = Future()
+        return self.holds.pause(mode)
 
-        def run(engine: LLMEngine) -> None:
-            if fut.cancelled():
-                logger.info("pause (%s) cancelled before it started: its caller left", mode)
-                return
-            if mode == "wait" and engine.num_running and not engine.paused:
-                self._pauses.append(fut)
-                self._update_hold(engine)
-                return
-            if not fut.set_running_or_notify_cancel():
-                return
-            aborted = self._abort_running(engine, "pause") if mode == "abort" else []
-            engine.paused = True
-            logger.info("generation paused (%s)", mode)
-            settle(fut, aborted)
+    def resume(self) -> Future[None]:
+        return self.holds.resume()
 
-        self._post(run)
-        self._drop_when_cancelled(fut)
-        return fut
-
-    def resume(self) -> Future[bool]:
-        def run(engine: LLMEngine) -> bool:
-            engine.paused = False
-            for fut in self._pauses:
-                settle(fut, [])
-            self._pauses.clear()
-            self._update_hold(engine)
-            return False
-
-        return self.call(run)
-
-    def swap_target(self, model: CausalLM, version: str, mode: str) -> Future[SwapResult]:
-        """Serve `model` as `version`: now (keep), after aborting (abort) or once running ones finish (wait)."""
-        mode = check_mode(mode)
-        fut: Future[SwapResult] = Future()
-
-        def run(engine: LLMEngine) -> None:
-            if fut.cancelled():
-                logger.info("push of version %s cancelled before it was applied: its caller left", version)
-                return
-            if mode == "wait" and engine.num_running and not engine.paused:
-                self._swaps.append(_PendingSwap(model, version, fut, time.monotonic()))
-                self._update_hold(engine)
-                return
-            if not fut.set_running_or_notify_cancel():  # from here on the caller can no longer cancel it
-                return
-            start = time.perf_counter()
-            try:
-                aborted = self._abort_running(engine, "weight_push") if mode == "abort" else []
-                old = self._swap(engine, model, version)
-            except Exception as exc:
-                settle(fut, exc=exc)
-                return
-            settle(fut, SwapResult(version, time.perf_counter() - start, 0.0, aborted, old))
-
-        self._post(run)
-        self._drop_when_cancelled(fut)
-        return fut
-
-    def _drop_when_cancelled(self, fut: Future[Any]) -> None:
-        """A waiting push or pause whose caller leaves is withdrawn at once, releasing the admission hold."""
-
-        def done(f: Future[Any]) -> None:
-            if f.cancelled():
-                with contextlib.suppress(NotReady):
-                    self._post(self._drop_cancelled)
-
-        fut.add_done_callback(done)
-
-    def _drop_cancelled(self, engine: LLMEngine) -> None:
-        for sw in [sw for sw in self._swaps if sw.future.cancelled()]:
-            logger.warning("push of target weights %s withdrawn: its caller left before it was applied", sw.version)
-        for _ in [f for f in self._pauses if f.cancelled()]:
-            logger.warning("pause (wait) withdrawn: its caller left before generation was paused")
-        self._swaps = [sw for sw in self._swaps if not sw.future.cancelled()]
-        self._pauses = [f for f in self._pauses if not f.cancelled()]
-        self._update_hold(engine)
+    def swap(self, apply: Callable[[LLMEngine], None], version: str, mode: str) -> Future[SwapResult]:
+        return self.holds.swap(apply, version, mode)
 
     # -- engine thread ----------------------------------------------------------------------------
     def _post(self, fn: Callable[[LLMEngine], None]) -> None:
@@ -260,12 +141,11 @@ class EngineLoop:
             self.error = exc
             self.loaded_or_failed.set()
             return
-        self.admission.slots = self._engine.scheduler.num_slots
+        engine = self._engine
+        self.admission.slots = engine.scheduler.num_slots
+        self._publish(engine)
         self.ready.set()
         self.loaded_or_failed.set()
-        if self.metrics is not None:
-            self.metrics.bind_engine(self._engine)
-        engine = self._engine
         while True:
             with self._cond:
                 commands, self._commands = self._commands, deque()
@@ -279,15 +159,24 @@ class EngineLoop:
                 self._shutdown(engine)
                 return
             try:
-                self._progress(engine)
+                self.holds.progress(engine)
             except Exception:
                 logger.exception("finishing waiting pushes and pauses failed")
             if engine.has_unfinished():
                 produced = self._step(engine)
+                self._publish(engine)
                 if not produced and (engine.paused or engine.num_running == 0):
                     self._wait(0.02 if not engine.paused else IDLE_WAIT_S)
             else:
+                self._publish(engine)
                 self._wait(IDLE_WAIT_S)
+
+    def _publish(self, engine: LLMEngine) -> None:
+        """One consistent copy of the engine's state for other threads (metrics, server info, the trainer)."""
+        try:
+            self.snapshot = engine.snapshot()
+        except Exception:
+            logger.exception("taking the engine's stats snapshot failed")
 
     def _wait(self, timeout: float) -> None:
         with self._cond:
@@ -305,7 +194,8 @@ class EngineLoop:
         for rid, message in engine.take_failures().items():
             self._disp.fail(rid, message)
         if self.metrics is not None and engine.stats.num_steps != steps_before and engine.stats.recent:
-            self.metrics.observe_step(engine.stats.recent[-1])
+            last = engine.stats.recent[-1]
+            self.metrics.observe_step(last.batch_size, last.strategy)
         if outputs:
             try:
                 self._disp.dispatch(engine, outputs)
@@ -335,54 +225,6 @@ class EngineLoop:
             self.metrics.aborted(reason, len(ids))
         return ids
 
-    def _abort_running(self, engine: LLMEngine, reason: str) -> list[str]:
-        """Mode abort: end the requests that are generating; waiting ones stay queued (after a swap they start
-        on the new weights, after a pause once generation resumes)."""
-        ids = list(dict.fromkeys(s.request_id for s in engine.scheduler.running))
-        for rid in ids:
-            engine.abort(rid)
-        if ids and self.metrics is not None:
-            self.metrics.aborted(reason, len(ids))
-        return ids
-
-    def _swap(self, engine: LLMEngine, model: CausalLM, version: str) -> Any:
-        old = getattr(getattr(engine, "runner", None), "model", None)
-        engine.swap_target(model, version)
-        logger.info("now serving target weights version %s", version)
-        return old
-
-    def _update_hold(self, engine: LLMEngine) -> None:
-        engine.hold_admission = bool(self._swaps or self._pauses)
-
-    def _progress(self, engine: LLMEngine) -> None:
-        """Finish wait-mode swaps and pauses once nothing runs (or generation is frozen anyway)."""
-        if not (self._swaps or self._pauses) or (engine.num_running and not engine.paused):
-            return
-        swaps, self._swaps = self._swaps, []
-        pauses, self._pauses = self._pauses, []
-        self._update_hold(engine)
-        for sw in swaps:
-            # A caller that left is never applied; once running, the caller can no longer cancel it.
-            if not sw.future.set_running_or_notify_cancel():
-                logger.warning("push of target weights %s not applied: its caller left", sw.version)
-                continue
-            start = time.perf_counter()
-            try:
-                old = self._swap(engine, sw.model, sw.version)
-            except Exception as exc:
-                settle(sw.future, exc=exc)
-                continue
-            settle(sw.future, SwapResult(sw.version, time.perf_counter() - start, time.monotonic() - sw.since,
-                                         [], old))
-        live = [f for f in pauses if f.set_running_or_notify_cancel()]
-        if live:
-            engine.paused = True
-            logger.info("generation paused (wait)")
-            for fut in live:
-                settle(fut, [])
-        elif pauses:
-            logger.warning("pause (wait) not applied: its caller left")
-
     def _fail_all(self, engine: LLMEngine, message: str) -> None:
         self._disp.fail_all(message)
         try:
@@ -402,7 +244,4 @@ class EngineLoop:
             except Exception:
                 logger.exception("could not drain aborted requests at shutdown")
         self._disp.fail_all("the server is shutting down")
-        for sw in self._swaps:
-            settle(sw.future, exc=NotReady("the server is shutting down"))
-        for fut in self._pauses:
-            settle(fut, exc=NotReady("the server is shutting down"))
+        self.holds.shutdown()

@@ -6,16 +6,15 @@ parameter each here, so the mapping says which slice of which parameter a checkp
 
 from __future__ import annotations
 
-import json
 import re
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterable
 from pathlib import Path
 
 import torch
-from safetensors import safe_open
 
-from service.config import ConfigError, ModelConfig
+from service.config import ModelConfig
 from service.models.llama import CausalLM
+from service.safetensors_io import iter_safetensors, read_shapes, safetensors_files
 
 _LAYER = re.compile(r"^model\.layers\.(\d+)\.(.+)$")
 _IGNORED = re.compile(r"(rotary_emb\.inv_freq|\.attn\.bias|\.masked_bias)$")
@@ -119,37 +118,6 @@ def load_tensors(model: CausalLM, tensors: Iterable[tuple[str, torch.Tensor]]) -
         dst.copy_(tensor)
         total += tensor.numel() * tensor.element_size()
     return total
-
-
-def safetensors_files(path: Path) -> list[Path]:
-    index = path / "model.safetensors.index.json"
-    if index.is_file():
-        names = sorted(set(json.loads(index.read_text())["weight_map"].values()))
-        files = [path / n for n in names]
-    else:
-        files = sorted(path.glob("*.safetensors"))
-    if not files:
-        raise ConfigError(f"no *.safetensors files in model folder {str(path)!r}")
-    for f in files:
-        if not f.is_file():
-            raise ConfigError(f"checkpoint index names {f.name!r} but the file is missing")
-    return files
-
-
-def iter_safetensors(files: list[Path]) -> Iterator[tuple[str, torch.Tensor]]:
-    for f in files:
-        with safe_open(str(f), framework="pt") as sf:
-            for name in sf.keys():  # noqa: SIM118 - safe_open has no __iter__
-                yield name, sf.get_tensor(name)
-
-
-def read_shapes(files: list[Path]) -> dict[str, tuple[int, ...]]:
-    shapes: dict[str, tuple[int, ...]] = {}
-    for f in files:
-        with safe_open(str(f), framework="pt") as sf:
-            for name in sf.keys():  # noqa: SIM118
-                shapes[name] = tuple(sf.get_slice(name).get_shape())
-    return shapes
 
 
 def load_model(path: str | Path, dtype: torch.dtype, device: torch.device) -> CausalLM:

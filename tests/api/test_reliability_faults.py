@@ -19,9 +19,9 @@ from service_utils import ADMIN, auth, checkpoint_tensors, perturbed
 
 from client import AsyncSpecrollClient
 from service.api.generation import Limits
-from service.api.protogen import pb2
 from service.app import BackgroundServer, ServerConfig
 from service.config import EngineConfig
+from service.protogen import pb2
 
 LONG_LEN = 4096
 LONG: dict[str, Any] = {"temperature": 1.0, "seed": 3, "max_tokens": LONG_LEN - 16, "ignore_eos": True}

@@ -23,8 +23,8 @@ from helpers import make_checkpoint
 from service_utils import ADMIN, start_server
 
 from service.api.generation import Limits
-from service.api.protogen import pb2, pb2_grpc
 from service.app import BackgroundServer
+from service.protogen import pb2, pb2_grpc
 
 logger = logging.getLogger(__name__)
 

@@ -35,7 +35,7 @@ def wait_for(cond, timeout: float = 60.0) -> None:
 def test_queue_bound_refuses_cleanly_and_admitted_work_completes(model):
     srv = start_server(model, engine_kw={"max_num_seqs": 4}, admission=AdmissionLimits(max_waiting_seqs=6))
     url = srv.http_url
-    admission = srv.server.loop.admission
+    admission = srv.server.backend.admission
     try:
         assert admission.slots == 4
         httpx.post(url + "/pause", json={"mode": "keep"}, headers=auth()).raise_for_status()
@@ -83,7 +83,7 @@ def test_multi_prompt_request_is_admitted_whole_or_not_at_all(model):
     srv = start_server(model, engine_kw={"max_num_seqs": 2},
                        admission=AdmissionLimits(max_waiting_seqs=0, max_pending_tokens=60))
     url = srv.http_url
-    admission = srv.server.loop.admission
+    admission = srv.server.backend.admission
     try:
         httpx.post(url + "/pause", json={"mode": "keep"}, headers=auth()).raise_for_status()
 
@@ -133,7 +133,7 @@ def test_flood_beyond_the_bound_gets_answers_not_hangs(model):
                 assert len(r.json()["choices"][0]["token_ids"]) == 12  # never truncated
             else:
                 assert r.headers["retry-after"] == "2"
-        admission = srv.server.loop.admission
+        admission = srv.server.backend.admission
         wait_for(lambda: admission.seqs == 0)
         assert admission.refused == codes.count(503)
     finally:
@@ -144,7 +144,7 @@ def test_non_streaming_clients_that_disconnect_leave_no_work_behind(model):
     """20 non-streaming requests on both HTTP APIs whose clients hang up: their engine requests are aborted."""
     srv = start_server(model)
     url = srv.http_url
-    admission = srv.server.loop.admission
+    admission = srv.server.backend.admission
     try:
         httpx.post(url + "/pause", json={"mode": "keep"}, headers=auth()).raise_for_status()
 

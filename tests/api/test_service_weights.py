@@ -19,13 +19,13 @@ from service_utils import ADMIN, auth, checkpoint_tensors, engine_config, pertur
 
 from client import AsyncSpecrollClient, Sample, SpecrollClient
 from client import weights as wt
-from service.api.protogen import pb2
 from service.app import BackgroundServer
 from service.engine.llm_engine import LLMEngine
 from service.models.llama import causal_meta
 from service.models.loader import load_model
 from service.models.rope import Rope
 from service.params import SamplingParams
+from service.protogen import pb2
 
 N_STREAMS = 32
 PARAMS: dict[str, Any] = {"temperature": 1.0, "top_p": 0.95, "seed": 77, "max_tokens": 160, "ignore_eos": True,

@@ -75,7 +75,7 @@ def test_redis_outage_spools_then_replays_in_order(model, tmp_path):
     cfg = BufferConfig(redis_url=own.url, stream=stream, spool_dir=str(tmp_path / "spool"), queue_max=16,
                        socket_timeout_s=0.3)
     srv = start_server(model, buffer=cfg)
-    buffer = srv.server.buffer.buffer
+    buffer = srv.server.buffer
     try:
         with SpecrollClient(srv.grpc_target, admin_token=ADMIN) as c:
             def batch(i: int) -> float:
@@ -120,7 +120,7 @@ def test_unwritten_rollouts_survive_a_server_restart_in_the_spool(model, tmp_pat
         with SpecrollClient(srv.grpc_target, admin_token=ADMIN) as c:
             c.generate([[1, 2, 3]], n=8, max_tokens=4, temperature=1.0)
             c.report_rewards({"x:0": 1.5})
-        wait_for(lambda: srv.server.buffer.buffer.spool.spooled + srv.server.buffer.buffer.queued == 9, 10)
+        wait_for(lambda: srv.server.buffer.spool.spooled + srv.server.buffer.queued == 9, 10)
     finally:
         srv.stop()
     own.start()

@@ -50,7 +50,7 @@ def test_in_process_trainer_improves_the_served_drafter(kind, tmp_path):
                 time.sleep(0.2)
             after = server_tokens_per_step(c, seed=2)
             info = c.server_info()
-        trainer = srv.server.buffer.trainer.trainer
+        trainer = srv.server.trainer.trainer
         logger.info("in-process %s drafter: server tokens/step on fresh rollouts %.2f -> %.2f (%s); sidecar "
                     "estimate %.2f -> %.2f", kind, before, after, info.drafter_version, trainer.history[0].before,
                     trainer.history[-1].after)

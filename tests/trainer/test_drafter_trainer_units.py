@@ -17,7 +17,7 @@ from drafter_trainer.checkpoint import CheckpointStore, load_optimizer
 from drafter_trainer.config import TrainerConfig
 from drafter_trainer.objective import acceptance, distill_loss, expected_lengths, mean_beta_length
 from drafter_trainer.pool import RolloutPool
-from drafter_trainer.remote import GrpcServer, PushRefused
+from drafter_trainer.servers import GrpcServer, PushRefused
 from drafter_trainer.students import EagleStudent
 from service.buffer.codec import decode_entry, entry_fields, payload_of
 from service.engine.drafters.eagle import init_head
@@ -137,7 +137,7 @@ def test_eagle_heads_are_not_pushed_over_grpc():
 
 def test_gate_follows_the_running_batch():
     from drafter_trainer.metrics import TrainerMetrics
-    from drafter_trainer.remote import ServerState
+    from drafter_trainer.servers import ServerState
     from drafter_trainer.trainer import DrafterTrainer
 
     def gate(st: ServerState, **kw) -> bool:

@@ -1,14 +1,14 @@
 """The trainer's view of the server: its state (versions, running batch) and how a drafter reaches it.
 
 Over gRPC for the sidecar (GetServerInfo, PushWeights role=drafter); directly on the engine loop when the
-trainer runs inside the server process.
+trainer runs inside the server process (the same stage-and-commit path as a push).
 """
 
 from __future__ import annotations
 
 import logging
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 from torch import nn
 
@@ -16,7 +16,7 @@ from drafter_trainer.students import Student
 
 if TYPE_CHECKING:
     from client import SpecrollClient
-    from service.engine.loop import EngineLoop
+    from service.backend.base import RolloutBackend
 
 logger = logging.getLogger(__name__)
 
@@ -53,33 +53,17 @@ class GrpcServer:
 
 
 class LocalServer:
-    """The engine of the server this trainer runs in. Reads are racy but harmless (ints and strings)."""
+    """The backend of the server this trainer runs in: its stats snapshot, and the same drafter push path
+    (stage, then commit) a trainer's push over the network takes."""
 
-    def __init__(self, loop: EngineLoop, timeout_s: float = 60.0) -> None:
-        self.loop, self.timeout_s = loop, timeout_s
+    def __init__(self, backend: RolloutBackend, timeout_s: float = 60.0) -> None:
+        self.backend, self.timeout_s = backend, timeout_s
 
     def state(self) -> ServerState:
-        e = self.loop.engine
-        return ServerState(str(e.policy_version), str(e.drafter_version), e.num_running, e.num_waiting,
-                           bool(e.paused), str(e.model_path), str(e.config.drafter))
+        s, info = self.backend.stats(), self.backend.info()
+        return ServerState(s.policy_version, s.drafter_version, s.num_running, s.num_waiting, s.paused,
+                           str(info.model_path), info.drafter)
 
     def push(self, student: Student, module: nn.Module, version: str) -> None:
-        engine = self.loop.engine
-        copy = student.frozen_copy(module).to(device=engine.device, dtype=engine.dtype)
-
-        def swap(e: Any) -> None:
-            if student.kind == "eagle":
-                e.drafters["eagle"].swap_head(copy, version)
-            else:
-                e.swap_drafter(_draft_name(e), copy, version)
-
-        self.loop.call(swap).result(self.timeout_s)
-
-
-def _draft_name(engine: Any) -> str:
-    from service.engine.drafters.draft_model import DraftModelDrafter
-
-    for name, d in engine.drafters.items():
-        if isinstance(d, DraftModelDrafter):
-            return str(name)
-    raise PushRefused("the engine has no draft-model drafter")
+        staged = self.backend.stage_weights("drafter", student.push_tensors(module).items())
+        self.backend.commit_weights(staged, version, "keep").result(self.timeout_s)

@@ -1,0 +1,182 @@
+"""The native PyTorch engine behind the RolloutBackend interface.
+
+The engine thread (`EngineLoop`) owns the `LLMEngine`; everything here either queues work for it or reads what
+it published (the stats snapshot, the info fixed at load). Pushed weights are staged by `WeightStager` on the
+caller's thread and swapped in by the engine thread between two steps.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Iterable
+from concurrent.futures import Future
+from typing import TYPE_CHECKING
+
+from service.backend.admission import Admission
+from service.backend.base import (
+    CAP_ADAPTIVE_SD,
+    CAP_DRAFTER_PUSH,
+    CAP_RAW_LOGPROBS,
+    CAP_SEEDS,
+    CAP_TOP_LOGPROBS,
+    BackendInfo,
+    NotReady,
+    PushUnsupported,
+    RolloutBackend,
+    Staged,
+    StatsSnapshot,
+    SwapResult,
+    WeightSpec,
+    check_mode,
+)
+from service.backend.hooks import Hooks
+from service.config import EngineConfig
+from service.engine.llm_engine import LLMEngine
+from service.engine.loop import EngineLoop
+from service.engine.weights import WeightStager
+
+if TYPE_CHECKING:
+    import torch
+
+    from service.backend.events import GenRequest, RequestHandle
+    from service.backend.metrics import Metrics
+    from service.tokenizer import Tokenizer
+
+logger = logging.getLogger(__name__)
+
+
+class NativeBackend(RolloutBackend):
+    def __init__(self, config: EngineConfig, metrics: Metrics | None = None, hooks: Hooks | None = None,
+                 admission: Admission | None = None, reuse_weight_buffers: bool = True) -> None:
+        if not config.model:
+            raise ValueError("EngineConfig.model must name a model folder (the CLI resolves the default model)")
+        self.config = config
+        self.hooks = hooks or Hooks()
+        self.loop = EngineLoop(self._load, metrics, self.hooks, admission)
+        self.admission = self.loop.admission
+        self._reuse = reuse_weight_buffers
+        self._stager: WeightStager | None = None
+        self._info: BackendInfo | None = None
+        self._roles: dict[str, WeightSpec] = {}
+
+    def _load(self) -> LLMEngine:
+        """Engine thread: build the engine and what never changes while it serves."""
+        engine = LLMEngine(self.config)
+        self._stager = WeightStager(engine, self._reuse)
+        self._roles = self._stager.roles()  # architectures never change: a push must match them
+        tok = engine.tokenizer
+        caps = {CAP_RAW_LOGPROBS, CAP_TOP_LOGPROBS, CAP_SEEDS}
+        if engine.drafters:
+            caps.add(CAP_ADAPTIVE_SD)
+        if "drafter" in self._roles:
+            caps.add(CAP_DRAFTER_PUSH)
+        self._info = BackendInfo(
+            backend="native", model_path=engine.model_path, vocab_size=engine.model_config.vocab_size,
+            max_model_len=engine.config.max_model_len, dtype=str(engine.config.dtype),
+            eos_token_id=None if tok is None else tok.eos_token_id, drafter=str(engine.config.drafter),
+            num_slots=engine.scheduler.num_slots, capabilities=frozenset(caps))
+        return engine
+
+    # -- lifecycle -----------------------------------------------------------------------------------------
+    def start(self) -> None:
+        self.loop.start()
+
+    def stop(self, timeout: float = 30.0) -> None:
+        self.loop.stop(timeout)
+
+    def wait_loaded(self, timeout: float | None = None) -> bool:
+        return self.loop.loaded_or_failed.wait(timeout)
+
+    @property
+    def load_error(self) -> BaseException | None:
+        return self.loop.error
+
+    @property
+    def ready(self) -> bool:
+        return self.loop.ready.is_set() and self.loop.alive
+
+    @property
+    def alive(self) -> bool:
+        return self.loop.error is None and (self.loop.alive or not self.loop.ready.is_set())
+
+    def _loaded(self) -> LLMEngine:
+        if self.loop.ready.is_set() and not self.loop.alive:
+            raise NotReady("the engine loop has stopped")
+        return self.loop.engine  # raises NotReady while loading or after a failed load
+
+    @property
+    def engine(self) -> LLMEngine:
+        """The engine object, for the in-process drafter trainer (same process, read-only use)."""
+        return self._loaded()
+
+    # -- what it serves --------------------------------------------------------------------------------------
+    def info(self) -> BackendInfo:
+        self._loaded()
+        assert self._info is not None  # set before the engine is published
+        return self._info
+
+    @property
+    def tokenizer(self) -> Tokenizer | None:
+        return self._loaded().tokenizer
+
+    def stats(self) -> StatsSnapshot:
+        self._loaded()
+        return self.loop.snapshot or StatsSnapshot()
+
+    # -- generation ------------------------------------------------------------------------------------------
+    def submit_all(self, items: list[tuple[GenRequest, RequestHandle]]) -> None:
+        self._loaded()
+        self.loop.submit_all(items)
+
+    def abort(self, request_id: str, reason: str = "client") -> Future[bool]:
+        return self.loop.abort(request_id, reason)
+
+    def abort_all(self, reason: str = "admin") -> Future[list[str]]:
+        self._loaded()
+        return self.loop.abort_all(reason)
+
+    def pause(self, mode: str) -> Future[list[str]]:
+        self._loaded()
+        return self.loop.pause(mode)
+
+    def resume(self) -> Future[None]:
+        self._loaded()
+        return self.loop.resume()
+
+    # -- weights ---------------------------------------------------------------------------------------------
+    def weight_roles(self) -> dict[str, WeightSpec]:
+        self._loaded()
+        return dict(self._roles)
+
+    def unsupported(self, role: str) -> str:
+        self._loaded()
+        assert self._stager is not None
+        return self._stager.unsupported(role)
+
+    def _stager_for(self, role: str) -> WeightStager:
+        self._loaded()
+        assert self._stager is not None
+        if role not in self._roles:
+            raise PushUnsupported(self._stager.unsupported(role) or f"no weights to push for role {role!r}")
+        return self._stager
+
+    def stage_weights(self, role: str, tensors: Iterable[tuple[str, torch.Tensor]]) -> Staged:
+        return self._stager_for(role).stage(role, tensors)
+
+    def commit_weights(self, staged: Staged, version: str, mode: str) -> Future[SwapResult]:
+        """A target swap follows `mode`; a drafter swap never holds generation back (it cannot change what is
+        sampled, only how fast), so it applies between the next two steps."""
+        stager = self._stager_for(staged.role)
+        mode = check_mode(mode) if staged.role == "target" else "keep"
+        fut = self.loop.swap(lambda engine: stager.apply(staged, version), version, mode)
+
+        def release_if_unused(f: Future[SwapResult]) -> None:
+            if f.cancelled() or f.exception() is not None:
+                stager.discard(staged)  # withdrawn or failed: the staged weights become the spare buffer
+
+        fut.add_done_callback(release_if_unused)
+        return fut
+
+    def discard(self, staged: Staged) -> None:
+        if self._stager is not None:
+            self._stager.discard(staged)

@@ -1,0 +1,140 @@
+"""Pushed weights for the native engine: checked, built beside the serving ones, swapped in between two steps.
+
+Two roles: `target` (the policy, a CausalLM) and `drafter` (whichever drafter has weights: a draft model's
+CausalLM or an EAGLE head). One path serves a trainer's push, the sidecar and the in-process drafter trainer.
+
+Double buffering: the weights a swap replaced become the buffer the next push of that role is loaded into (no
+allocation, no page faults). The engine keeps no reference to replaced weights.
+"""
+
+from __future__ import annotations
+
+import copy
+import logging
+import threading
+from collections.abc import Iterable
+from typing import TYPE_CHECKING
+
+import torch
+from torch import nn
+
+from service.backend.base import PushError, PushUnsupported, Staged, WeightSpec
+from service.models.llama import CausalLM
+from service.models.loader import WeightError, build_model, checkpoint_shapes, load_tensors
+
+if TYPE_CHECKING:
+    from service.engine.llm_engine import LLMEngine
+
+logger = logging.getLogger(__name__)
+
+
+def _placed(module: nn.Module, dtype: torch.dtype, device: torch.device) -> bool:
+    p = next(module.parameters(), None)
+    return p is not None and p.dtype == dtype and p.device.type == device.type
+
+
+def spec_of(role: str, module: nn.Module) -> WeightSpec:
+    """What a push must hold to replace `module`: a checkpoint by Hugging Face names, or a head's state dict."""
+    if isinstance(module, CausalLM):
+        cfg = module.config
+        tolerated = {"lm_head.weight": (cfg.vocab_size, cfg.hidden_size)} if cfg.tie_word_embeddings else {}
+        return WeightSpec(role, cfg.architecture, checkpoint_shapes(cfg), tolerated)
+    return WeightSpec(role, type(module).__name__, {n: tuple(t.shape) for n, t in module.state_dict().items()})
+
+
+@torch.no_grad()
+def _load_state(module: nn.Module, tensors: Iterable[tuple[str, torch.Tensor]]) -> int:
+    """Copy named tensors into a module's own state (casting dtype and device). Returns bytes copied."""
+    state = module.state_dict()
+    total = 0
+    for name, tensor in tensors:
+        dst = state.get(name)
+        if dst is None or dst.shape != tensor.shape:
+            raise PushError(f"tensor {name!r} does not fit the drafter's head")
+        dst.copy_(tensor)
+        total += tensor.numel() * tensor.element_size()
+    return total
+
+
+class WeightStager:
+    """Builds pushed weights for one engine. `stage` runs off the engine thread; `apply` on it."""
+
+    def __init__(self, engine: LLMEngine, reuse_buffers: bool = True) -> None:
+        self.engine = engine
+        self.reuse_buffers = reuse_buffers
+        self._spare: dict[str, nn.Module] = {}
+        self._lock = threading.Lock()
+
+    def _serving(self, role: str) -> nn.Module:
+        if role == "target":
+            return self.engine.runner.model
+        if role == "drafter":
+            found = self.engine.drafter_weights()
+            if found is None:
+                raise PushUnsupported(self.unsupported(role))
+            return found[1]
+        raise PushError(f"role must be 'target' or 'drafter', got {role!r}")
+
+    def unsupported(self, role: str) -> str:
+        if role == "drafter" and self.engine.drafter_weights() is None:
+            return (f"the server runs drafter {self.engine.config.drafter!r}, which has no draft model or head to push "
+                    "weights into (start it with --drafter <draft model folder> or eagle:<head folder>)")
+        return ""
+
+    def roles(self) -> dict[str, WeightSpec]:
+        roles = {"target": spec_of("target", self.engine.runner.model)}
+        found = self.engine.drafter_weights()
+        if found is not None:
+            roles["drafter"] = spec_of("drafter", found[1])
+        return roles
+
+    def stage(self, role: str, tensors: Iterable[tuple[str, torch.Tensor]]) -> Staged:
+        serving = self._serving(role)
+        dtype, device = self.engine.dtype, self.engine.device
+        with self._lock:
+            spare = self._spare.pop(role, None)
+        if spare is not None and (type(spare) is not type(serving) or getattr(spare, "config", None) != getattr(
+                serving, "config", None) or not _placed(spare, dtype, device)):
+            spare = None
+        try:
+            if isinstance(serving, CausalLM):
+                if spare is not None:
+                    nbytes = load_tensors(spare, tensors)
+                    module: nn.Module = spare
+                else:
+                    module = build_model(serving.config, tensors, dtype, device)
+                    nbytes = sum(p.numel() * p.element_size() for p in module.parameters())
+            else:
+                module = spare if spare is not None else copy.deepcopy(serving)
+                nbytes = _load_state(module, tensors)
+        except WeightError as exc:
+            self._keep(role, spare)
+            raise PushError(f"{role} weights: {exc}") from exc
+        except BaseException:
+            self._keep(role, spare)  # not serving: its contents do not matter, its memory does
+            raise
+        return Staged(role, nbytes, module.eval().requires_grad_(False))
+
+    def apply(self, staged: Staged, version: str) -> None:
+        """Engine thread, between two steps: serve the staged weights; the replaced ones become the spare."""
+        if staged.role == "target":
+            old: nn.Module = self.engine.runner.model
+            self.engine.swap_target(staged.payload, version)
+        else:
+            found = self.engine.drafter_weights()
+            if found is None:
+                raise PushUnsupported("the drafter with weights went away")
+            old = found[1]
+            self.engine.swap_drafter(staged.payload, version)
+        staged.payload = None
+        self._keep(staged.role, old)
+
+    def discard(self, staged: Staged) -> None:
+        module, staged.payload = staged.payload, None
+        self._keep(staged.role, module)
+
+    def _keep(self, role: str, module: nn.Module | None) -> None:
+        if module is None or not self.reuse_buffers:
+            return
+        with self._lock:
+            self._spare[role] = module
