@@ -16,8 +16,8 @@ from typing import Annotated, Any, BinaryIO
 from fastapi import APIRouter, Query, Request
 from pydantic import BaseModel, ConfigDict
 
+from service.api.deps import UPLOAD_PATH, AdminCtx, ApiCtx
 from service.api.disconnect import unless_disconnected
-from service.api.http_server import UPLOAD_PATH, AdminCtx, ApiCtx
 from service.api.push_protocol import PushError, PushResult
 
 router = APIRouter(tags=["admin"])

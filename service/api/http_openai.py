@@ -8,12 +8,8 @@ response carries ``prompt_token_ids``. Logprobs are those of the distribution ea
 
 from __future__ import annotations
 
-import asyncio
-import contextlib
-import json
 import time
 import uuid
-from collections.abc import AsyncIterator
 from dataclasses import asdict
 from typing import Any
 
@@ -22,6 +18,7 @@ from fastapi.responses import StreamingResponse
 from pydantic import BaseModel, ConfigDict, Field
 
 from service.api.context import ServiceContext
+from service.api.deps import ApiCtx
 from service.api.disconnect import unless_disconnected
 from service.api.generation import (
     Generation,
@@ -32,9 +29,8 @@ from service.api.generation import (
     make_params,
     make_stop,
     run_all,
-    start_all,
 )
-from service.api.http_server import ApiCtx
+from service.api.sse import sse, stream_updates
 
 router = APIRouter(tags=["openai"])
 
@@ -151,75 +147,23 @@ async def completions(req: CompletionRequest, ctx: ApiCtx, request: Request) -> 
 
 
 async def _stream(gens: list[Generation], head: dict[str, Any], req: CompletionRequest) -> StreamingResponse:
-    queue: asyncio.Queue[tuple[int, Update] | BaseException | None] = asyncio.Queue()
+    offsets = [[0] * req.n for _ in gens]
 
-    async def pump(j: int, it: AsyncIterator[Update]) -> None:
-        try:
-            async for upd in it:
-                await queue.put((j, upd))
-            await queue.put(None)
-        except BaseException as exc:  # handed to the response
-            await queue.put(exc)
+    def render(j: int, upd: Update) -> bytes:
+        gen = gens[j]
+        lp = _logprobs(gen, upd.token_ids, upd.logprobs, upd.top_logprobs, offsets[j][upd.index], req.logprobs)
+        offsets[j][upd.index] += len(upd.text)
+        choice = {"index": j * req.n + upd.index, "text": upd.text, "logprobs": lp,
+                  "finish_reason": upd.finish_reason, "token_ids": upd.token_ids,
+                  "rollout_id": gen.samples[upd.index].rollout_id}
+        return sse({**head, "choices": [choice]})
 
-    start_all(gens)
-    iters = [g.updates() for g in gens]
-    firsts = await prefetch(iters)
-    tasks: list[asyncio.Task[None]] = []
+    def usage() -> list[bytes]:
+        if not (req.stream_options and req.stream_options.get("include_usage")):
+            return []
+        completion = sum(len(s.token_ids) for g in gens for s in g.samples)
+        prompt_tokens = sum(len(g.prompt) * req.n for g in gens)
+        return [sse({**head, "choices": [], "usage": {"prompt_tokens": prompt_tokens,
+                     "completion_tokens": completion, "total_tokens": prompt_tokens + completion}})]
 
-    async def events() -> AsyncIterator[bytes]:
-        offsets = [[0] * req.n for _ in gens]
-        pending = len(gens)
-        try:
-            for j, first in enumerate(firsts):
-                await queue.put((j, first))
-                tasks.append(asyncio.create_task(pump(j, iters[j])))
-            while pending:
-                item = await queue.get()
-                if item is None:
-                    pending -= 1
-                    continue
-                if isinstance(item, BaseException):
-                    yield _sse({"error": {"message": str(item), "type": "internal_error"}})
-                    break
-                j, upd = item
-                gen = gens[j]
-                lp = _logprobs(gen, upd.token_ids, upd.logprobs, upd.top_logprobs, offsets[j][upd.index],
-                               req.logprobs)
-                offsets[j][upd.index] += len(upd.text)
-                choice = {"index": j * req.n + upd.index, "text": upd.text, "logprobs": lp,
-                          "finish_reason": upd.finish_reason, "token_ids": upd.token_ids,
-                          "rollout_id": gen.samples[upd.index].rollout_id}
-                yield _sse({**head, "choices": [choice]})
-            if req.stream_options and req.stream_options.get("include_usage"):
-                completion = sum(len(s.token_ids) for g in gens for s in g.samples)
-                prompt_tokens = sum(len(g.prompt) * req.n for g in gens)
-                yield _sse({**head, "choices": [], "usage": {"prompt_tokens": prompt_tokens,
-                            "completion_tokens": completion, "total_tokens": prompt_tokens + completion}})
-            yield b"data: [DONE]\n\n"
-        finally:
-            await close_all(tasks, iters)
-
-    return StreamingResponse(events(), media_type="text/event-stream")
-
-
-async def prefetch(iters: list[AsyncIterator[Any]]) -> list[Any]:
-    """First item of each stream, so errors found before any token become HTTP errors, not broken streams."""
-    try:
-        return [await anext(it) for it in iters]
-    except BaseException:
-        await close_all([], iters)
-        raise
-
-
-async def close_all(tasks: list[asyncio.Task[None]], iters: list[AsyncIterator[Any]]) -> None:
-    """Stop the pumps and close the update streams (which aborts requests still running)."""
-    for t in tasks:
-        t.cancel()
-    await asyncio.gather(*tasks, return_exceptions=True)
-    for it in iters:
-        with contextlib.suppress(RuntimeError):
-            await it.aclose()  # type: ignore[attr-defined]
-
-
-def _sse(obj: dict[str, Any]) -> bytes:
-    return b"data: " + json.dumps(obj, separators=(",", ":")).encode() + b"\n\n"
+    return await stream_updates(gens, render, usage)

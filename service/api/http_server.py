@@ -5,9 +5,9 @@ from __future__ import annotations
 import json
 import logging
 from collections.abc import Awaitable, Callable, MutableMapping
-from typing import Annotated, Any
+from typing import Any
 
-from fastapi import Depends, FastAPI, Request
+from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.openapi.utils import get_openapi
 from fastapi.responses import JSONResponse, PlainTextResponse, Response
@@ -15,11 +15,14 @@ from prometheus_client import CONTENT_TYPE_LATEST
 from starlette.exceptions import HTTPException
 
 from service.api.context import ServiceContext
+from service.api.deps import UPLOAD_PATH
 from service.api.errors import HANDLED, retry_after, status_of
+from service.api.http_admin import router as admin_router
+from service.api.http_openai import router as openai_router
+from service.api.http_sglang import router as sglang_router
 
 logger = logging.getLogger(__name__)
 
-UPLOAD_PATH = "/weights/upload"
 Scope = MutableMapping[str, Any]
 ASGIApp = Callable[[Scope, Callable[[], Awaitable[Any]], Callable[[Any], Awaitable[None]]], Awaitable[None]]
 
@@ -100,10 +103,6 @@ def _validation_message(exc: RequestValidationError) -> str:
 
 
 def create_app(ctx: ServiceContext) -> FastAPI:
-    from service.api.http_admin import router as admin_router
-    from service.api.http_openai import router as openai_router
-    from service.api.http_sglang import router as sglang_router
-
     app = FastAPI(title="specroll", version="1", description="Rollout server for RL post-training")
     app.state.ctx = ctx
 
@@ -163,23 +162,3 @@ def _openapi(app: FastAPI) -> dict[str, Any]:
                     responses["400"] = error
         app.openapi_schema = schema
     return app.openapi_schema
-
-
-def ctx_of(request: Request) -> ServiceContext:
-    return request.app.state.ctx  # type: ignore[no-any-return]
-
-
-def require_admin(request: Request) -> ServiceContext:
-    ctx = ctx_of(request)
-    ctx.auth.check_admin(request.headers.get("authorization"))
-    return ctx
-
-
-def require_api(request: Request) -> ServiceContext:
-    ctx = ctx_of(request)
-    ctx.auth.check_api(request.headers.get("authorization"))
-    return ctx
-
-
-AdminCtx = Annotated[ServiceContext, Depends(require_admin)]
-ApiCtx = Annotated[ServiceContext, Depends(require_api)]

@@ -8,10 +8,8 @@ cumulative text and output_ids per sample (with ``index``), then ``data: [DONE]`
 
 from __future__ import annotations
 
-import asyncio
 import time
 import uuid
-from collections.abc import AsyncIterator
 from dataclasses import asdict
 from typing import Any
 
@@ -20,19 +18,19 @@ from fastapi.responses import StreamingResponse
 from pydantic import BaseModel, ConfigDict
 
 from service.api.context import ServiceContext
+from service.api.deps import ApiCtx
 from service.api.disconnect import unless_disconnected
 from service.api.generation import (
     Generation,
     InvalidRequest,
     Sample,
+    Update,
     check_prompt,
     make_params,
     make_stop,
     run_all,
-    start_all,
 )
-from service.api.http_openai import _sse, close_all, prefetch
-from service.api.http_server import ApiCtx
+from service.api.sse import sse, stream_updates
 
 router = APIRouter(tags=["sglang"])
 
@@ -139,42 +137,12 @@ async def generate(req: GenerateRequest, ctx: ApiCtx, request: Request) -> Any:
 
 
 async def _stream(gens: list[Generation], logprob: bool, started: float, single: bool) -> StreamingResponse:
-    start_all(gens)
-    iters = [g.updates() for g in gens]
-    firsts = await prefetch(iters)
     offsets = [0]
     for g in gens[:-1]:
         offsets.append(offsets[-1] + g.params.n)
 
-    async def events() -> AsyncIterator[bytes]:
-        queue: asyncio.Queue[tuple[int, Any] | None] = asyncio.Queue()
+    def render(j: int, upd: Update) -> bytes:
+        s = gens[j].samples[upd.index]
+        return sse(_item(gens[j], s, logprob, started, None if single else offsets[j] + upd.index))
 
-        async def pump(j: int) -> None:
-            try:
-                async for upd in iters[j]:
-                    await queue.put((j, upd))
-            except Exception as exc:  # handed to the response
-                await queue.put((j, exc))
-            await queue.put(None)
-
-        for j, first in enumerate(firsts):
-            queue.put_nowait((j, first))
-        tasks = [asyncio.create_task(pump(j)) for j in range(len(gens))]
-        pending = len(gens)
-        try:
-            while pending:
-                item = await queue.get()
-                if item is None:
-                    pending -= 1
-                    continue
-                j, upd = item
-                if isinstance(upd, Exception):
-                    yield _sse({"error": {"message": str(upd), "type": "internal_error"}})
-                    break
-                s = gens[j].samples[upd.index]
-                yield _sse(_item(gens[j], s, logprob, started, None if single else offsets[j] + upd.index))
-            yield b"data: [DONE]\n\n"
-        finally:
-            await close_all(tasks, iters)
-
-    return StreamingResponse(events(), media_type="text/event-stream")
+    return await stream_updates(gens, render)

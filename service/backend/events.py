@@ -4,10 +4,9 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import queue
 import time
-from collections.abc import AsyncIterator, Iterator
-from dataclasses import asdict, dataclass, field
+from collections.abc import AsyncIterator
+from dataclasses import dataclass, field
 from typing import Any
 
 from service.params import SamplingParams, VersionSpan
@@ -92,9 +91,6 @@ class RolloutRecord:
     params: SamplingParams | None = None  # how the sample was drawn (the distillation target's processing)
     top_logprobs: list[dict[int, float]] | None = None
 
-    def to_dict(self) -> dict[str, Any]:
-        return asdict(self)
-
 
 def coalesce(events: list[Event]) -> list[Event]:
     """Merge each sample's consecutive chunks produced by the same weight versions; a sample's chunks stay
@@ -123,16 +119,15 @@ def coalesce(events: list[Event]) -> list[Event]:
 
 
 class RequestHandle:
-    """Events of one request, pushed by the engine thread and read by one consumer (async or not)."""
+    """Events of one request, pushed by the engine thread and read by one consumer on its event loop."""
 
-    def __init__(self, request_id: str, n: int, aloop: asyncio.AbstractEventLoop | None = None) -> None:
+    def __init__(self, request_id: str, n: int, aloop: asyncio.AbstractEventLoop) -> None:
         self.request_id = request_id
         self.n = n
         self.arrival = time.monotonic()
         self.created_at = time.time()
         self._aloop = aloop
-        self._aq: asyncio.Queue[list[Event]] | None = asyncio.Queue() if aloop is not None else None
-        self._q: queue.SimpleQueue[list[Event]] = queue.SimpleQueue()
+        self._aq: asyncio.Queue[list[Event]] = asyncio.Queue()
         self.finished = False
         self.ticket: Any = None  # its admission ticket (service.backend.admission.Ticket)
 
@@ -143,12 +138,9 @@ class RequestHandle:
 
     def put_many(self, events: list[Event]) -> None:
         """Called from the engine thread."""
-        if self._aq is not None and self._aloop is not None:
-            # RuntimeError: the consumer's event loop is closed, nobody listens any more
-            with contextlib.suppress(RuntimeError):
-                self._aloop.call_soon_threadsafe(self._aq.put_nowait, events)
-        else:
-            self._q.put(events)
+        # RuntimeError: the consumer's event loop is closed, nobody listens any more
+        with contextlib.suppress(RuntimeError):
+            self._aloop.call_soon_threadsafe(self._aq.put_nowait, events)
 
     def _done(self, ev: Event, remaining: int) -> int:
         if isinstance(ev, SampleDone):
@@ -159,7 +151,6 @@ class RequestHandle:
         """The request's events. Chunks that queued up while the consumer was busy are merged per sample, and
         with `stream_interval` > 1 held back until a sample has that many new tokens or something else (a
         finish, a failure) must go out: fewer, larger messages."""
-        assert self._aq is not None, "handle was created without an event loop"
         remaining = self.n
         pending: list[Event] = []
         while remaining > 0:
@@ -177,14 +168,6 @@ class RequestHandle:
                 yield ev
         self.finished = True
 
-    def iter_events(self, timeout: float | None = None) -> Iterator[Event]:
-        remaining = self.n
-        while remaining > 0:
-            for ev in self._q.get(timeout=timeout):
-                remaining = self._done(ev, remaining)
-                yield ev
-        self.finished = True
-
 
 def _put_all(puts: list[tuple[asyncio.Queue[list[Event]], list[Event]]]) -> None:
     for q, events in puts:
@@ -196,10 +179,7 @@ def deliver(items: list[tuple[RequestHandle, list[Event]]]) -> None:
     per request."""
     by_loop: dict[asyncio.AbstractEventLoop, list[tuple[asyncio.Queue[list[Event]], list[Event]]]] = {}
     for handle, events in items:
-        if handle._aq is not None and handle._aloop is not None:
-            by_loop.setdefault(handle._aloop, []).append((handle._aq, events))
-        else:
-            handle.put_many(events)
+        by_loop.setdefault(handle._aloop, []).append((handle._aq, events))
     for aloop, puts in by_loop.items():
         # RuntimeError: the consumers' event loop is closed, nobody listens any more
         with contextlib.suppress(RuntimeError):
