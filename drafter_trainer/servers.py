@@ -13,6 +13,7 @@ from typing import TYPE_CHECKING
 from torch import nn
 
 from drafter_trainer.students import Student
+from service.backend.base import PushUnsupported
 
 if TYPE_CHECKING:
     from client import SpecrollClient
@@ -33,7 +34,7 @@ class ServerState:
 
 
 class PushRefused(RuntimeError):
-    """The server cannot take this drafter (e.g. no push path for EAGLE heads over gRPC)."""
+    """The server cannot take this drafter (its drafter has no weights)."""
 
 
 class GrpcServer:
@@ -46,10 +47,14 @@ class GrpcServer:
                            i.model_path, i.drafter)
 
     def push(self, student: Student, module: nn.Module, version: str) -> None:
-        if student.kind == "eagle":
-            raise PushRefused("the server's drafter push (role=drafter) takes draft models only; an EAGLE head "
-                              "is checkpointed for --drafter eagle:DIR instead")
-        self.client.push_weights(student.push_tensors(module), version, role="drafter")
+        """A draft model (Hugging Face names) or an EAGLE head (its state dict): the server's drafter role
+        takes whichever drafter it serves."""
+        from client.errors import FailedPrecondition
+
+        try:
+            self.client.push_weights(student.push_tensors(module), version, role="drafter")
+        except FailedPrecondition as exc:  # the server's drafter has no weights (e.g. suffix only)
+            raise PushRefused(str(exc)) from exc
 
 
 class LocalServer:
@@ -65,5 +70,8 @@ class LocalServer:
                            str(info.model_path), info.drafter)
 
     def push(self, student: Student, module: nn.Module, version: str) -> None:
-        staged = self.backend.stage_weights("drafter", student.push_tensors(module).items())
+        try:
+            staged = self.backend.stage_weights("drafter", student.push_tensors(module).items())
+        except PushUnsupported as exc:
+            raise PushRefused(str(exc)) from exc
         self.backend.commit_weights(staged, version, "keep").result(self.timeout_s)

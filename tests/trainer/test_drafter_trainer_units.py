@@ -17,7 +17,7 @@ from drafter_trainer.checkpoint import CheckpointStore, load_optimizer
 from drafter_trainer.config import TrainerConfig
 from drafter_trainer.objective import acceptance, distill_loss, expected_lengths, mean_beta_length
 from drafter_trainer.pool import RolloutPool
-from drafter_trainer.servers import GrpcServer, PushRefused
+from drafter_trainer.servers import GrpcServer
 from drafter_trainer.students import EagleStudent
 from service.buffer.codec import decode_entry, entry_fields, payload_of
 from service.engine.drafters.eagle import init_head
@@ -127,12 +127,34 @@ def test_hf_tensors_round_trip_and_checkpoint_with_optimizer(tmp_path):
     assert torch.equal(a["exp_avg"], b["exp_avg"]) and float(a["step"]) == float(b["step"])
 
 
-def test_eagle_heads_are_not_pushed_over_grpc():
-    cfg = load_model(make_checkpoint("qwen2", tied=True), torch.float32, CPU).config
-    student = EagleStudent(init_head(cfg), cfg.vocab_size, 64, CPU)
-    with pytest.raises(PushRefused, match="eagle:DIR"):
-        GrpcServer(None).push(student, student.module, "v1")  # type: ignore[arg-type]
-    assert set(student.push_tensors(student.module)) >= {"fc.weight", "norm.weight"}
+def test_eagle_heads_are_pushed_over_grpc_like_draft_models():
+    """The sidecar's push of an EAGLE head takes the same drafter role as a draft model; a head that does not
+    fit is refused and the served one stays."""
+    from service_utils import ADMIN, start_server
+
+    from client import SpecrollClient
+    from client.errors import InvalidArgument
+
+    model_dir = make_checkpoint("qwen2", tied=True)
+    cfg = load_model(model_dir, torch.float32, CPU).config
+    student = EagleStudent(init_head(cfg, seed=3), cfg.vocab_size, 64, CPU)
+    srv = start_server(model_dir, engine_kw={"drafter": "eagle"})
+    try:
+        with SpecrollClient(srv.grpc_target, admin_token=ADMIN) as c:
+            def greedy() -> list[int]:
+                return c.generate_one([5, 6, 7], max_tokens=12, temperature=0.0, ignore_eos=True).samples[0].token_ids
+
+            before = greedy()
+            GrpcServer(c).push(student, student.module, "e1")
+            assert "eagle@e1" in c.server_info().drafter_version
+            assert greedy() == before  # lossless
+            bad = student.push_tensors(student.module)
+            bad["fc.weight"] = bad["fc.weight"][:, :-1].contiguous()
+            with pytest.raises(InvalidArgument, match=r"fc\.weight"):
+                c.push_weights(bad, "e2", role="drafter")
+            assert "eagle@e1" in c.server_info().drafter_version
+    finally:
+        srv.stop()
 
 
 def test_gate_follows_the_running_batch():
