@@ -44,7 +44,7 @@ COPY client ./client
 COPY drafter_trainer ./drafter_trainer
 COPY deploy/docker/entrypoint.sh /usr/local/bin/specroll-entrypoint
 RUN env -u PIP_FIND_LINKS python3 -m pip install --no-deps -e . && \
-    python3 -m service.protogen && \
+    python3 -m client.protogen && \
     specroll build-default-model && \
     chown -R specroll /opt/specroll
 

@@ -17,8 +17,8 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from client import weights as wt
 from client.errors import Overloaded, SpecrollError, Unavailable, from_rpc_error
+from client.protogen import pb2, pb2_grpc
 from client.types import Completion, PushResult, Sample, ServerInfo, TokenChunk, VersionSpan
-from service.protogen import pb2, pb2_grpc
 
 logger = logging.getLogger(__name__)
 

@@ -17,7 +17,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from service.protogen import pb2
+from client.protogen import pb2
 
 CHUNK_BYTES = 4 * 2**20
 _ST_DTYPES = {"F32": ("float32", 4), "BF16": ("bfloat16", 2), "F16": ("float16", 2)}

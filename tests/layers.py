@@ -14,6 +14,7 @@ from pathlib import Path
 
 # Layer name -> module prefixes (longest prefix wins when a module matches several).
 LAYERS: dict[str, tuple[str, ...]] = {
+    "proto": ("client.protogen", "client._gen"),  # the generated wire contract, under everything
     "ground": ("service", "service.config", "service.params", "service.tokenizer", "service.protogen",
                "service.safetensors_io", "service._gen"),
     "models": ("service.models",),
@@ -34,6 +35,7 @@ LAYERS: dict[str, tuple[str, ...]] = {
 # What each layer may import besides itself: the layers below it. The seam is `backend`: the transport (api),
 # the buffer and both engines sit on it side by side and never import each other.
 BELOW: dict[str, frozenset[str]] = {
+    "proto": frozenset(),
     "ground": frozenset(),
     "models": frozenset({"ground"}),
     "backend": frozenset({"ground", "models"}),
@@ -46,7 +48,7 @@ BELOW: dict[str, frozenset[str]] = {
     "app": frozenset({"ground", "models", "backend", "engine", "vllm", "api", "buffer", "demo", "drafter_trainer"}),
     "cli": frozenset({"ground", "models", "backend", "engine", "vllm", "api", "buffer", "demo", "drafter_trainer",
                       "app", "client"}),
-    "client": frozenset(),  # the proto only: installable without the server
+    "client": frozenset(),  # the proto only (allowed everywhere): installable without the server
     "bench": frozenset({"ground", "models", "backend", "engine", "vllm", "api", "buffer", "demo", "drafter_trainer",
                         "app", "cli", "client", "examples"}),  # bench/e2e.py runs the GRPO example
     # a user's trainer: the client, plus (GRPO example) our decoder for the policy and the demo task
@@ -121,7 +123,7 @@ def check_file(root: Path, path: Path) -> list[Violation]:
             if (module == src or module.startswith(src + ".")) and (imported == dst or imported.startswith(dst + ".")):
                 found[(line, dst)] = Violation(rel, line, module, dst, why)
         target = layer_of(imported)
-        if target is None or target == layer or target in BELOW[layer]:
+        if target is None or target in (layer, "proto") or target in BELOW[layer]:
             continue
         if imported.rpartition(".")[0] and layer_of(imported.rpartition(".")[0]) in (layer, *BELOW[layer]) \
                 and not _is_module(root, imported):

@@ -52,7 +52,7 @@ def test_a_reintroduced_upward_import_is_reported(tmp_path):
         "service/buffer/bad_buffer.py": "def f():\n    from drafter_trainer.embedded import EmbeddedTrainer\n",
         "service/engine/drafters/bad_drafter.py": "from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n"
                                                   "    from service.engine.llm_engine import LLMEngine\n",
-        "client/bad_client.py": "from service.protogen import pb2\n",
+        "client/bad_client.py": "from service.params import SamplingParams\n",
         "service/models/bad_model.py": "from service import engine\n",
         "service/engine/bad_relative.py": "from ..api import context\n",
     }
