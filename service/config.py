@@ -130,7 +130,6 @@ class EngineConfig:
     max_num_batched_tokens: int = 8192
     kv_cache_memory_gb: float = 2.0
     seed: int = 0
-    enforce_eager: bool = True
     num_threads: int | None = None
     # Speculative decoding: drafters as a comma-separated list of "suffix" and draft-model folders
     # ("none" for plain decoding); spec "adaptive" picks (drafter, k) per step, "fixed" pins spec_k.

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import enum
+import hashlib
 import math
 from dataclasses import dataclass
 
@@ -124,3 +125,9 @@ class VersionSpan:
     drafter_version: str
     start: int
     end: int
+
+
+def sample_seed(base: int, index: int) -> int:
+    """Distinct, deterministic seeds for the n samples of one seeded request (the same on every backend)."""
+    digest = hashlib.blake2b(f"{base}:{index}".encode(), digest_size=8).digest()
+    return int.from_bytes(digest, "little") >> 1

@@ -22,7 +22,6 @@ from __future__ import annotations
 
 import random
 import re
-from collections.abc import Iterator
 from dataclasses import dataclass
 
 PROMPT_PREFIX = "Add: "
@@ -101,12 +100,6 @@ def problems(count: int, seed: int, difficulty: Difficulty = Difficulty()) -> li
     """`count` problems drawn with `seed`: the same list on every machine (Python's Mersenne Twister)."""
     rng = random.Random(seed)
     return [sample_problem(rng, difficulty) for _ in range(count)]
-
-
-def iter_problems(seed: int, difficulty: Difficulty = Difficulty()) -> Iterator[Problem]:
-    rng = random.Random(seed)
-    while True:
-        yield sample_problem(rng, difficulty)
 
 
 def parse_prompt(prompt: str) -> Problem | None:

@@ -110,7 +110,7 @@ class Dispatcher:
         return record, SampleDone(
             index=i, rollout_id=rollout_id, finish_reason=reason, num_prompt_tokens=out.num_prompt_tokens,
             num_output_tokens=out.num_output_tokens, version_spans=spans, num_steps=tr.steps[i],
-            strategy=str(getattr(engine, "spec_strategy", "plain")), token_ids=list(seq.output_token_ids),
+            strategy=engine.last_strategy, token_ids=list(seq.output_token_ids),
             logprobs=list(seq.logprobs), raw_logprobs=raw,
             top_logprobs=list(seq.top_logprobs) if seq.params.top_logprobs else None,
         )

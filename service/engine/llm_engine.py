@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import hashlib
 import logging
 import random
 import time
@@ -21,14 +20,14 @@ from service.engine.drafters.base import Drafter
 from service.engine.drafters.draft_model import DraftModelDrafter
 from service.engine.drafters.eagle import EagleDrafter
 from service.engine.kv_cache import KVCache, slots_for_budget
-from service.engine.runner import ModelRunner, TokenResult
+from service.engine.runner import ModelRunner, StepResult, TokenResult
 from service.engine.scheduler import Scheduler, SchedulerOutput
 from service.engine.sequence import Request, RequestOutput, Sequence, StepOutput, completion_of
 from service.engine.stats import EngineStats, StepRecord
 from service.engine.strategy import PLAIN, AdaptiveStrategy, Ewma, Strategy
 from service.models.llama import CausalLM
 from service.models.loader import load_model
-from service.params import SamplingError, SamplingParams
+from service.params import SamplingError, SamplingParams, sample_seed
 from service.tokenizer import Tokenizer
 
 logger = logging.getLogger(__name__)
@@ -37,21 +36,13 @@ SPEC_HEADROOM = 16  # cache positions past max_model_len that speculative verifi
 BETWEEN_STEPS_MAX_S = 0.05  # a longer gap between two steps is idle time, not per-step overhead
 
 
-def sample_seed(base: int, index: int) -> int:
-    """Distinct, deterministic seeds for the n samples of one seeded request."""
-    digest = hashlib.blake2b(f"{base}:{index}".encode(), digest_size=8).digest()
-    return int.from_bytes(digest, "little") >> 1
-
-
 class LLMEngine:
-    def __init__(self, config: EngineConfig | None = None) -> None:
-        self.config = config = config or EngineConfig()
+    def __init__(self, config: EngineConfig) -> None:
+        self.config = config
         if config.num_threads:
             torch.set_num_threads(config.num_threads)
-        if config.model is None:
-            from service.demo.default_model import ensure_default_model
-
-            config.model = str(ensure_default_model())
+        if not config.model:
+            raise ValueError("EngineConfig.model must name a model folder (the CLI resolves the default model)")
         self.model_path = Path(config.model)
         self.device = torch.device(config.device)
         self.dtype = getattr(torch, config.dtype)
@@ -74,7 +65,8 @@ class LLMEngine:
         self.failures: dict[str, str] = {}  # request id -> error, for requests that failed on their own
         self.policy_version = str(config.extra.get("policy_version", "0"))
         config.drafter = expand_auto(config.drafter, self.model_path)
-        self.drafters: dict[str, Drafter] = build_drafters(config.drafter, self)
+        self.drafters: dict[str, Drafter] = build_drafters(config.drafter, self.model_path, self.runner.target,
+                                                           num_slots, config.seed)
         self._last_step_end: float | None = None
         self._between_steps = Ewma()
         self.runner.drafters = list(self.drafters.values())
@@ -84,7 +76,7 @@ class LLMEngine:
         elif config.spec == "fixed":
             fixed = Strategy(next(iter(self.drafters)), config.spec_k)
         self.strategy = AdaptiveStrategy(list(self.drafters), fixed=fixed, seed=config.seed)
-        self.spec_strategy = PLAIN.name
+        self.last_strategy = PLAIN.name  # the label of the last step's choice (metrics, rollout records)
         self.paused = False  # step() does nothing while paused (weight pushes, admin pause)
         self.stats = EngineStats()
 
@@ -187,37 +179,30 @@ class LLMEngine:
         outputs = self._drain_aborted()
         if self.paused:
             return outputs
-        sched = self.scheduler.schedule()
-        if sched.kind == "idle":
-            self.runner.apply_copies(sched.moves)
+        batch = self.scheduler.schedule()
+        if batch.kind == "idle":
+            self.runner.apply_copies(batch.moves)
             return outputs
-        strategy = self.strategy.choose(len(sched.seqs)) if sched.kind == "decode" else PLAIN
-        self.spec_strategy = strategy.name
-        if strategy.k:
-            return outputs + self._spec_step(sched, strategy, start)
-        seqs, results = self.runner.run(sched)
-        outputs += self._postprocess(sched.kind, seqs, [[r] for r in results])
-        seconds = time.perf_counter() - start
-        if sched.kind == "decode":
-            self.strategy.record(PLAIN, len(seqs), seconds + self.between_steps_s)
-        self.stats.record_step(sched.kind, sched, len(seqs), seconds)
+        strategy = self.strategy.choose(len(batch.seqs)) if batch.kind == "decode" else PLAIN
+        result = self.runner.execute(batch, strategy, self.drafters.get(strategy.drafter))
+        outputs += self._postprocess(result)
+        self._record(batch, strategy, result, time.perf_counter() - start)
         return outputs
 
-    def _spec_step(self, sched: SchedulerOutput, strategy: Strategy, start: float) -> list[StepOutput]:
-        drafter = self.drafters[strategy.drafter]
-        k = strategy.k
-        prev_tokens = [s.num_tokens for s in sched.seqs]
-        seqs, per_seq, accepted, drafted, draft_s = self.runner.spec_step(sched, drafter, k)
-        drafter.after_step(seqs, prev_tokens, accepted, k)
-        outputs = self._postprocess("decode", seqs, per_seq)
-        seconds = time.perf_counter() - start
-        self.strategy.record(strategy, len(seqs), seconds + self.between_steps_s, accepted)
-        emitted = sum(s.num_tokens - t for s, t in zip(seqs, prev_tokens, strict=True))
-        record = StepRecord("spec", len(seqs), seconds, strategy.name, k, sum(drafted), sum(accepted), emitted,
-                            draft_s, seconds - draft_s)
-        self.stats.record_step("spec", sched, len(seqs), seconds, record)
-        self.stats.add_accepted_per_position([sum(1 for a in accepted if a > j) for j in range(k)])
-        return outputs
+    def _record(self, batch: SchedulerOutput, strategy: Strategy, result: StepResult, seconds: float) -> None:
+        """Feedback for the strategy (what this choice cost), counters for the metrics."""
+        B = len(result.seqs)
+        self.last_strategy = strategy.name
+        if batch.kind == "decode":
+            self.strategy.record(strategy, B, seconds + self.between_steps_s, result.num_accepted or None)
+        if not result.k:
+            self.stats.record_step(batch.kind, batch, B, seconds)
+            return
+        emitted = sum(s.num_tokens - t for s, t in zip(result.seqs, result.prev_num_tokens, strict=True))
+        record = StepRecord("spec", B, seconds, strategy.name, result.k, sum(result.num_drafted),
+                            sum(result.num_accepted), emitted, result.draft_seconds, seconds - result.draft_seconds)
+        self.stats.record_step("spec", batch, B, seconds, record)
+        self.stats.add_accepted_per_position([sum(1 for a in result.num_accepted if a > j) for j in range(result.k)])
 
     @property
     def drafter_version(self) -> str:
@@ -234,10 +219,11 @@ class LLMEngine:
                 return
         raise ValueError(f"no drafter with weights; drafters: {sorted(self.drafters)}")
 
-    def _postprocess(self, kind: str, seqs: list[Sequence], results: list[list[TokenResult]]) -> list[StepOutput]:
+    def _postprocess(self, result: StepResult) -> list[StepOutput]:
         """Append each sequence's new tokens in order, stopping exactly where plain decoding would."""
         outputs = []
-        for seq, tokens in zip(seqs, results, strict=True):
+        seqs = result.seqs
+        for seq, tokens in zip(seqs, result.tokens, strict=True):
             if seq.is_finished:  # its request failed earlier in this step
                 continue
             try:
@@ -311,7 +297,7 @@ class LLMEngine:
         return StatsSnapshot(
             policy_version=str(self.policy_version), drafter_version=self.drafter_version,
             num_running=self.num_running, num_waiting=self.num_waiting, paused=self.paused,
-            admission_held=self.hold_admission, strategy=self.spec_strategy,
+            admission_held=self.hold_admission, strategy=self.last_strategy,
             mean_accepted_length=s.mean_accepted_length, num_steps=s.num_steps, prompt_tokens=s.prompt_tokens,
             generation_tokens=s.generation_tokens, spec_drafts=s.spec_drafts, spec_draft_tokens=s.spec_draft_tokens,
             spec_accepted_tokens=s.spec_accepted_tokens, accepted_per_position=tuple(s.accepted_per_position))
@@ -320,7 +306,7 @@ class LLMEngine:
         """The drafter that has weights (kind "draft_model" or "eagle", its serving module), or None."""
         for drafter in self.drafters.values():
             if isinstance(drafter, DraftModelDrafter):
-                return "draft_model", drafter.exec.model
+                return "draft_model", drafter.cached.model
             if isinstance(drafter, EagleDrafter):
                 return "eagle", drafter.head
         return None

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import logging
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 import torch
@@ -19,8 +19,27 @@ from service.models.rope import Rope
 
 if TYPE_CHECKING:
     from service.engine.drafters.base import Drafter
+    from service.engine.strategy import Strategy
 
 logger = logging.getLogger(__name__)
+
+
+@dataclass(slots=True)
+class StepResult:
+    """What one step produced, plain or speculative: per sequence (slot order) the tokens it emits (1..k+1),
+    and for a speculative step the drafts proposed and accepted."""
+
+    seqs: list[Sequence]
+    tokens: list[list[TokenResult]]
+    prev_num_tokens: list[int]  # each sequence's length before the step
+    k: int = 0  # draft depth (0: plain)
+    num_accepted: list[int] = field(default_factory=list)
+    num_drafted: list[int] = field(default_factory=list)
+    draft_seconds: float = 0.0
+
+    @classmethod
+    def plain(cls, seqs: list[Sequence], results: list[TokenResult]) -> StepResult:
+        return cls(seqs, [[r] for r in results], [s.num_tokens for s in seqs])
 
 
 @dataclass(slots=True)
@@ -112,7 +131,7 @@ class CachedModel:
 
 
 class ModelRunner:
-    """Runs the target for prefill, decode and speculative steps; drafters plug in through `spec_step`."""
+    """Runs the target for prefill, decode and speculative steps; drafters plug in through `execute`."""
 
     def __init__(self, model: CausalLM, cache: KVCache, device: torch.device) -> None:
         self.target = CachedModel(model, cache, device)
@@ -146,14 +165,17 @@ class ModelRunner:
 
     # -- one engine step --------------------------------------------------------------------------
     @torch.inference_mode()
-    def run(self, out: SchedulerOutput) -> tuple[list[Sequence], list[TokenResult]]:
-        """Run a prefill or plain decode step: one token per sequence."""
-        self.apply_copies(out.moves)
-        if out.kind == "prefill":
-            return self._prefill(out)
-        return self._decode(out.seqs)
+    def execute(self, batch: SchedulerOutput, strategy: Strategy, drafter: Drafter | None = None) -> StepResult:
+        """Run one scheduled step: prefill, plain decode (k = 0), or draft k tokens with `drafter` and verify
+        them in one target pass."""
+        self.apply_copies(batch.moves)
+        if batch.kind == "prefill":
+            return self._prefill(batch)
+        if strategy.k and drafter is not None:
+            return self._speculative(batch.seqs, drafter, strategy.k)
+        return self._decode(batch.seqs)
 
-    def _prefill(self, out: SchedulerOutput) -> tuple[list[Sequence], list[TokenResult]]:
+    def _prefill(self, out: SchedulerOutput) -> StepResult:
         prompts = [r.prompt_token_ids for r in out.requests]
         q_lens = [len(p) for p in prompts]
         Q = max(q_lens)
@@ -166,24 +188,18 @@ class ModelRunner:
         seqs = [s for r in out.requests for s in r.seqs]
         row_of = torch.tensor([i for i, r in enumerate(out.requests) for _ in r.seqs], device=self.device)
         sb = SamplingBatch.build(seqs, self.cfg.vocab_size, self.device)
-        return seqs, to_host(sample(logits[row_of], sb), seqs)
+        return StepResult.plain(seqs, to_host(sample(logits[row_of], sb), seqs))
 
-    def _decode(self, seqs: list[Sequence]) -> tuple[list[Sequence], list[TokenResult]]:
+    def _decode(self, seqs: list[Sequence]) -> StepResult:
         ids = torch.tensor([[s.last_token] for s in seqs], dtype=torch.int64, device=self.device)
         meta, _ = self.target.build_meta(0, [s.num_cached for s in seqs], [1] * len(seqs))
         logits = self.model.logits(self.forward(ids, meta)[:, 0])  # [B, V]
         sb = SamplingBatch.build(seqs, self.cfg.vocab_size, self.device)
-        return seqs, to_host(sample(logits, sb), seqs)
+        return StepResult.plain(seqs, to_host(sample(logits, sb), seqs))
 
-    @torch.inference_mode()
-    def spec_step(
-        self, out: SchedulerOutput, drafter: Drafter, k: int
-    ) -> tuple[list[Sequence], list[list[TokenResult]], list[int], list[int], float]:
-        """Draft k tokens per sequence, verify them in one target pass. Returns the sequences, the tokens
-        each emits (1..k+1), the accepted and proposed draft counts, and the seconds spent drafting."""
-        self.apply_copies(out.moves)
-        seqs = out.seqs
+    def _speculative(self, seqs: list[Sequence], drafter: Drafter, k: int) -> StepResult:
         B = len(seqs)
+        prev_num_tokens = [s.num_tokens for s in seqs]
         sb = SamplingBatch.build(seqs, self.cfg.vocab_size, self.device)
         t0 = time.perf_counter()
         draft = drafter.propose(seqs, k, sb)
@@ -193,9 +209,10 @@ class ModelRunner:
         meta, _ = self.target.build_meta(0, [s.num_cached for s in seqs], [k + 1] * B)
         hidden = self.forward(ids, meta)  # [B, k + 1, hidden]
         res = verify(self.model.logits(hidden), draft, sb)
-        # One host transfer: [B, k + 1] sampled columns plus num_accepted.
+        # One host transfer: [B, k + 1] sampled columns plus num_accepted and the draft lengths.
         flat_seqs = [s for s in seqs for _ in range(k + 1)]
         rows, extra = to_host(res.sample, flat_seqs, extra=torch.stack([res.num_accepted, draft.lengths], 1))
         num_accepted = [e[0] for e in extra]
-        per_seq = [rows[b * (k + 1) : b * (k + 1) + num_accepted[b] + 1] for b in range(B)]
-        return seqs, per_seq, num_accepted, [e[1] for e in extra], draft_seconds
+        drafter.after_step(seqs, prev_num_tokens, num_accepted, k)
+        tokens = [rows[b * (k + 1) : b * (k + 1) + num_accepted[b] + 1] for b in range(B)]
+        return StepResult(seqs, tokens, prev_num_tokens, k, num_accepted, [e[1] for e in extra], draft_seconds)

@@ -9,7 +9,7 @@ so a seeded sequence samples the same tokens whatever else shares its batch, wit
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 
@@ -147,3 +147,14 @@ def finish_sample(
     if sb.num_top_logprobs:
         top_values, top_ids = logprobs.topk(min(sb.num_top_logprobs, logprobs.shape[-1]), dim=-1)
     return SampleResult(tokens, chosen, raw, top_ids, top_values)
+
+
+def draw_draft(logits: torch.Tensor, sb: SamplingBatch, j: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Draft position j: draw a token [B] from the processed draft distribution q [B, V] (the draft's own
+    random stream). Greedy rows propose the argmax deterministically, so their q is one-hot."""
+    q = process_logits(logits, replace(sb, counters=sb.counters + j) if j else sb).exp()
+    drawn = sample_from(q, uniforms(sb.seeds, sb.counters + j, STREAM_DRAFT))
+    greedy_tok = logits.argmax(-1)
+    tok = torch.where(sb.greedy, greedy_tok, drawn)
+    q = torch.where(sb.greedy[:, None], torch.nn.functional.one_hot(greedy_tok, q.shape[-1]).to(q.dtype), q)
+    return tok, q

@@ -36,10 +36,6 @@ class SchedulerOutput:
     forks: list[SlotCopy] = field(default_factory=list)
     slot_lo: int = 0
 
-    @property
-    def num_rows(self) -> int:
-        return len(self.requests) if self.kind == "prefill" else len(self.seqs)
-
 
 class Scheduler:
     def __init__(self, num_slots: int, max_num_batched_tokens: int) -> None:

@@ -57,10 +57,6 @@ class Sequence:
     def is_finished(self) -> bool:
         return self.status is SequenceStatus.FINISHED
 
-    def token_at(self, pos: int) -> int:
-        n_prompt = len(self.prompt_token_ids)
-        return self.prompt_token_ids[pos] if pos < n_prompt else self.output_token_ids[pos - n_prompt]
-
     def tokens_from(self, start: int) -> list[int]:
         n_prompt = len(self.prompt_token_ids)
         if start >= n_prompt:

@@ -229,6 +229,3 @@ class AdaptiveStrategy:
     @staticmethod
     def _changed(p: float, observed: float, trials: float) -> bool:
         return abs(observed - p) > 0.15 + 3 * math.sqrt(max(p * (1 - p), 0.01) / trials)
-
-    def snapshot(self) -> dict[str, float]:
-        return {d: self.acceptance(d) for d in self.drafters}

@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import os
+import shutil
 import subprocess
 import sys
 import textwrap
@@ -44,7 +45,9 @@ def test_client_installs_and_talks_to_a_server_without_the_server_package(tmp_pa
     py = venv / "bin" / "python"
     env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "VIRTUAL_ENV")}
     env["PIP_DISABLE_PIP_VERSION_CHECK"] = "1"
-    pip = subprocess.run([str(py), "-m", "pip", "install", "-q", str(ROOT / "client")], env=env, cwd=tmp_path,
+    src = tmp_path / "client-src"  # built from a copy: the checkout stays clean
+    shutil.copytree(ROOT / "client", src, ignore=shutil.ignore_patterns("build", "*.egg-info", "__pycache__"))
+    pip = subprocess.run([str(py), "-m", "pip", "install", "-q", str(src)], env=env, cwd=tmp_path,
                          capture_output=True, text=True, timeout=600)
     if pip.returncode != 0:
         if "Could not find a version" in pip.stderr or "connection" in pip.stderr.lower():

@@ -9,7 +9,7 @@ from service.config import ConfigError, ModelConfig
 from service.engine.drafters.base import Drafter
 
 if TYPE_CHECKING:
-    from service.engine.llm_engine import LLMEngine
+    from service.engine.runner import CachedModel
 
 
 def expand_auto(spec: str, model_dir: Path) -> str:
@@ -26,37 +26,33 @@ def expand_auto(spec: str, model_dir: Path) -> str:
     return ",".join(dict.fromkeys(items)) or "none"
 
 
-def build_drafters(spec: str, engine: LLMEngine) -> dict[str, Drafter]:
-    """"none" | comma-separated items: "auto", "suffix", "eagle[:DIR]" or a draft-model folder. Drafters by name."""
+def build_drafters(spec: str, model_dir: Path, target: CachedModel, num_slots: int, seed: int) -> dict[str, Drafter]:
+    """"none" | comma-separated items: "auto", "suffix", "eagle[:DIR]" or a draft-model folder. Drafters by name.
+    `target` is the served model with its cache: drafters share its slots, positions, device and dtype."""
     from service.engine.drafters.draft_model import DraftModelDrafter
     from service.engine.drafters.suffix import SuffixDrafter
     from service.models.loader import load_model
 
     drafters: dict[str, Drafter] = {}
-    for item in expand_auto(spec, engine.model_path).split(","):
+    vocab = target.cfg.vocab_size
+    for item in expand_auto(spec, model_dir).split(","):
         if item == "none":
             continue
         if item == "suffix":
-            drafters["suffix"] = SuffixDrafter(engine.device)
+            drafters["suffix"] = SuffixDrafter(target.device)
             continue
         if item == "eagle" or item.startswith("eagle:"):
             from service.engine.drafters.eagle import build_eagle
 
-            drafters["eagle"] = build_eagle(item, engine.runner.target, engine.scheduler.num_slots, engine.device,
-                                            engine.config.seed)
+            drafters["eagle"] = build_eagle(item, target, num_slots, target.device, seed)
             continue
         path = Path(item)
         if not (path / "config.json").is_file():
             raise ConfigError(f"drafter {item!r} is neither 'none', 'suffix' nor a model folder with config.json")
         draft_cfg = ModelConfig.from_dir(path)
-        if abs(draft_cfg.vocab_size - engine.model_config.vocab_size) > 1024:
-            raise ConfigError(
-                f"draft model vocab {draft_cfg.vocab_size} does not match the target's "
-                f"{engine.model_config.vocab_size}: a draft model must share the target's tokenizer"
-            )
-        model = load_model(path, engine.dtype, engine.device)
-        drafters["draft"] = DraftModelDrafter(
-            model, engine.model_config.vocab_size, engine.scheduler.num_slots, engine.cache.max_positions,
-            engine.device,
-        )
+        if abs(draft_cfg.vocab_size - vocab) > 1024:
+            raise ConfigError(f"draft model vocab {draft_cfg.vocab_size} does not match the target's {vocab}: a "
+                              "draft model must share the target's tokenizer")
+        model = load_model(path, target.dtype, target.device)
+        drafters["draft"] = DraftModelDrafter(model, vocab, num_slots, target.cache.max_positions, target.device)
     return drafters

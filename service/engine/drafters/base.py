@@ -35,6 +35,3 @@ class Drafter(ABC):
 
     def apply_copies(self, copies: list[SlotCopy]) -> None:
         """Follow the target cache's slot moves and forks."""
-
-    def reset(self) -> None:
-        """Forget per-sequence state (after a weight swap)."""

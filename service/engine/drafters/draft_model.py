@@ -13,7 +13,7 @@ import torch
 from service.engine.drafters.base import Drafter
 from service.engine.kv_cache import KVCache
 from service.engine.runner import CachedModel
-from service.engine.sampler import STREAM_DRAFT, SamplingBatch, process_logits, sample_from, uniforms
+from service.engine.sampler import SamplingBatch, draw_draft
 from service.engine.scheduler import SlotCopy
 from service.engine.sequence import Sequence
 from service.engine.speculative.verify import DraftProposal
@@ -27,7 +27,7 @@ class DraftModelDrafter(Drafter):
                  device: torch.device, version: str = "0") -> None:
         dtype = next(model.parameters()).dtype
         cache = KVCache(model.config, num_slots, max_positions, dtype, device)
-        self.exec = CachedModel(model, cache, device)
+        self.cached = CachedModel(model, cache, device)  # the draft model with its own KV cache
         self.device = device
         self.version = version
         self.target_vocab = target_vocab
@@ -35,16 +35,13 @@ class DraftModelDrafter(Drafter):
 
     def swap_model(self, model: CausalLM, version: str) -> None:
         """Serve a new drafter from the next proposal on; every sequence catches up again."""
-        self.exec.model = model
+        self.cached.model = model
         self.version = version
-        self.reset()
-
-    def reset(self) -> None:
-        self._stale = True
+        self._stale = True  # every sequence catches up on the new weights
 
     def _logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """Draft logits over the target's vocabulary (checkpoints often pad vocabularies differently)."""
-        logits = self.exec.model.logits(hidden)
+        logits = self.cached.model.logits(hidden)
         V, Vd = self.target_vocab, logits.shape[-1]
         if Vd >= V:
             return logits[..., :V]
@@ -56,25 +53,18 @@ class DraftModelDrafter(Drafter):
                 s.draft_cached = 0
             self._stale = False
         B = len(seqs)
-        V = self.target_vocab
         # Catch up: feed every token the draft cache lacks, ending with the sequence's last token.
         starts = [min(s.draft_cached, s.num_tokens - 1) for s in seqs]
-        hidden, last = self.exec.extend(0, starts, [s.tokens_from(st) for s, st in zip(seqs, starts, strict=True)])
+        hidden, last = self.cached.extend(0, starts,
+                                          [s.tokens_from(st) for s, st in zip(seqs, starts, strict=True)])
         logits = self._logits(hidden[torch.arange(B, device=self.device), last])  # [B, V]
         tokens, probs = [], []
         positions = [s.num_tokens for s in seqs]
         for j in range(k):
             if j:
-                meta, _ = self.exec.build_meta(0, [p + j - 1 for p in positions], [1] * B)
-                logits = self._logits(self.exec.forward(tokens[-1][:, None], meta)[:, 0])
-            draft_sb = sb if j == 0 else _shift(sb, j)
-            logprobs = process_logits(logits, draft_sb)
-            q = logprobs.exp()
-            drawn = sample_from(q, uniforms(sb.seeds, sb.counters + j, STREAM_DRAFT))
-            greedy_tok = logits.argmax(-1)
-            tok = torch.where(sb.greedy, greedy_tok, drawn)
-            # Greedy rows propose the argmax deterministically: their q is one-hot.
-            q = torch.where(sb.greedy[:, None], torch.nn.functional.one_hot(greedy_tok, V).to(q.dtype), q)
+                meta, _ = self.cached.build_meta(0, [p + j - 1 for p in positions], [1] * B)
+                logits = self._logits(self.cached.forward(tokens[-1][:, None], meta)[:, 0])
+            tok, q = draw_draft(logits, sb, j)
             tokens.append(tok)
             probs.append(q)
         return DraftProposal(
@@ -89,11 +79,4 @@ class DraftModelDrafter(Drafter):
             s.draft_cached = t + min(k - 1, a)
 
     def apply_copies(self, copies: list[SlotCopy]) -> None:
-        self.exec.cache.copy_slots(copies)
-
-
-def _shift(sb: SamplingBatch, j: int) -> SamplingBatch:
-    """The same rows with counters advanced by j (only counters differ between draft positions)."""
-    from dataclasses import replace
-
-    return replace(sb, counters=sb.counters + j)
+        self.cached.cache.copy_slots(copies)

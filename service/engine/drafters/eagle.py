@@ -21,7 +21,7 @@ from service.config import ModelConfig
 from service.engine.drafters.base import Drafter
 from service.engine.kv_cache import KVCache
 from service.engine.runner import CachedModel
-from service.engine.sampler import STREAM_DRAFT, SamplingBatch, process_logits, sample_from, uniforms
+from service.engine.sampler import SamplingBatch, draw_draft
 from service.engine.scheduler import SlotCopy
 from service.engine.sequence import Sequence
 from service.engine.speculative.verify import DraftProposal
@@ -76,34 +76,31 @@ class EagleDrafter(Drafter):
         dtype = target.dtype
         self.head = head.to(device=device, dtype=dtype).eval().requires_grad_(False)
         cache = KVCache(head.config, num_slots, target.cache.max_positions, dtype, device)
-        self.exec = CachedModel(self.head, cache, device)
+        self.cached = CachedModel(self.head, cache, device)
         H = target.cfg.hidden_size
         self.features = torch.zeros(num_slots, target.cache.max_positions, H, dtype=dtype, device=device)
-        self.cached: dict[int, int] = {}  # seq_id -> head positions with real features
+        self.cached_positions: dict[int, int] = {}  # seq_id -> head positions with real features
         self.device = device
         self.version = version
 
     def swap_head(self, head: EagleHead, version: str) -> None:
         self.head = head.to(device=self.device, dtype=self.target.dtype).eval().requires_grad_(False)
-        self.exec.model = self.head
+        self.cached.model = self.head
         self.version = version
-        self.reset()
-
-    def reset(self) -> None:
-        self.cached.clear()
+        self.cached_positions.clear()  # every sequence catches up on the new head
 
     def observe_target_hidden(self, meta: AttnMeta, hidden: torch.Tensor) -> None:
         self.features[meta.write_slots, meta.write_pos] = hidden.reshape(-1, hidden.shape[-1])
 
     def apply_copies(self, copies: list[SlotCopy]) -> None:
-        self.exec.cache.copy_slots(copies)
+        self.cached.cache.copy_slots(copies)
         for c in copies:
             if c.length > 0 and c.src != c.dst:
                 self.features[c.dst, : c.length] = self.features[c.src, : c.length]
 
     def observe(self, seq: Sequence) -> None:
         if seq.is_finished:
-            self.cached.pop(seq.seq_id, None)
+            self.cached_positions.pop(seq.seq_id, None)
 
     def _draft_logits(self, feature: torch.Tensor) -> torch.Tensor:
         return self.target.model.logits(feature)
@@ -112,32 +109,27 @@ class EagleDrafter(Drafter):
         B, dev = len(seqs), self.device
         target = self.target.model
         # Catch up on head positions [start, T - 1): inputs (f_t, x_{t+1}); f_t is known for t < T - 1.
-        starts = [min(self.cached.get(s.seq_id, 0), s.num_tokens - 2) for s in seqs]
+        starts = [min(self.cached_positions.get(s.seq_id, 0), s.num_tokens - 2) for s in seqs]
         tokens = [s.tokens_from(st + 1) for s, st in zip(seqs, starts, strict=True)]
         q_lens = [len(t) for t in tokens]
         Q = max(q_lens)
         ids = torch.tensor([t + [0] * (Q - len(t)) for t in tokens], dtype=torch.int64, device=dev)
-        meta, pos = self.exec.build_meta(0, starts, q_lens)
+        meta, pos = self.cached.build_meta(0, starts, q_lens)
         feats = self.features[torch.arange(B, device=dev)[:, None], pos]  # [B, Q, H]
-        out = self.head(target.embed_tokens(ids), feats, meta, self.exec.cache.k, self.exec.cache.v)
+        out = self.head(target.embed_tokens(ids), feats, meta, self.cached.cache.k, self.cached.cache.v)
         last = torch.tensor([n - 1 for n in q_lens], dtype=torch.int64, device=dev)
         feature = out[torch.arange(B, device=dev), last]  # predicted f_{T-1}: [B, H]
         draft_tokens, draft_probs = [], []
         for j in range(k):
             if j:
-                meta, _ = self.exec.build_meta(0, [s.num_tokens - 2 + j for s in seqs], [1] * B)
+                meta, _ = self.cached.build_meta(0, [s.num_tokens - 2 + j for s in seqs], [1] * B)
                 emb = target.embed_tokens(draft_tokens[-1])[:, None]
-                feature = self.head(emb, feature[:, None], meta, self.exec.cache.k, self.exec.cache.v)[:, 0]
-            logits = self._draft_logits(feature)
-            q = process_logits(logits, replace(sb, counters=sb.counters + j)).exp()
-            drawn = sample_from(q, uniforms(sb.seeds, sb.counters + j, STREAM_DRAFT))
-            greedy_tok = logits.argmax(-1)
-            tok = torch.where(sb.greedy, greedy_tok, drawn)
-            q = torch.where(sb.greedy[:, None], nn.functional.one_hot(greedy_tok, q.shape[-1]).to(q.dtype), q)
+                feature = self.head(emb, feature[:, None], meta, self.cached.cache.k, self.cached.cache.v)[:, 0]
+            tok, q = draw_draft(self._draft_logits(feature), sb, j)
             draft_tokens.append(tok)
             draft_probs.append(q)
         for s in seqs:
-            self.cached[s.seq_id] = s.num_tokens - 1
+            self.cached_positions[s.seq_id] = s.num_tokens - 1
         return DraftProposal(torch.stack(draft_tokens, 1), torch.full((B,), k, dtype=torch.int64, device=dev),
                              torch.stack(draft_probs, 1))
 

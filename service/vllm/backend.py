@@ -1,0 +1,295 @@
+"""vLLM behind the RolloutBackend interface.
+
+A driver thread runs its own asyncio loop with vLLM's `AsyncLLM` (whose engine core runs in its own processes:
+tensor / pipeline / data parallel and the Ray executor are vLLM's). Every interface call either posts a
+coroutine to that loop (returning a concurrent Future) or reads what the loop published. Everything a request or
+a push carries is validated before it reaches vLLM: an exception inside its workers kills its engine.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import threading
+from collections.abc import Coroutine, Iterable
+from concurrent.futures import Future
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, TypeVar
+
+from service.backend.admission import Admission
+from service.backend.base import (
+    CAP_SEEDS,
+    CAP_TOP_LOGPROBS,
+    BackendInfo,
+    NotReady,
+    PushUnsupported,
+    RolloutBackend,
+    Staged,
+    StatsSnapshot,
+    SwapResult,
+    WeightSpec,
+    check_mode,
+)
+from service.backend.events import Failed
+from service.backend.hooks import Hooks
+from service.config import EngineConfig, ModelConfig
+from service.params import SamplingError, check_fits
+from service.tokenizer import Tokenizer
+from service.vllm.config import VllmConfig, parse_drafter
+from service.vllm.engine import build_engine, spec_table_for
+from service.vllm.requests import RequestRun, Versions
+from service.vllm.sampling import check_params
+from service.vllm.weights import WeightFiles, drafter_unsupported, target_spec
+
+if TYPE_CHECKING:
+    import torch
+
+    from service.backend.events import GenRequest, RequestHandle
+    from service.backend.metrics import Metrics
+
+logger = logging.getLogger(__name__)
+T = TypeVar("T")
+
+
+class VllmBackend(RolloutBackend):
+    def __init__(self, config: EngineConfig, vllm_config: VllmConfig | None = None, metrics: Metrics | None = None,
+                 hooks: Hooks | None = None, admission: Admission | None = None) -> None:
+        if not config.model:
+            raise ValueError("EngineConfig.model must name a model folder")
+        self.config = config
+        self.vcfg = vllm_config or VllmConfig()
+        self.metrics = metrics
+        self.hooks = hooks or Hooks()
+        self.admission = admission or Admission()
+        if metrics is not None and self.hooks.on_rollout_lost is None:
+            self.hooks.on_rollout_lost = metrics.rollout_unrecorded
+        self.model_dir = Path(config.model).resolve()
+        self.model_config = ModelConfig.from_dir(self.model_dir)
+        self.drafter = parse_drafter(config.drafter, self.model_dir)  # a bad --drafter fails here, at start
+        self.table = spec_table_for(self.drafter, config, self.vcfg)
+        self.versions = Versions(str(config.extra.get("policy_version", "0")),
+                                 "none" if self.drafter.method == "none" else f"{self.drafter.method}@0")
+        self._tokenizer = Tokenizer.from_dir(self.model_dir)
+        self._files = WeightFiles(self.model_dir)
+        self._spec = target_spec(self.model_config)
+        self._engine: Any = None
+        self._vllm: Any = None
+        self._aloop: asyncio.AbstractEventLoop | None = None
+        self._stop_event: asyncio.Event | None = None
+        self._error: BaseException | None = None
+        self._loaded = threading.Event()
+        self._ready = threading.Event()
+        self._thread = threading.Thread(target=self._drive, name="specroll-vllm", daemon=True)
+        self._runs: dict[str, RequestRun] = {}
+        self._paused = False
+        self._held = False  # a wait-mode pause or commit holds new requests back
+        self._info: BackendInfo | None = None
+
+    # -- lifecycle -----------------------------------------------------------------------------------------
+    def start(self) -> None:
+        self.hooks.start()
+        self._thread.start()
+
+    def _drive(self) -> None:
+        try:
+            asyncio.run(self._main())
+        except BaseException as exc:  # the engine failed to load or died
+            logger.exception("the vLLM engine stopped")
+            self._error = self._error or exc
+        finally:
+            self._ready.clear()
+            self._loaded.set()
+
+    async def _main(self) -> None:
+        self._aloop = asyncio.get_running_loop()
+        self._stop_event = asyncio.Event()
+        self._vllm, self._engine = build_engine(self.config, self.vcfg, self.drafter, self.table)
+        eos = self._tokenizer.eos_token_id if self._tokenizer is not None else None
+        caps = {CAP_TOP_LOGPROBS, CAP_SEEDS}
+        self._info = BackendInfo(
+            backend="vllm", model_path=self.model_dir, vocab_size=self.model_config.vocab_size,
+            max_model_len=self.config.max_model_len, dtype=str(self.config.dtype), eos_token_id=eos,
+            drafter=self.drafter.method if self.drafter.path is None else f"{self.drafter.method}:{self.drafter.path}",
+            num_slots=self.config.max_num_seqs, capabilities=frozenset(caps))
+        self.admission.slots = self.config.max_num_seqs
+        self._ready.set()
+        self._loaded.set()
+        logger.info("vLLM engine ready: %s, drafter %s, speculation table %s", self.model_dir, self.drafter.method,
+                    self.table)
+        await self._stop_event.wait()
+        await self._shutdown()
+
+    async def _shutdown(self) -> None:
+        for run in list(self._runs.values()):
+            for task in run.tasks:
+                task.cancel()
+        await asyncio.gather(*[t for r in self._runs.values() for t in r.tasks], return_exceptions=True)
+        self._engine.shutdown()
+
+    def stop(self, timeout: float = 30.0) -> None:
+        if self._aloop is not None and self._stop_event is not None and self._thread.is_alive():
+            self._aloop.call_soon_threadsafe(self._stop_event.set)
+            self._thread.join(timeout)
+        self.hooks.stop()
+
+    def wait_loaded(self, timeout: float | None = None) -> bool:
+        return self._loaded.wait(timeout)
+
+    @property
+    def load_error(self) -> BaseException | None:
+        return self._error
+
+    @property
+    def ready(self) -> bool:
+        return self._ready.is_set() and self._thread.is_alive()
+
+    @property
+    def alive(self) -> bool:
+        return self._error is None and (self._thread.is_alive() or not self._loaded.is_set())
+
+    def _call(self, coro: Coroutine[Any, Any, T]) -> Future[T]:
+        if not self.ready or self._aloop is None:
+            coro.close()
+            raise NotReady(f"model failed to load: {self._error}" if self._error else "model is still loading")
+        return asyncio.run_coroutine_threadsafe(coro, self._aloop)
+
+    # -- what it serves --------------------------------------------------------------------------------------
+    def info(self) -> BackendInfo:
+        if self._info is None or not self.ready:
+            raise NotReady(f"model failed to load: {self._error}" if self._error else "model is still loading")
+        return self._info
+
+    @property
+    def tokenizer(self) -> Tokenizer | None:
+        self.info()
+        return self._tokenizer
+
+    def stats(self) -> StatsSnapshot:
+        self.info()
+        runs = list(self._runs.values())
+        running = sum(r.num_running() for r in runs)
+        total = sum(len(r.samples) - r.finished for r in runs)
+        strategy = "plain" if not self.table else self.drafter.method
+        return StatsSnapshot(policy_version=self.versions.policy, drafter_version=self.versions.drafter,
+                             num_running=running, num_waiting=max(total - running, 0), paused=self._paused,
+                             admission_held=self._held, strategy=strategy)
+
+    # -- generation ------------------------------------------------------------------------------------------
+    def submit_all(self, items: list[tuple[GenRequest, RequestHandle]]) -> None:
+        info = self.info()
+        for req, _ in items:  # validated whole before anything is admitted or reaches vLLM
+            check_params(req.params)
+            check_fits(req.params, len(req.prompt_token_ids), info.vocab_size, info.max_model_len)
+            if req.request_id in self._runs:
+                raise SamplingError(f"request id {req.request_id!r} is already in use")
+        tickets = self.admission.admit([(r.params.n, len(r.prompt_token_ids) + r.params.max_tokens)
+                                        for r, _ in items])
+        for (_, handle), ticket in zip(items, tickets, strict=True):
+            handle.ticket = ticket
+        try:
+            self._call(self._start(items))
+        except NotReady:
+            for ticket in tickets:
+                ticket.release()
+            raise
+
+    async def _start(self, items: list[tuple[GenRequest, RequestHandle]]) -> None:
+        for req, handle in items:
+            if req.request_id in self._runs:
+                handle.release()
+                handle.put_many([Failed(f"request id {req.request_id!r} is already in use", invalid=True)])
+                continue
+            run = RequestRun(req, handle, self._engine, self._vllm, self.versions, self.hooks, self.metrics,
+                             lambda: "plain" if not self.table else self.drafter.method, self._forget)
+            self._runs[req.request_id] = run
+            run.start()
+
+    def _forget(self, run: RequestRun) -> None:
+        self._runs.pop(run.req.request_id, None)
+
+    def abort(self, request_id: str, reason: str = "client") -> Future[bool]:
+        return self._call(self._abort([request_id], reason))
+
+    def abort_all(self, reason: str = "admin") -> Future[list[str]]:
+        return self._call(self._abort(list(self._runs), reason))
+
+    async def _abort(self, request_ids: list[str], reason: str) -> Any:
+        found = [rid for rid in request_ids if rid in self._runs]
+        ids = [sid for rid in found for sid in self._runs[rid].sample_ids]
+        if ids:
+            await self._engine.abort(ids)
+        if found and self.metrics is not None:
+            self.metrics.aborted(reason, len(found))
+        return found if len(request_ids) != 1 else bool(found)
+
+    def pause(self, mode: str) -> Future[list[str]]:
+        return self._call(self._pause(check_mode(mode)))
+
+    async def _pause(self, mode: str) -> list[str]:
+        """vLLM's own pause: abort ends running requests (partial outputs), wait lets them finish first, keep
+        freezes them. New requests queue meanwhile."""
+        running = [rid for rid, r in self._runs.items() if r.num_running()] if mode == "abort" else []
+        self._held = mode == "wait"
+        try:
+            await self._engine.pause_generation(mode=mode, clear_cache=False)
+        finally:
+            self._held = False
+        self._paused = True
+        if running and self.metrics is not None:
+            self.metrics.aborted("pause", len(running))
+        return running
+
+    def resume(self) -> Future[None]:
+        return self._call(self._resume())
+
+    async def _resume(self) -> None:
+        await self._engine.resume_generation()
+        self._paused = False
+
+    # -- weights ---------------------------------------------------------------------------------------------
+    def weight_roles(self) -> dict[str, WeightSpec]:
+        self.info()
+        return {"target": self._spec}
+
+    def unsupported(self, role: str) -> str:
+        return drafter_unsupported(self.drafter) if role == "drafter" else ""
+
+    def stage_weights(self, role: str, tensors: Iterable[tuple[str, torch.Tensor]]) -> Staged:
+        if role != "target":
+            raise PushUnsupported(self.unsupported(role) or f"no weights to push for role {role!r}")
+        folder, nbytes = self._files.stage(tensors, self.config.dtype)
+        return Staged(role, nbytes, folder)
+
+    def commit_weights(self, staged: Staged, version: str, mode: str) -> Future[SwapResult]:
+        fut = self._call(self._commit(staged, version, check_mode(mode)))
+
+        def cleanup(f: Future[SwapResult]) -> None:
+            self._files.release(staged.payload)
+
+        fut.add_done_callback(cleanup)
+        return fut
+
+    async def _commit(self, staged: Staged, version: str, mode: str) -> SwapResult:
+        """Inside a pause: load the staged files into the serving model, drop cached prefixes computed by the
+        old weights, tag later tokens with the new version, resume (unless an admin paused before)."""
+        loop = asyncio.get_running_loop()
+        t_wait = loop.time()
+        was_paused = self._paused
+        aborted = [] if was_paused else await self._pause(mode)
+        t0 = loop.time()
+        try:
+            await self._engine.collective_rpc("reload_weights", kwargs={"weights_path": str(staged.payload)})
+            await self._engine.reset_prefix_cache()
+            self.versions.policy = str(version)
+        finally:
+            if not was_paused:
+                await self._resume()
+        logger.info("now serving target weights version %s", version)
+        if self.versions.drafter != "none" and self.drafter.has_weights:
+            logger.warning("the %s drafter keeps its weights after target push %s: acceptance may drop until it "
+                           "is retrained (vLLM cannot update drafter weights on this platform)",
+                           self.drafter.method, version)
+        return SwapResult(str(version), loop.time() - t0, t0 - t_wait, aborted)
+
+    def discard(self, staged: Staged) -> None:
+        self._files.release(staged.payload)

@@ -1,0 +1,152 @@
+"""One request on the vLLM engine: its n samples as n vLLM requests, streamed into specroll's events.
+
+Each sample's deltas become `Chunk`s tagged with the weight versions serving when they arrived; its end becomes
+a `SampleDone` and a `RolloutRecord` for the buffer, exactly as the native engine's dispatcher does (the final
+event goes out once the rollout store holds the record).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+from service.backend.events import Chunk, Failed, GenRequest, RequestHandle, RolloutRecord, SampleDone, deliver
+from service.backend.hooks import Hooks
+from service.backend.metrics import Metrics
+from service.params import VersionSpan
+from service.vllm.sampling import to_vllm
+
+
+@dataclass(slots=True)
+class Sample:
+    index: int
+    token_ids: list[int] = field(default_factory=list)
+    logprobs: list[float] = field(default_factory=list)
+    top_logprobs: list[dict[int, float]] = field(default_factory=list)
+    spans: list[VersionSpan] = field(default_factory=list)
+    steps: int = 0
+    running: bool = False  # produced a token and is not finished (counts as running)
+
+    def add(self, tokens: list[int], lps: list[float], tops: list[dict[int, float]] | None, policy: str,
+            drafter: str) -> None:
+        start = len(self.token_ids)
+        self.token_ids += tokens
+        self.logprobs += lps
+        if tops is not None:
+            self.top_logprobs += tops
+        last = self.spans[-1] if self.spans else None
+        if last is not None and (last.policy_version, last.drafter_version) == (policy, drafter):
+            last.end = len(self.token_ids)
+        else:
+            self.spans.append(VersionSpan(policy, drafter, start, len(self.token_ids)))
+        self.steps += 1
+
+
+def sample_id(request_id: str, index: int) -> str:
+    return f"{request_id}#{index}"
+
+
+class Versions:
+    """The weight versions serving now (set by commits on the driver loop)."""
+
+    def __init__(self, policy: str, drafter: str) -> None:
+        self.policy, self.drafter = policy, drafter
+
+
+class RequestRun:
+    """Drives the samples of one request on the driver's event loop."""
+
+    def __init__(self, req: GenRequest, handle: RequestHandle, engine: Any, vllm: Any, versions: Versions,
+                 hooks: Hooks, metrics: Metrics | None, strategy: Callable[[], str],
+                 on_done: Callable[[RequestRun], None]) -> None:
+        self.req, self.handle, self.engine, self.vllm = req, handle, engine, vllm
+        self.versions, self.hooks, self.metrics, self.strategy = versions, hooks, metrics, strategy
+        self.on_done = on_done
+        self.samples = [Sample(i) for i in range(req.params.n)]
+        self.finished = 0
+        self.tasks: list[asyncio.Task[None]] = []
+
+    @property
+    def sample_ids(self) -> list[str]:
+        return [sample_id(self.req.request_id, i) for i in range(self.req.params.n)]
+
+    def num_running(self) -> int:
+        return sum(1 for s in self.samples if s.running)
+
+    def start(self) -> None:
+        self.tasks = [asyncio.ensure_future(self._run(s)) for s in self.samples]
+
+    async def _run(self, s: Sample) -> None:
+        prompt = {"prompt_token_ids": list(self.req.prompt_token_ids)}
+        params = to_vllm(self.req.params, s.index, self.vllm)
+        reason = "abort"
+        last_time = 0.0
+        try:
+            async for out in self.engine.generate(prompt, params, request_id=sample_id(self.req.request_id,
+                                                                                       s.index)):
+                c = out.outputs[0]
+                if c.token_ids:
+                    self._chunk(s, list(c.token_ids), c.logprobs)
+                    now = time.monotonic()
+                    if self.metrics is not None:
+                        self.metrics.observe_tokens(None if not last_time else now - self.handle.arrival,
+                                                    now - last_time if last_time else 0.0, len(c.token_ids))
+                    last_time = now
+                if c.finish_reason is not None:
+                    reason = "abort" if c.finish_reason == "abort" else c.finish_reason
+                    if reason not in ("stop", "length", "abort"):
+                        reason = "stop"
+        except asyncio.CancelledError:
+            reason = "abort"
+        except Exception as exc:  # this request only: its consumer gets the error
+            logging.getLogger(__name__).exception("sample %s failed", sample_id(self.req.request_id, s.index))
+            self.handle.put_many([Failed(f"engine error: {exc}")])
+            reason = "abort"
+        self._finish(s, reason)
+
+    def _chunk(self, s: Sample, tokens: list[int], logprobs: Any) -> None:
+        lps: list[float] = []
+        tops: list[dict[int, float]] | None = [] if self.req.params.top_logprobs else None
+        for j, tok in enumerate(tokens):
+            entry = logprobs[j] if logprobs is not None and j < len(logprobs) else {}
+            lps.append(float(entry[tok].logprob) if tok in entry else float("nan"))
+            if tops is not None:
+                k = self.req.params.top_logprobs
+                ranked = sorted(((v.rank, t, v.logprob) for t, v in entry.items() if v.rank is not None))
+                tops.append({t: float(lp) for _, t, lp in ranked[:k]})
+        policy, drafter = self.versions.policy, self.versions.drafter
+        s.add(tokens, lps, tops, policy, drafter)
+        s.running = True
+        self.handle.put_many([Chunk(s.index, tokens, lps, None, tops, policy, drafter)])
+
+    def _finish(self, s: Sample, reason: str) -> None:
+        s.running = False
+        self.finished += 1
+        rid = self.req.request_id
+        rollout_id = f"{rid}:{s.index}"
+        n_prompt, n_out = len(self.req.prompt_token_ids), len(s.token_ids)
+        tops = list(s.top_logprobs) if self.req.params.top_logprobs else None
+        if self.metrics is not None:
+            self.metrics.observe_finished(time.monotonic() - self.handle.arrival, reason)
+        record = RolloutRecord(
+            rollout_id=rollout_id, request_id=rid, index=s.index, group_id=self.req.group_id,
+            prompt_token_ids=list(self.req.prompt_token_ids), output_token_ids=list(s.token_ids),
+            logprobs=list(s.logprobs), version_spans=list(s.spans), finish_reason=reason, num_prompt_tokens=n_prompt,
+            num_output_tokens=n_out, metadata=dict(self.req.metadata), policy_version=self.versions.policy,
+            drafter_version=self.versions.drafter, created_at=self.handle.created_at, params=self.req.params,
+            top_logprobs=tops)
+        done = SampleDone(index=s.index, rollout_id=rollout_id, finish_reason=reason, num_prompt_tokens=n_prompt,
+                          num_output_tokens=n_out, version_spans=list(s.spans), num_steps=s.steps,
+                          strategy=self.strategy(), token_ids=list(s.token_ids), logprobs=list(s.logprobs),
+                          top_logprobs=tops)
+        if self.finished == len(self.samples):
+            self.handle.release()
+            self.on_done(self)
+        if self.hooks.takes_rollouts:
+            self.hooks.rollout_finished(record, lambda: deliver([(self.handle, [done])]))
+        else:
+            self.handle.put_many([done])

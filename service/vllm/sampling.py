@@ -1,0 +1,45 @@
+"""specroll's sampling parameters as vLLM's, with the same meaning or a clear refusal.
+
+The engine runs with `logprobs_mode="processed_logprobs"`: the logprob returned for each token is that of the
+distribution it was drawn from (after temperature, top-k, top-p, min-p), as on the native backend. What vLLM
+cannot return with that meaning is refused here, before anything reaches vLLM (an exception inside its
+workers kills its engine).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from service.params import SamplingError, SamplingParams, sample_seed
+
+MAX_TOP_LOGPROBS = 20  # the engine's max_logprobs
+MIN_TEMPERATURE = 0.01  # vLLM raises lower temperatures to this: refused, it would be another distribution
+
+
+def check_params(params: SamplingParams) -> None:
+    """Raise SamplingError (400 / INVALID_ARGUMENT) for what the vLLM backend cannot honour exactly."""
+    if params.raw_logprobs:
+        raise SamplingError("raw_logprobs is not available on the vLLM backend: it returns the logprobs of the "
+                            "processed distribution only (one logprobs mode per engine); use the native backend")
+    if params.top_logprobs > MAX_TOP_LOGPROBS:
+        raise SamplingError(f"top_logprobs={params.top_logprobs} exceeds {MAX_TOP_LOGPROBS} on the vLLM backend")
+    if 0 < params.temperature < MIN_TEMPERATURE:
+        raise SamplingError(f"temperature {params.temperature} is below {MIN_TEMPERATURE}, which vLLM would raise "
+                            "to 0.01; use 0 for greedy decoding")
+    if params.greedy and (params.top_p < 1 or params.top_k or params.min_p):
+        raise SamplingError("greedy decoding (temperature 0) with top_p/top_k/min_p: the vLLM backend returns "
+                            "logprobs of the untruncated distribution there; drop the truncation")
+
+
+def to_vllm(params: SamplingParams, index: int, vllm: Any) -> Any:
+    """vLLM SamplingParams for sample `index` of a request (one vLLM request per sample: the n samples of a
+    seeded request get the same distinct seeds as on the native backend)."""
+    from vllm.sampling_params import RequestOutputKind
+
+    seed = sample_seed(params.seed, index) if params.seed is not None else None
+    return vllm.SamplingParams(
+        n=1, temperature=params.temperature, top_p=params.top_p, top_k=params.top_k or -1, min_p=params.min_p,
+        seed=None if seed is None else seed % 2**63, max_tokens=params.max_tokens,
+        stop_token_ids=list(params.stop_token_ids), ignore_eos=params.ignore_eos,
+        logprobs=params.top_logprobs, detokenize=False, output_kind=RequestOutputKind.DELTA,
+        skip_special_tokens=False)
