@@ -127,7 +127,7 @@ def run(target: Path, drafter: str, spec: str, k: int, prompts, lengths, per_pro
         tokens += sum(len(o.new_token_ids) for o in outs)
         finished += sum(o.finished for o in outs)
         if stale_draft is not None and not swapped and tokens >= half and "draft" in engine.drafters:
-            engine.swap_drafter("draft", load_model(stale_draft, engine.dtype, engine.device), "stale")
+            engine.swap_drafter(load_model(stale_draft, engine.dtype, engine.device), "stale")
             swapped = True
         rec = engine.stats.recent[-1] if engine.stats.num_steps > steps_before else None
         if rec is not None and rec.kind != "prefill":

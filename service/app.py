@@ -225,7 +225,7 @@ class BackgroundServer:
             self._error = exc
             self.server.started.set()
 
-    def start(self, timeout: float = 120.0, wait_ready: bool = True) -> BackgroundServer:
+    def start(self, timeout: float = 300.0, wait_ready: bool = True) -> BackgroundServer:
         self._thread.start()
         if not self.server.started.wait(timeout) or self._error is not None:
             raise RuntimeError(f"server did not start: {self._error}")

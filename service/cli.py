@@ -104,6 +104,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
     from service.app import ServerConfig, run_server
     from service.backend.admission import AdmissionLimits
     from service.buffer.config import buffer_config_from_args
+    from service.vllm.config import vllm_config_from_args
 
     engine_config = _engine_config(args)
     engine_config.drafter = args.drafter
@@ -121,6 +122,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
         buffer=buffer_config_from_args(args),
         admission=AdmissionLimits(args.max_waiting_seqs, args.max_pending_tokens, args.retry_after),
         backend=args.backend,
+        vllm=vllm_config_from_args(args) if args.backend == "vllm" else None,
     )
     return run_server(engine_config, config)
 
@@ -191,6 +193,9 @@ def build_parser() -> argparse.ArgumentParser:
     serve = sub.add_parser("serve", help="serve gRPC and HTTP APIs over one engine")
     _engine_args(serve)
     _serve_args(serve)
+    from service.vllm.config import add_vllm_args
+
+    add_vllm_args(serve)
     serve.set_defaults(func=cmd_serve)
 
     from drafter_trainer.cli import add_subcommand

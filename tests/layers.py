@@ -16,7 +16,7 @@ from pathlib import Path
 LAYERS: dict[str, tuple[str, ...]] = {
     "proto": ("client.protogen", "client._gen"),  # the generated wire contract, under everything
     "ground": ("service", "service.config", "service.params", "service.tokenizer", "service.protogen",
-               "service.safetensors_io", "service._gen"),
+               "service.netutil", "service.safetensors_io"),
     "models": ("service.models",),
     "backend": ("service.backend",),
     "engine": ("service.engine",),

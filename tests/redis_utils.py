@@ -10,7 +10,9 @@ from collections.abc import Callable
 from pathlib import Path
 
 import pytest
-from helpers import free_port, stop_process
+from helpers import stop_process
+
+from service.netutil import free_port
 
 
 def wait_for(cond: Callable[[], object], timeout: float = 60.0, what: str = "condition") -> None:

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import itertools
+
 import numpy as np
 import torch
 
@@ -48,3 +50,25 @@ def chi_square_pvalue(samples: list[int] | np.ndarray, probs: np.ndarray) -> flo
     if len(obs) < 2:
         return 1.0
     return float(chisquare(obs, exp).pvalue)
+
+
+def exact_joint(path, prompt, kw, length: int = 3) -> np.ndarray:
+    """P(t1, .., t_length) (2 or 3 tokens) by enumeration over a tiny vocabulary, with plain decoding's
+    processing, from transformers' logits."""
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+    V = model.config.vocab_size
+
+    def next_probs(prefixes):
+        with torch.no_grad():
+            logits = model(torch.tensor([prompt + list(p) for p in prefixes])).logits[:, -1]
+        return [processed_probs(row, **kw) for row in logits]
+
+    p1 = next_probs([()])[0]
+    p2 = next_probs([(a,) for a in range(V)])
+    joint = p1[:, None] * torch.stack(p2)
+    if length == 2:
+        return joint.reshape(-1).numpy()
+    p3 = next_probs(list(itertools.product(range(V), repeat=2)))
+    return (joint[:, :, None] * torch.stack(p3).view(V, V, V)).reshape(-1).numpy()

@@ -7,12 +7,12 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from helpers import free_port
 from safetensors.torch import load_file, save_file
 
 from service.api.generation import Limits
 from service.app import BackgroundServer, ServerConfig
 from service.config import EngineConfig
+from service.netutil import free_port
 
 ADMIN = "test-admin-token"
 MAX_MODEL_LEN = 256

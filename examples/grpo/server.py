@@ -5,7 +5,6 @@ from __future__ import annotations
 import logging
 import os
 import secrets
-import socket
 import subprocess
 import sys
 import time
@@ -14,13 +13,9 @@ from pathlib import Path
 
 import httpx
 
+from service.netutil import free_port
+
 logger = logging.getLogger(__name__)
-
-
-def free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
 
 
 @dataclass

@@ -39,6 +39,7 @@ from service.vllm.config import VllmConfig, parse_drafter
 from service.vllm.engine import build_engine, spec_table_for
 from service.vllm.requests import RequestRun, Versions
 from service.vllm.sampling import check_params
+from service.vllm.stats import vllm_counters
 from service.vllm.weights import WeightFiles, drafter_unsupported, target_spec
 
 if TYPE_CHECKING:
@@ -104,8 +105,9 @@ class VllmBackend(RolloutBackend):
         self._aloop = asyncio.get_running_loop()
         self._stop_event = asyncio.Event()
         self._vllm, self._engine = build_engine(self.config, self.vcfg, self.drafter, self.table)
+        await self._warm_up()
         eos = self._tokenizer.eos_token_id if self._tokenizer is not None else None
-        caps = {CAP_TOP_LOGPROBS, CAP_SEEDS}
+        caps = {CAP_SEEDS} | (set() if self.table else {CAP_TOP_LOGPROBS})
         self._info = BackendInfo(
             backend="vllm", model_path=self.model_dir, vocab_size=self.model_config.vocab_size,
             max_model_len=self.config.max_model_len, dtype=str(self.config.dtype), eos_token_id=eos,
@@ -118,6 +120,13 @@ class VllmBackend(RolloutBackend):
                     self.table)
         await self._stop_event.wait()
         await self._shutdown()
+
+    async def _warm_up(self) -> None:
+        """One tiny request before the server reports ready: a kernel this platform lacks for this model (vLLM's
+        CPU attention has no head_dim 16, say) fails the load, not the first caller's request."""
+        params = self._vllm.SamplingParams(max_tokens=2, temperature=0.0, detokenize=False, ignore_eos=True)
+        async for _ in self._engine.generate({"prompt_token_ids": [0]}, params, request_id="specroll-warm-up"):
+            pass
 
     async def _shutdown(self) -> None:
         for run in list(self._runs.values()):
@@ -172,13 +181,17 @@ class VllmBackend(RolloutBackend):
         strategy = "plain" if not self.table else self.drafter.method
         return StatsSnapshot(policy_version=self.versions.policy, drafter_version=self.versions.drafter,
                              num_running=running, num_waiting=max(total - running, 0), paused=self._paused,
-                             admission_held=self._held, strategy=strategy)
+                             admission_held=self._held, strategy=strategy, **vllm_counters())
 
     # -- generation ------------------------------------------------------------------------------------------
     def submit_all(self, items: list[tuple[GenRequest, RequestHandle]]) -> None:
         info = self.info()
         for req, _ in items:  # validated whole before anything is admitted or reaches vLLM
             check_params(req.params)
+            if req.params.top_logprobs and self.table:
+                raise SamplingError("top_logprobs with speculative decoding on: vLLM returns top-k logprobs that "
+                                    "are not those of the target there (tests/vllm/test_vllm_exact.py); ask this "
+                                    "server without top_logprobs, or use one started with --spec off")
             check_fits(req.params, len(req.prompt_token_ids), info.vocab_size, info.max_model_len)
             if req.request_id in self._runs:
                 raise SamplingError(f"request id {req.request_id!r} is already in use")

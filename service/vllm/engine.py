@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import logging
 import os
+from pathlib import Path
 from typing import Any
 
 from service.config import EngineConfig
@@ -53,6 +54,9 @@ def engine_args(config: EngineConfig, vcfg: VllmConfig, drafter: DrafterSpec,
         "gpu_memory_utilization": vcfg.gpu_memory_utilization, "speculative_config": spec,
         "enable_prefix_caching": True,
     }
+    if not any((config.model and (Path(config.model) / f).is_file()) for f in ("tokenizer.json",
+                                                                             "tokenizer_config.json")):
+        args["skip_tokenizer_init"] = True  # token ids in and out: a checkpoint without a tokenizer serves too
     if vcfg.distributed_executor_backend:
         args["distributed_executor_backend"] = vcfg.distributed_executor_backend
     if str(config.device).startswith("cpu"):

@@ -13,7 +13,7 @@ import grpc
 import httpx
 import pytest
 import torch
-from helpers import free_port, make_checkpoint
+from helpers import make_checkpoint
 from safetensors.torch import save
 from service_utils import ADMIN, auth, checkpoint_tensors, perturbed
 
@@ -21,6 +21,7 @@ from client import AsyncSpecrollClient
 from service.api.generation import Limits
 from service.app import BackgroundServer, ServerConfig
 from service.config import EngineConfig
+from service.netutil import free_port
 from service.protogen import pb2
 
 LONG_LEN = 4096

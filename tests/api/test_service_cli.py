@@ -9,10 +9,11 @@ import sys
 import time
 
 import httpx
-from helpers import free_port, make_checkpoint
+from helpers import make_checkpoint
 from service_utils import ADMIN
 
 from client import SpecrollClient
+from service.netutil import free_port
 
 
 def test_serve_subprocess_end_to_end(tmp_path):

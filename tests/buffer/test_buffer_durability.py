@@ -13,12 +13,13 @@ from pathlib import Path
 import httpx
 import pytest
 import redis
-from helpers import free_port, make_checkpoint, stop_process
+from helpers import make_checkpoint, stop_process
 from redis_utils import OwnRedis, wait_for
 from service_utils import ADMIN
 
 from client import SpecrollClient
 from service.buffer import decode_entry
+from service.netutil import free_port
 
 ROOT = Path(__file__).resolve().parents[2]
 STREAM = "test:durable"

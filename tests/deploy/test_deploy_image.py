@@ -26,7 +26,9 @@ import httpx
 import pytest
 from deploy_utils import REPO, require_binary, unavailable, wait_for
 from grpc_health.v1 import health_pb2, health_pb2_grpc
-from helpers import free_port, stop_process
+from helpers import stop_process
+
+from service.netutil import free_port
 
 logger = logging.getLogger(__name__)
 

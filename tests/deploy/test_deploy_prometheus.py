@@ -23,12 +23,13 @@ import httpx
 import pytest
 import yaml
 from deploy_utils import DEPLOY, REPO, http_ok, require_binary, wait_for
-from helpers import free_port, stop_process
+from helpers import stop_process
 from service_utils import checkpoint_tensors, perturbed
 
 from client import SpecrollClient
 from service.cli import build_parser
 from service.demo.default_model import ensure_default_model
+from service.netutil import free_port
 
 logger = logging.getLogger(__name__)
 

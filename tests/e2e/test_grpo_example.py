@@ -7,7 +7,6 @@ from pathlib import Path
 
 import pytest
 import torch
-from helpers import free_port
 
 import examples.grpo.grpo as grpo
 from examples.grpo.policy import Policy, group_advantages
@@ -15,6 +14,7 @@ from service.app import BackgroundServer, ServerConfig
 from service.config import EngineConfig
 from service.demo.build import SIZE_ENV
 from service.demo.default_model import default_drafters, ensure_default_model
+from service.netutil import free_port
 
 ADMIN = "grpo-test-token"
 

@@ -2,14 +2,12 @@
 
 from __future__ import annotations
 
-import itertools
 import shutil
 
-import numpy as np
 import pytest
 import torch
 from helpers import make_checkpoint
-from reference import chi_square_pvalue, processed_probs
+from reference import chi_square_pvalue, exact_joint, processed_probs
 from safetensors.torch import load_file, save_file
 
 from service.config import EngineConfig
@@ -143,25 +141,6 @@ def tiny_drafters(tiny_vocab_model, tmp_path_factory):
         "disagree": str(make_checkpoint("llama", tied=False, vocab_size=16, seed=99, init_std=0.3)),
         "eagle": "eagle",
     }
-
-
-def exact_joint(path, prompt, kw) -> np.ndarray:
-    """P(t1, t2, t3) by enumeration over the 16-token vocabulary, with plain decoding's processing."""
-    from transformers import AutoModelForCausalLM
-
-    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
-    V = model.config.vocab_size
-
-    def next_probs(prefixes):
-        with torch.no_grad():
-            logits = model(torch.tensor([prompt + list(p) for p in prefixes])).logits[:, -1]
-        return [processed_probs(row, **kw) for row in logits]
-
-    p1 = next_probs([()])[0]
-    p2 = next_probs([(a,) for a in range(V)])
-    p3 = next_probs(list(itertools.product(range(V), repeat=2)))
-    joint = p1[:, None, None] * torch.stack(p2)[:, :, None] * torch.stack(p3).view(V, V, V)
-    return joint.reshape(-1).numpy()
 
 
 @pytest.mark.slow

@@ -15,11 +15,12 @@ from pathlib import Path
 
 import httpx
 import redis
-from helpers import free_port, make_checkpoint
+from helpers import make_checkpoint
 from service_utils import ADMIN, checkpoint_tensors, perturbed, start_server, write_checkpoint
 
 from client import SpecrollClient
 from service.buffer import BufferConfig, decode_entry
+from service.netutil import free_port
 
 ROOT = Path(__file__).resolve().parents[2]
 logger = logging.getLogger(__name__)

@@ -1,0 +1,148 @@
+"""Backends benchmark: the long-tail rollout of bench/spec_decode.py on the native backend, on the vLLM backend
+(SD off, fixed k, adaptive per-batch-size table) and on vLLM's own AsyncLLM without specroll's layer.
+
+Every run serves the same 64 requests (8 prompts x 8 samples, log-normal lengths) submitted at once, and is
+timed from submission to the last token. The specroll runs go through real servers and the gRPC client; the
+raw run drives AsyncLLM directly, so `overhead_vs_raw_vllm` is what our layer (admission, events, records,
+gRPC) costs. Needs vllm (run it with .venv-vllm/bin/python). Prints one JSON line.
+
+    .venv-vllm/bin/python -m bench.backends [--quick] [--configs native-adaptive,vllm-off,raw-off]
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import logging
+import os
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+from bench.spec_decode import workload, write_models
+from client import AsyncSpecrollClient
+from service.app import BackgroundServer, ServerConfig
+from service.config import EngineConfig
+from service.netutil import free_port
+from service.vllm.config import VllmConfig
+
+logger = logging.getLogger("bench.backends")
+CONFIGS = ("native-off", "native-adaptive", "vllm-off", "vllm-fixed", "vllm-adaptive", "raw-off", "raw-fixed")
+
+
+async def _through_client(target: str, prompts: list[list[int]], lengths: list[int], per_prompt: int) -> int:
+    async with AsyncSpecrollClient(target) as c:
+        async def one(i: int, n: int) -> int:
+            done = await c.generate_one(prompts[i // per_prompt], max_tokens=n, temperature=1.0, seed=1000 + i,
+                                        ignore_eos=True)
+            return len(done.samples[0].token_ids)
+
+        return sum(await asyncio.gather(*[one(i, n) for i, n in enumerate(lengths)]))
+
+
+def run_server(backend: str, spec: str, target: Path, draft: Path, k: int, prompts, lengths, per_prompt: int,
+               max_len: int) -> dict:
+    drafter = "none" if spec == "off" else (f"{draft},suffix" if backend == "native" else str(draft))
+    engine = EngineConfig(model=str(target), drafter=drafter, spec=spec, spec_k=k, max_model_len=max_len,
+                          max_num_seqs=len(lengths), kv_cache_memory_gb=0.5)
+    cfg = ServerConfig(http_port=free_port(), grpc_port=free_port(), backend=backend,
+                       vllm=VllmConfig(num_speculative_tokens=k, gpu_memory_utilization=0.3))
+    with BackgroundServer(engine, cfg) as srv:
+        asyncio.run(_through_client(srv.grpc_target, prompts[:1], [8] * 4, 4))  # warm-up
+        start = time.perf_counter()
+        tokens = asyncio.run(_through_client(srv.grpc_target, prompts, lengths, per_prompt))
+        seconds = time.perf_counter() - start
+    return {"seconds": round(seconds, 3), "tokens": tokens, "tokens_per_s": round(tokens / seconds, 1)}
+
+
+def run_raw(spec: str, target: Path, draft: Path, k: int, prompts, lengths, per_prompt: int, max_len: int) -> dict:
+    """vLLM's AsyncLLM with the same engine arguments the backend uses, no specroll in between."""
+    from vllm import SamplingParams
+    from vllm.engine.arg_utils import AsyncEngineArgs
+    from vllm.v1.engine.async_llm import AsyncLLM
+
+    from service.vllm.config import DrafterSpec
+    from service.vllm.engine import engine_args
+
+    cfg = EngineConfig(model=str(target), max_model_len=max_len, max_num_seqs=len(lengths), kv_cache_memory_gb=0.5)
+    drafter = DrafterSpec("none") if spec == "off" else DrafterSpec("draft_model", str(draft))
+    table = [] if spec == "off" else [(1, len(lengths), k)]
+    args = engine_args(cfg, VllmConfig(num_speculative_tokens=k, gpu_memory_utilization=0.3), drafter, table)
+
+    async def main() -> tuple[float, int]:
+        eng = AsyncLLM.from_engine_args(AsyncEngineArgs(**args))
+
+        async def one(i: int, n: int) -> int:
+            sp = SamplingParams(max_tokens=n, temperature=1.0, seed=1000 + i, ignore_eos=True, logprobs=0,
+                                detokenize=False)
+            outs = [o async for o in eng.generate({"prompt_token_ids": prompts[i // per_prompt]}, sp,
+                                                  request_id=f"r{i}")]
+            return len(outs[-1].outputs[0].token_ids)
+
+        await asyncio.gather(*[one(-1 - i, 8) for i in range(4)])
+        start = time.perf_counter()
+        tokens = sum(await asyncio.gather(*[one(i, n) for i, n in enumerate(lengths)]))
+        seconds = time.perf_counter() - start
+        eng.shutdown()
+        return seconds, tokens
+
+    seconds, tokens = asyncio.run(main())
+    return {"seconds": round(seconds, 3), "tokens": tokens, "tokens_per_s": round(tokens / seconds, 1)}
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--hidden", type=int, default=512)
+    ap.add_argument("--layers", type=int, default=8)
+    ap.add_argument("--vocab", type=int, default=4096)
+    ap.add_argument("--k", type=int, default=4)
+    ap.add_argument("--configs", default=",".join(CONFIGS))
+    ap.add_argument("--quick", action="store_true", help="small sizes for a smoke run")
+    ap.add_argument("--seed", type=int, default=0)
+    args = ap.parse_args(argv)
+    logging.basicConfig(level=logging.WARNING, stream=sys.stderr)
+    if args.quick:
+        args.hidden, args.layers = 128, 4
+    n_prompts, per_prompt = 8, 8
+    prompts, lengths = workload("long_tail", n_prompts, per_prompt, 48 if not args.quick else 16, 0.9, 640,
+                                args.vocab, args.seed)
+    max_len = 40 + max(lengths)
+    load_start = os.getloadavg()
+    results: dict[str, dict] = {}
+    with tempfile.TemporaryDirectory() as tmp:
+        target, draft = write_models(Path(tmp), args.hidden, args.layers, 1, args.vocab, 0.1, args.seed)
+        for name in [c for c in args.configs.split(",") if c]:
+            if name not in CONFIGS:
+                raise SystemExit(f"unknown config {name}; choose from {CONFIGS}")
+            kind, spec = name.split("-")
+            if kind == "raw":
+                results[name] = run_raw(spec, target, draft, args.k, prompts, lengths, per_prompt, max_len)
+            else:
+                results[name] = run_server(kind, spec, target, draft, args.k, prompts, lengths, per_prompt, max_len)
+            logger.warning("%s: %s", name, results[name])
+    out: dict = {"bench": "backends", "model": {"hidden": args.hidden, "layers": args.layers, "vocab": args.vocab},
+                 "requests": len(lengths), "max_len": max(lengths), "results": results}
+
+    def ratio(a: str, b: str) -> float | None:
+        return round(results[b]["seconds"] / results[a]["seconds"], 3) if a in results and b in results else None
+
+    out["ratios"] = {
+        "vllm_adaptive_vs_off": ratio("vllm-adaptive", "vllm-off"),
+        "vllm_adaptive_vs_fixed": ratio("vllm-adaptive", "vllm-fixed"),
+        "native_adaptive_vs_off": ratio("native-adaptive", "native-off"),
+        "vllm_off_vs_native_off": ratio("vllm-off", "native-off"),
+        "overhead_vs_raw_vllm": (None if "raw-off" not in results or "vllm-off" not in results else
+                                 round(1 - results["raw-off"]["seconds"] / results["vllm-off"]["seconds"], 3)),
+        "overhead_vs_raw_vllm_fixed": (None if "raw-fixed" not in results or "vllm-fixed" not in results else
+                                       round(1 - results["raw-fixed"]["seconds"] / results["vllm-fixed"]["seconds"],
+                                             3)),
+    }
+    out["loadavg"] = {"start": [round(x, 2) for x in load_start], "end": [round(x, 2) for x in os.getloadavg()]}
+    sys.stdout.write(json.dumps(out) + "\n")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,116 @@
+"""Weight pushes on the vLLM backend: the same protocol and modes as on the native backend, validated before vLLM
+is touched, version spans on every token and in the rollout records; refused pushes leave the old weights
+serving and the engine alive."""
+
+from __future__ import annotations
+
+import threading
+from pathlib import Path
+
+import pytest
+import torch
+from service_utils import ADMIN, checkpoint_tensors, perturbed, write_checkpoint
+from vllm_utils import MAX_LEN, hf_greedy, start_vllm
+
+from client import SpecrollClient
+from client.errors import FailedPrecondition, InvalidArgument, PermissionDenied, Unauthenticated
+
+pytestmark = pytest.mark.vllm
+
+PROMPTS = [[1, 2, 3], [4, 5, 6, 7, 4, 5]]
+
+
+@pytest.fixture(scope="module")
+def server(vllm_model):
+    srv = start_vllm(vllm_model)
+    records: list = []
+    srv.server.hooks.on_rollout_finished.append(records.append)
+    yield srv, records
+    srv.stop()
+
+
+def greedy(c: SpecrollClient, n: int = 10) -> list[list[int]]:
+    return [d.samples[0].token_ids for d in c.generate(PROMPTS, max_tokens=n, temperature=0.0, ignore_eos=True)]
+
+
+def hf_of(folder: Path):
+    from transformers import AutoModelForCausalLM
+
+    return AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
+
+
+def test_push_switches_outputs_and_versions(server, vllm_model, tmp_path):
+    srv, records = server
+    base = checkpoint_tensors(vllm_model)
+    new = perturbed(base, seed=1)
+    with SpecrollClient(srv.grpc_target, admin_token=ADMIN) as c:
+        before = greedy(c)
+        res = c.push_weights(new, "v1")
+        assert res.version == "v1" and c.server_info().policy_version == "v1"
+        after = greedy(c)
+        assert after != before
+        ref = hf_of(write_checkpoint(vllm_model, new, tmp_path / "v1"))
+        assert after == [hf_greedy(ref, p, 10) for p in PROMPTS]
+        last = c.generate_one(PROMPTS[0], max_tokens=4, temperature=1.0, ignore_eos=True).samples[0]
+        assert [(v.policy_version, v.start, v.end) for v in last.version_spans] == [("v1", 0, 4)]
+        assert records and records[-1].version_spans[-1].policy_version == "v1"
+        c.push_weights(base, "v2")  # back to the original weights for the other tests
+        assert greedy(c) == before
+
+
+def test_refused_pushes_leave_the_old_weights_serving(server, vllm_model):
+    srv, _ = server
+    base = checkpoint_tensors(vllm_model)
+    with SpecrollClient(srv.grpc_target, admin_token=ADMIN) as c:
+        before, version = greedy(c), c.server_info().policy_version
+        wrong = dict(base)
+        name = next(n for n in base if n.endswith("mlp.up_proj.weight"))
+        wrong[name] = base[name][:, :-1].contiguous()
+        with pytest.raises(InvalidArgument, match="wrong shapes"):
+            c.push_weights(wrong, "bad1")
+        with pytest.raises(InvalidArgument, match="missing tensors"):
+            c.push_weights({k: v for k, v in base.items() if k != name}, "bad2")
+        with pytest.raises(FailedPrecondition, match="no weights"):
+            c.push_weights(base, "bad3", role="drafter")
+        assert greedy(c) == before and c.server_info().policy_version == version
+    with SpecrollClient(srv.grpc_target) as anon:
+        with pytest.raises((Unauthenticated, PermissionDenied)):
+            anon.push_weights(base, "bad4")
+        assert greedy(anon) == before
+
+
+def _stream_in_background(srv, results: list, started: threading.Event) -> threading.Thread:
+    def run() -> None:
+        with SpecrollClient(srv.grpc_target) as c:
+            for ev in c.stream([1, 2, 3], n=64, max_tokens=MAX_LEN - 3, temperature=1.0, ignore_eos=True):
+                started.set()
+                if hasattr(ev, "finish_reason"):
+                    results.append(ev)
+
+    t = threading.Thread(target=run)
+    t.start()
+    return t
+
+
+@pytest.mark.parametrize("mode", ["abort", "keep", "wait"])
+def test_push_modes(server, vllm_model, mode):
+    srv, _ = server
+    base = checkpoint_tensors(vllm_model)
+    results: list = []
+    started = threading.Event()
+    thread = _stream_in_background(srv, results, started)
+    assert started.wait(60)
+    with SpecrollClient(srv.grpc_target, admin_token=ADMIN) as c:
+        old = c.server_info().policy_version
+        res = c.push_weights(base, f"{mode}-v", mode=mode)
+    thread.join(120)
+    assert len(results) == 64
+    reasons = {s.finish_reason for s in results}
+    spans = [[v.policy_version for v in s.version_spans] for s in results]
+    if mode == "abort":
+        assert res.aborted and "abort" in reasons
+        assert all(v == [old] for s, v in zip(results, spans, strict=True) if s.finish_reason == "abort")
+    elif mode == "keep":
+        assert reasons == {"length"} and any(v == [old, f"{mode}-v"] for v in spans)
+    else:
+        assert reasons == {"length"} and all(v == [old] for v in spans)
