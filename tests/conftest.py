@@ -129,3 +129,11 @@ def redis_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
     finally:
         stop_process(proc)
         log.close()
+
+
+@pytest.fixture(scope="session")
+def tiny_demo_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The embedded demo model at its tiny size (SPECROLL_DEMO_SIZE=tiny above), built once per test run."""
+    from service.demo.default_model import ensure_default_model
+
+    return ensure_default_model(tmp_path_factory.mktemp("demo-cache"))

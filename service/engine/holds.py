@@ -71,6 +71,7 @@ class Holds:
                 return
             aborted = self._abort_running(engine, "pause") if mode == "abort" else []
             engine.paused = True
+            self._publish(engine)  # a caller that sees the pause done also sees it in the stats
             logger.info("generation paused (%s)", mode)
             settle(fut, aborted)
 
@@ -81,6 +82,7 @@ class Holds:
     def resume(self) -> Future[None]:
         def run(engine: LLMEngine) -> None:
             engine.paused = False
+            self._publish(engine)
             for fut in self._pauses:
                 settle(fut, [])
             self._pauses.clear()
@@ -184,6 +186,7 @@ class Holds:
         live = [f for f in pauses if f.set_running_or_notify_cancel()]
         if live:
             engine.paused = True
+            self._publish(engine)
             logger.info("generation paused (wait)")
             for fut in live:
                 settle(fut, [])

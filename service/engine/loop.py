@@ -164,7 +164,6 @@ class EngineLoop:
                 logger.exception("finishing waiting pushes and pauses failed")
             if engine.has_unfinished():
                 produced = self._step(engine)
-                self._publish(engine)
                 if not produced and (engine.paused or engine.num_running == 0):
                     self._wait(0.02 if not engine.paused else IDLE_WAIT_S)
             else:
@@ -196,6 +195,7 @@ class EngineLoop:
         if self.metrics is not None and engine.stats.num_steps != steps_before and engine.stats.recent:
             last = engine.stats.recent[-1]
             self.metrics.observe_step(last.batch_size, last.strategy)
+        self._publish(engine)  # before the outputs go out: a client that has its tokens sees them counted
         if outputs:
             try:
                 self._disp.dispatch(engine, outputs)

@@ -33,8 +33,8 @@ def tiny_env() -> object:
 
 
 @pytest.fixture(scope="module")
-def demo(tiny_env: pytest.MonkeyPatch, tmp_path_factory: pytest.TempPathFactory) -> Path:
-    return ensure_default_model(tmp_path_factory.mktemp("cache"))
+def demo(tiny_env: pytest.MonkeyPatch, tiny_demo_model: Path) -> Path:
+    return tiny_demo_model
 
 
 def test_folder_layout(demo: Path) -> None:

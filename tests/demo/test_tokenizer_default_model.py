@@ -31,8 +31,8 @@ def tiny_demo() -> object:
 
 
 @pytest.fixture(scope="module")
-def default_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    return ensure_default_model(tmp_path_factory.mktemp("specroll-cache"))
+def default_model(tiny_demo_model: Path) -> Path:
+    return tiny_demo_model
 
 
 def test_default_model_dir_honours_env(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
@@ -84,20 +84,6 @@ def test_default_model_loads_in_transformers(default_model: Path) -> None:
         logits = model(ids).logits
     assert logits.shape == (1, ids.shape[1], ours.vocab_size)
     assert torch.isfinite(logits).all()
-
-
-def test_default_model_is_cached(default_model: Path) -> None:
-    stamp = (default_model / "model.safetensors").stat().st_mtime_ns
-    again = ensure_default_model(default_model.parent)
-    assert again == default_model
-    assert (default_model / "model.safetensors").stat().st_mtime_ns == stamp
-    assert not [p for p in default_model.parent.iterdir() if p.name.startswith(".")]
-
-
-def test_default_model_build_is_deterministic(default_model: Path, tmp_path: Path) -> None:
-    other = ensure_default_model(tmp_path)
-    for name in ("tokenizer.json", "config.json", "model.safetensors"):
-        assert (other / name).read_bytes() == (default_model / name).read_bytes(), name
 
 
 def test_incomplete_dir_is_rebuilt(tmp_path: Path) -> None:

@@ -28,7 +28,6 @@ from service_utils import checkpoint_tensors, perturbed
 
 from client import SpecrollClient
 from service.cli import build_parser
-from service.demo.default_model import ensure_default_model
 from service.netutil import free_port
 
 logger = logging.getLogger(__name__)
@@ -99,10 +98,11 @@ def _scrape_config(server_http: int, trainer_metrics: int, rules: Path) -> dict[
 
 
 @pytest.fixture(scope="module")
-def stack(redis_server: str, tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, Any]]:
+def stack(redis_server: str, tmp_path_factory: pytest.TempPathFactory,
+          tiny_demo_model: Path) -> Iterator[dict[str, Any]]:
     prometheus = require_binary("prometheus")
     work = tmp_path_factory.mktemp("prom-stack")
-    model = ensure_default_model(work / "models")  # the tiny demo (tests set SPECROLL_DEMO_SIZE=tiny)
+    model = tiny_demo_model
     http_port, grpc_port, metrics_port, prom_port = free_port(), free_port(), free_port(), free_port()
     env = {"SPECROLL_ADMIN_TOKEN": TOKEN, "SPECROLL_CACHE": str(work / "cache"), "SPECROLL_REDIS_URL": redis_server,
            "OMP_NUM_THREADS": "1"}

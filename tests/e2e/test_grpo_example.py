@@ -12,18 +12,15 @@ import examples.grpo.grpo as grpo
 from examples.grpo.policy import Policy, group_advantages
 from service.app import BackgroundServer, ServerConfig
 from service.config import EngineConfig
-from service.demo.build import SIZE_ENV
-from service.demo.default_model import default_drafters, ensure_default_model
+from service.demo.default_model import default_drafters
 from service.netutil import free_port
 
 ADMIN = "grpo-test-token"
 
 
 @pytest.fixture(scope="module")
-def tiny_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    with pytest.MonkeyPatch.context() as mp:
-        mp.setenv(SIZE_ENV, "tiny")
-        return ensure_default_model(tmp_path_factory.mktemp("cache"))
+def tiny_model(tiny_demo_model: Path) -> Path:
+    return tiny_demo_model
 
 
 def test_group_advantages() -> None:
