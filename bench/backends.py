@@ -102,6 +102,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--seed", type=int, default=0)
     args = ap.parse_args(argv)
     logging.basicConfig(level=logging.WARNING, stream=sys.stderr)
+    os.environ.setdefault("VLLM_LOGGING_STREAM", "ext://sys.stderr")  # stdout is the JSON line
+    os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
     if args.quick:
         args.hidden, args.layers = 128, 4
     n_prompts, per_prompt = 8, 8
