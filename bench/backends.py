@@ -3,7 +3,8 @@
 
 Every run serves the same 64 requests (8 prompts x 8 samples, log-normal lengths, greedy: the vLLM backend
 serves sampled requests only without speculation, see docs/vllm.md) submitted at once, and is timed from
-submission to the last token. The specroll runs go through real servers and the gRPC client; the
+submission to the last token; each engine serves the rollout `--repeats` times and the median counts.
+The specroll runs go through real servers and the gRPC client; the
 raw run drives AsyncLLM directly, so `overhead_vs_raw_vllm` is what our layer (admission, events, records,
 gRPC) costs. Needs vllm (run it with .venv-vllm/bin/python). Prints one JSON line.
 
@@ -42,8 +43,14 @@ async def _through_client(target: str, prompts: list[list[int]], lengths: list[i
         return sum(await asyncio.gather(*[one(i, n) for i, n in enumerate(lengths)]))
 
 
+def _median_run(times: list[float], tokens: int) -> dict:
+    seconds = sorted(times)[len(times) // 2]
+    return {"seconds": round(seconds, 3), "tokens": tokens, "tokens_per_s": round(tokens / seconds, 1),
+            "all_seconds": [round(x, 3) for x in times]}
+
+
 def run_server(backend: str, spec: str, target: Path, draft: Path, k: int, prompts, lengths, per_prompt: int,
-               max_len: int) -> dict:
+               max_len: int, repeats: int) -> dict:
     drafter = "none" if spec == "off" else (f"{draft},suffix" if backend == "native" else str(draft))
     engine = EngineConfig(model=str(target), drafter=drafter, spec=spec, spec_k=k, max_model_len=max_len,
                           max_num_seqs=len(lengths), kv_cache_memory_gb=0.5)
@@ -51,13 +58,16 @@ def run_server(backend: str, spec: str, target: Path, draft: Path, k: int, promp
                        vllm=VllmConfig(num_speculative_tokens=k, gpu_memory_utilization=0.3))
     with BackgroundServer(engine, cfg) as srv:
         asyncio.run(_through_client(srv.grpc_target, prompts[:1], [8] * 4, 4))  # warm-up
-        start = time.perf_counter()
-        tokens = asyncio.run(_through_client(srv.grpc_target, prompts, lengths, per_prompt))
-        seconds = time.perf_counter() - start
-    return {"seconds": round(seconds, 3), "tokens": tokens, "tokens_per_s": round(tokens / seconds, 1)}
+        times, tokens = [], 0
+        for _ in range(repeats):
+            start = time.perf_counter()
+            tokens = asyncio.run(_through_client(srv.grpc_target, prompts, lengths, per_prompt))
+            times.append(time.perf_counter() - start)
+    return _median_run(times, tokens)
 
 
-def run_raw(spec: str, target: Path, draft: Path, k: int, prompts, lengths, per_prompt: int, max_len: int) -> dict:
+def run_raw(spec: str, target: Path, draft: Path, k: int, prompts, lengths, per_prompt: int, max_len: int,
+            repeats: int) -> dict:
     """vLLM's AsyncLLM with the same engine arguments the backend uses, no specroll in between."""
     from vllm import SamplingParams
     from vllm.engine.arg_utils import AsyncEngineArgs
@@ -71,24 +81,26 @@ def run_raw(spec: str, target: Path, draft: Path, k: int, prompts, lengths, per_
     table = [] if spec == "off" else [(1, len(lengths), k)]
     args = engine_args(cfg, VllmConfig(num_speculative_tokens=k, gpu_memory_utilization=0.3), drafter, table)
 
-    async def main() -> tuple[float, int]:
+    async def main() -> tuple[list[float], int]:
         eng = AsyncLLM.from_engine_args(AsyncEngineArgs(**args))
 
-        async def one(i: int, n: int) -> int:
+        async def one(rid: str, prompt: list[int], n: int) -> int:
             sp = SamplingParams(max_tokens=n, temperature=0.0, ignore_eos=True, logprobs=0, detokenize=False)
-            outs = [o async for o in eng.generate({"prompt_token_ids": prompts[i // per_prompt]}, sp,
-                                                  request_id=f"r{i}")]
+            outs = [o async for o in eng.generate({"prompt_token_ids": prompt}, sp, request_id=rid)]
             return len(outs[-1].outputs[0].token_ids)
 
-        await asyncio.gather(*[one(-1 - i, 8) for i in range(4)])
-        start = time.perf_counter()
-        tokens = sum(await asyncio.gather(*[one(i, n) for i, n in enumerate(lengths)]))
-        seconds = time.perf_counter() - start
+        await asyncio.gather(*[one(f"warm-{i}", prompts[0], 8) for i in range(4)])
+        times, tokens = [], 0
+        for r in range(repeats):
+            start = time.perf_counter()
+            tokens = sum(await asyncio.gather(*[one(f"r{r}-{i}", prompts[i // per_prompt], n)
+                                                for i, n in enumerate(lengths)]))
+            times.append(time.perf_counter() - start)
         eng.shutdown()
-        return seconds, tokens
+        return times, tokens
 
-    seconds, tokens = asyncio.run(main())
-    return {"seconds": round(seconds, 3), "tokens": tokens, "tokens_per_s": round(tokens / seconds, 1)}
+    times, tokens = asyncio.run(main())
+    return _median_run(times, tokens)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -98,6 +110,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--vocab", type=int, default=4096)
     ap.add_argument("--k", type=int, default=4)
     ap.add_argument("--configs", default=",".join(CONFIGS))
+    ap.add_argument("--repeats", type=int, default=3, help="rollouts per engine; the median is reported")
     ap.add_argument("--quick", action="store_true", help="small sizes for a smoke run")
     ap.add_argument("--seed", type=int, default=0)
     args = ap.parse_args(argv)
@@ -119,9 +132,11 @@ def main(argv: list[str] | None = None) -> int:
                 raise SystemExit(f"unknown config {name}; choose from {CONFIGS}")
             kind, spec = name.split("-")
             if kind == "raw":
-                results[name] = run_raw(spec, target, draft, args.k, prompts, lengths, per_prompt, max_len)
+                results[name] = run_raw(spec, target, draft, args.k, prompts, lengths, per_prompt, max_len,
+                                        args.repeats)
             else:
-                results[name] = run_server(kind, spec, target, draft, args.k, prompts, lengths, per_prompt, max_len)
+                results[name] = run_server(kind, spec, target, draft, args.k, prompts, lengths, per_prompt, max_len,
+                                           args.repeats)
             logger.warning("%s: %s", name, results[name])
     out: dict = {"bench": "backends", "model": {"hidden": args.hidden, "layers": args.layers, "vocab": args.vocab},
                  "requests": len(lengths), "max_len": max(lengths), "results": results}

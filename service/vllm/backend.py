@@ -37,7 +37,7 @@ from service.params import SamplingError, check_fits
 from service.tokenizer import Tokenizer
 from service.vllm.config import VllmConfig, parse_drafter
 from service.vllm.engine import build_engine, spec_table_for
-from service.vllm.requests import RequestRun, Versions
+from service.vllm.requests import Outbox, RequestRun, Versions
 from service.vllm.sampling import check_params
 from service.vllm.stats import vllm_counters
 from service.vllm.weights import WeightFiles, drafter_unsupported, target_spec
@@ -82,6 +82,7 @@ class VllmBackend(RolloutBackend):
         self._ready = threading.Event()
         self._thread = threading.Thread(target=self._drive, name="specroll-vllm", daemon=True)
         self._runs: dict[str, RequestRun] = {}
+        self._outbox = Outbox()
         self._paused = False
         self._held = False  # a wait-mode pause or commit holds new requests back
         self._info: BackendInfo | None = None
@@ -220,7 +221,7 @@ class VllmBackend(RolloutBackend):
                 handle.put_many([Failed(f"request id {req.request_id!r} is already in use", invalid=True)])
                 continue
             run = RequestRun(req, handle, self._engine, self._vllm, self.versions, self.hooks, self.metrics,
-                             lambda: "plain" if not self.table else self.drafter.method, self._forget)
+                             lambda: "plain" if not self.table else self.drafter.method, self._forget, self._outbox)
             self._runs[req.request_id] = run
             run.start()
 

@@ -50,6 +50,23 @@ def sample_id(request_id: str, index: int) -> str:
     return f"{request_id}#{index}"
 
 
+class Outbox:
+    """Events of all requests gathered over one pass of the driver loop and handed over in one go: one wake-up of
+    each consumer event loop per engine step (as the native dispatcher does), not one per sample."""
+
+    def __init__(self) -> None:
+        self._items: list[tuple[RequestHandle, list[Any]]] = []
+
+    def put(self, handle: RequestHandle, events: list[Any]) -> None:
+        if not self._items:
+            asyncio.get_running_loop().call_soon(self.flush)
+        self._items.append((handle, events))
+
+    def flush(self) -> None:
+        items, self._items = self._items, []
+        deliver(items)
+
+
 class Versions:
     """The weight versions serving now (set by commits on the driver loop)."""
 
@@ -62,8 +79,8 @@ class RequestRun:
 
     def __init__(self, req: GenRequest, handle: RequestHandle, engine: Any, vllm: Any, versions: Versions,
                  hooks: Hooks, metrics: Metrics | None, strategy: Callable[[], str],
-                 on_done: Callable[[RequestRun], None]) -> None:
-        self.req, self.handle, self.engine, self.vllm = req, handle, engine, vllm
+                 on_done: Callable[[RequestRun], None], outbox: Outbox) -> None:
+        self.req, self.handle, self.engine, self.vllm, self.outbox = req, handle, engine, vllm, outbox
         self.versions, self.hooks, self.metrics, self.strategy = versions, hooks, metrics, strategy
         self.on_done = on_done
         self.samples = [Sample(i) for i in range(req.params.n)]
@@ -104,7 +121,7 @@ class RequestRun:
             reason = "abort"
         except Exception as exc:  # this request only: its consumer gets the error
             logging.getLogger(__name__).exception("sample %s failed", sample_id(self.req.request_id, s.index))
-            self.handle.put_many([Failed(f"engine error: {exc}")])
+            self.outbox.put(self.handle, [Failed(f"engine error: {exc}")])
             reason = "abort"
         self._finish(s, reason)
 
@@ -121,7 +138,7 @@ class RequestRun:
         policy, drafter = self.versions.policy, self.versions.drafter
         s.add(tokens, lps, tops, policy, drafter)
         s.running = True
-        self.handle.put_many([Chunk(s.index, tokens, lps, None, tops, policy, drafter)])
+        self.outbox.put(self.handle, [Chunk(s.index, tokens, lps, None, tops, policy, drafter)])
 
     def _finish(self, s: Sample, reason: str) -> None:
         s.running = False
@@ -146,7 +163,8 @@ class RequestRun:
         if self.finished == len(self.samples):
             self.handle.release()
             self.on_done(self)
-        if self.hooks.takes_rollouts:
+        if self.hooks.takes_rollouts:  # after the sample's chunks: the outbox flushes before the hooks thread runs
+            self.outbox.flush()
             self.hooks.rollout_finished(record, lambda: deliver([(self.handle, [done])]))
         else:
-            self.handle.put_many([done])
+            self.outbox.put(self.handle, [done])
