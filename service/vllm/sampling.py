@@ -36,7 +36,8 @@ def to_vllm(params: SamplingParams, index: int, vllm: Any) -> Any:
     seeded request get the same distinct seeds as on the native backend)."""
     from vllm.sampling_params import RequestOutputKind
 
-    seed = sample_seed(params.seed, index) if params.seed is not None else None
+    # Greedy ignores seeds: none is passed (a seeded vLLM request carries a generator it does not need).
+    seed = sample_seed(params.seed, index) if params.seed is not None and not params.greedy else None
     return vllm.SamplingParams(
         n=1, temperature=params.temperature, top_p=params.top_p, top_k=params.top_k or -1, min_p=params.min_p,
         seed=None if seed is None else seed % 2**63, max_tokens=params.max_tokens,
