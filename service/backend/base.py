@@ -14,12 +14,13 @@ work that has not started. `stage_weights` blocks (it copies tensors): call it o
 from __future__ import annotations
 
 import abc
-import re
 from collections.abc import Iterable, Mapping
 from concurrent.futures import Future
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
+
+from service.safetensors_io import shape_problems
 
 if TYPE_CHECKING:
     import torch
@@ -62,9 +63,6 @@ def check_mode(mode: str | None) -> str:
     return mode
 
 
-_IGNORED = re.compile(r"(rotary_emb\.inv_freq|\.attn\.bias|\.masked_bias)$")  # buffers, not weights
-
-
 @dataclass(frozen=True, slots=True)
 class WeightSpec:
     """What a push to one role must match: every tensor of `shapes` (Hugging Face names), nothing unknown.
@@ -77,20 +75,7 @@ class WeightSpec:
 
     def check(self, shapes: Mapping[str, tuple[int, ...]], *, partial: bool = False) -> None:
         """Raise PushError naming unknown, missing or misshaped tensors."""
-        def want(name: str) -> tuple[int, ...] | None:
-            return self.shapes.get(name) or self.tolerated.get(name)
-
-        unknown = sorted(n for n in shapes if want(n) is None and not _IGNORED.search(n))
-        missing = [] if partial else sorted(n for n in self.shapes if n not in shapes)
-        wrong = sorted(f"{n}: got {list(s)}, expected {list(want(n) or ())}" for n, s in shapes.items()
-                       if want(n) is not None and tuple(s) != want(n))
-        problems = []
-        if unknown:
-            problems.append(f"unknown tensors {unknown[:8]}{' ...' if len(unknown) > 8 else ''}")
-        if missing:
-            problems.append(f"missing tensors {missing[:8]}{' ...' if len(missing) > 8 else ''}")
-        if wrong:
-            problems.append(f"wrong shapes {wrong[:8]}")
+        problems = shape_problems(self.shapes, self.tolerated, shapes, partial)
         if problems:
             raise PushError(f"checkpoint does not match {self.architecture}: " + "; ".join(problems))
 

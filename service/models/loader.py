@@ -14,10 +14,9 @@ import torch
 
 from service.config import ModelConfig
 from service.models.llama import CausalLM
-from service.safetensors_io import iter_safetensors, read_shapes, safetensors_files
+from service.safetensors_io import IGNORED, iter_safetensors, read_shapes, safetensors_files, shape_problems
 
 _LAYER = re.compile(r"^model\.layers\.(\d+)\.(.+)$")
-_IGNORED = re.compile(r"(rotary_emb\.inv_freq|\.attn\.bias|\.masked_bias)$")
 
 
 class WeightError(ValueError):
@@ -84,23 +83,9 @@ def hf_state_dict(model: CausalLM) -> dict[str, torch.Tensor]:
 
 def check_tensors(cfg: ModelConfig, shapes: dict[str, tuple[int, ...]], *, partial: bool = False) -> None:
     """Raise WeightError naming unknown, missing or misshaped tensors."""
-    expected = checkpoint_shapes(cfg)
     # A tied checkpoint may still carry lm_head.weight: tolerated and ignored.
-    expected_extra = {"lm_head.weight": (cfg.vocab_size, cfg.hidden_size)} if cfg.tie_word_embeddings else {}
-    unknown = sorted(n for n in shapes if n not in expected and n not in expected_extra and not _IGNORED.search(n))
-    missing = [] if partial else sorted(n for n in expected if n not in shapes)
-    wrong = sorted(
-        f"{n}: got {list(s)}, expected {list(expected.get(n) or expected_extra[n])}"
-        for n, s in shapes.items()
-        if (n in expected or n in expected_extra) and tuple(s) != (expected.get(n) or expected_extra[n])
-    )
-    problems = []
-    if unknown:
-        problems.append(f"unknown tensors {unknown[:8]}{' ...' if len(unknown) > 8 else ''}")
-    if missing:
-        problems.append(f"missing tensors {missing[:8]}{' ...' if len(missing) > 8 else ''}")
-    if wrong:
-        problems.append(f"wrong shapes {wrong[:8]}")
+    tolerated = {"lm_head.weight": (cfg.vocab_size, cfg.hidden_size)} if cfg.tie_word_embeddings else {}
+    problems = shape_problems(checkpoint_shapes(cfg), tolerated, shapes, partial)
     if problems:
         raise WeightError(f"checkpoint does not match {cfg.architecture}: " + "; ".join(problems))
 
@@ -111,7 +96,7 @@ def load_tensors(model: CausalLM, tensors: Iterable[tuple[str, torch.Tensor]]) -
     tied = model.config.tie_word_embeddings
     total = 0
     for name, tensor in tensors:
-        if _IGNORED.search(name) or (tied and name == "lm_head.weight"):
+        if IGNORED.search(name) or (tied and name == "lm_head.weight"):
             continue
         param, sl = _target(model, name)
         dst = param if sl is None else param[sl]
