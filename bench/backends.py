@@ -56,14 +56,18 @@ def run_server(backend: str, spec: str, target: Path, draft: Path, k: int, promp
                           max_num_seqs=len(lengths), kv_cache_memory_gb=0.5)
     cfg = ServerConfig(http_port=free_port(), grpc_port=free_port(), backend=backend,
                        vllm=VllmConfig(num_speculative_tokens=k, gpu_memory_utilization=0.3))
+    t_start = time.perf_counter()
     with BackgroundServer(engine, cfg) as srv:
+        ready_s = time.perf_counter() - t_start  # on vLLM adaptive: includes the start-up profile
         asyncio.run(_through_client(srv.grpc_target, prompts[:1], [8] * 4, 4))  # warm-up
         times, tokens = [], 0
         for _ in range(repeats):
             start = time.perf_counter()
             tokens = asyncio.run(_through_client(srv.grpc_target, prompts, lengths, per_prompt))
             times.append(time.perf_counter() - start)
-    return _median_run(times, tokens)
+        table = getattr(srv.server.backend, "table", None)
+    out = _median_run(times, tokens) | {"ready_seconds": round(ready_s, 1)}
+    return out | ({"k_table": [list(row) for row in table]} if backend == "vllm" and table else {})
 
 
 def run_raw(spec: str, target: Path, draft: Path, k: int, prompts, lengths, per_prompt: int, max_len: int,

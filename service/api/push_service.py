@@ -3,6 +3,10 @@
 New weights (target or drafter) are checked completely against the role's `WeightSpec`, staged by the backend
 beside the serving ones off the event loop, then committed: a target commit follows the push's mode (wait |
 abort | keep); a drafter commit never holds generation back. One push per role at a time.
+
+A drafter push in mode `with_target` is staged and parked: the next target push publishes both as one atomic
+pair (a trainer that produces policy and drafter together never has the new policy served with the old
+drafter, whose acceptance would collapse). A newer parked drafter replaces an older one.
 """
 
 from __future__ import annotations
@@ -25,7 +29,16 @@ from service.api.push_protocol import (
     dtype_name,
     validate_manifest,
 )
-from service.backend.base import PushError, PushUnsupported, RolloutBackend, Staged, SwapResult, WeightSpec, check_mode
+from service.backend.base import (
+    PAIR_MODE,
+    PushError,
+    PushUnsupported,
+    RolloutBackend,
+    Staged,
+    SwapResult,
+    WeightSpec,
+    check_mode,
+)
 from service.config import ConfigError
 from service.safetensors_io import iter_safetensors, safetensors_files
 
@@ -35,11 +48,14 @@ if TYPE_CHECKING:
 logger = logging.getLogger(__name__)
 
 
-def check_mode_or_error(mode: str) -> str:
+def check_mode_or_error(mode: str, role: str = "target") -> str:
+    if role == "drafter" and (mode or "").lower() == PAIR_MODE:
+        return PAIR_MODE
     try:
         return check_mode(mode)
     except ValueError as exc:
-        raise PushError(str(exc)) from exc
+        hint = f" (drafter pushes also take {PAIR_MODE!r})" if role == "drafter" else ""
+        raise PushError(f"{exc}{hint}") from exc
 
 
 class PushService:
@@ -50,6 +66,7 @@ class PushService:
         self.max_push_bytes = max_push_bytes
         self.load_root = Path(load_root).resolve() if load_root else None
         self._locks: dict[str, asyncio.Lock] = {}
+        self._parked: tuple[Staged, str] | None = None  # a drafter waiting for the next target push
 
     def role_spec(self, role: str) -> WeightSpec:
         spec = self.backend.weight_roles().get(role)
@@ -61,8 +78,21 @@ class PushService:
         """Runs off the event loop: the backend copies the tensors beside the serving weights."""
         return self.backend.stage_weights(role, tensors)
 
+    def _park(self, staged: Staged, version: str, start: float) -> PushResult:
+        if self._parked is not None:
+            logger.info("drafter %s, parked for the next target push, replaced by %s", self._parked[1], version)
+            self.backend.discard(self._parked[0])
+        self._parked = (staged, version)
+        logger.info("drafter %s staged: it serves from the next target push on", version)
+        return PushResult(staged.role, version, staged.nbytes, time.perf_counter() - start)
+
     async def _apply(self, staged: Staged, version: str, mode: str, start: float) -> PushResult:
-        pending: Future[SwapResult] = self.backend.commit_weights(staged, version, mode)
+        if mode == PAIR_MODE:
+            return self._park(staged, version, start)
+        paired, self._parked = (self._parked, None) if staged.role == "target" else (None, self._parked)
+        if paired is not None:
+            logger.info("target %s and drafter %s publish as one pair", version, paired[1])
+        pending: Future[SwapResult] = self.backend.commit_weights(staged, version, mode, paired)
         try:
             swap = await asyncio.wrap_future(pending)
         except asyncio.CancelledError:
@@ -97,7 +127,7 @@ class PushService:
     async def push_stream(self, manifest: Manifest, chunks: AsyncIterator[tuple[int, Any]]) -> PushResult:
         """A chunked push: `chunks` yields (offset, bytes) after the manifest."""
         start = time.perf_counter()
-        manifest.mode = check_mode_or_error(manifest.mode)
+        manifest.mode = check_mode_or_error(manifest.mode, manifest.role)
         check_role_version(manifest.role, manifest.version)
         validate_manifest(manifest, self.role_spec(manifest.role), self.max_push_bytes)
         return await self._locked(manifest.role, start, self._receive(manifest, chunks, start))
@@ -122,7 +152,7 @@ class PushService:
         """An upload of whole tensors (a safetensors body)."""
         start = time.perf_counter()
         check_role_version(role, version)
-        mode = check_mode_or_error(mode)
+        mode = check_mode_or_error(mode, role)
         spec = self.role_spec(role)
         if not tensors:
             raise PushError("the upload holds no tensors")
@@ -150,7 +180,7 @@ class PushService:
         """Load safetensors weights from a folder the server can read."""
         start = time.perf_counter()
         check_role_version(role, version)
-        mode = check_mode_or_error(mode)
+        mode = check_mode_or_error(mode, role)
         folder = self._allowed(path)
         self.role_spec(role)
 

@@ -35,6 +35,8 @@ MODES = ("wait", "abort", "keep")
 returned), or keep them running (a commit applies between two steps; later tokens carry the new version)."""
 
 ROLES = ("target", "drafter")
+PAIR_MODE = "with_target"
+"""The mode of a drafter push that waits, staged, for the next target push and is published with it atomically."""
 
 # Capabilities a backend may announce in BackendInfo.capabilities (clients read them from GetServerInfo).
 CAP_ADAPTIVE_SD = "adaptive_sd"  # speculation depth chosen per step from live measurements
@@ -218,9 +220,12 @@ class RolloutBackend(abc.ABC):
         thread or an event loop. Raises PushError if they do not fit; the serving weights are untouched."""
 
     @abc.abstractmethod
-    def commit_weights(self, staged: Staged, version: str, mode: str) -> Future[SwapResult]:
+    def commit_weights(self, staged: Staged, version: str, mode: str,
+                       drafter: tuple[Staged, str] | None = None) -> Future[SwapResult]:
         """Serve `staged` as `version` between two steps, following `mode`. Cancelling the future before it
-        applies withdraws the push (the staged weights are released by the backend)."""
+        applies withdraws the push (the staged weights are released by the backend). `drafter` (staged drafter
+        weights and their version) goes with a target commit as one atomic pair: both serve from the same step
+        on, or neither does (and both are released)."""
 
     @abc.abstractmethod
     def discard(self, staged: Staged) -> None:

@@ -163,16 +163,28 @@ class NativeBackend(RolloutBackend):
     def stage_weights(self, role: str, tensors: Iterable[tuple[str, torch.Tensor]]) -> Staged:
         return self._stager_for(role).stage(role, tensors)
 
-    def commit_weights(self, staged: Staged, version: str, mode: str) -> Future[SwapResult]:
+    def commit_weights(self, staged: Staged, version: str, mode: str,
+                       drafter: tuple[Staged, str] | None = None) -> Future[SwapResult]:
         """A target swap follows `mode`; a drafter swap never holds generation back (it cannot change what is
-        sampled, only how fast), so it applies between the next two steps."""
+        sampled, only how fast), so it applies between the next two steps. A paired drafter swaps in the same
+        pause between two steps as its target."""
         stager = self._stager_for(staged.role)
         mode = check_mode(mode) if staged.role == "target" else "keep"
-        fut = self.loop.swap(lambda engine: stager.apply(staged, version), version, mode)
+        if drafter is not None:
+            self._stager_for(drafter[0].role)
+
+        def apply(engine: object) -> None:
+            stager.apply(staged, version)
+            if drafter is not None:
+                stager.apply(*drafter)
+
+        fut = self.loop.swap(apply, version, mode)
 
         def release_if_unused(f: Future[SwapResult]) -> None:
             if f.cancelled() or f.exception() is not None:
-                stager.discard(staged)  # withdrawn or failed: the staged weights become the spare buffer
+                for s in (staged, drafter[0] if drafter else None):  # withdrawn or failed: spare buffers now
+                    if s is not None and s.payload is not None:
+                        stager.discard(s)
 
         fut.add_done_callback(release_if_unused)
         return fut

@@ -22,6 +22,7 @@ from service.backend.base import (
     CAP_TOP_LOGPROBS,
     BackendInfo,
     NotReady,
+    PushError,
     PushUnsupported,
     RolloutBackend,
     Staged,
@@ -36,11 +37,12 @@ from service.config import EngineConfig, ModelConfig
 from service.params import SamplingError, check_fits
 from service.tokenizer import Tokenizer
 from service.vllm.config import VllmConfig, parse_drafter
-from service.vllm.engine import build_engine, spec_table_for
+from service.vllm.engine import build_engine, spec_table_for, wants_profile
+from service.vllm.profile import profiled_table
 from service.vllm.requests import Outbox, RequestRun, Versions
 from service.vllm.sampling import check_params
-from service.vllm.stats import vllm_counters
-from service.vllm.weights import WeightFiles, drafter_unsupported, target_spec
+from service.vllm.stats import step_logger, vllm_counters
+from service.vllm.weights import WeightFiles, drafter_spec, drafter_unsupported, target_spec
 
 if TYPE_CHECKING:
     import torch
@@ -73,7 +75,9 @@ class VllmBackend(RolloutBackend):
         self._tokenizer = Tokenizer.from_dir(self.model_dir)
         self._cpu = str(config.device).startswith("cpu")
         self._files = WeightFiles(self.model_dir)
-        self._spec = target_spec(self.model_config)
+        self._roles = {"target": target_spec(self.model_config)}
+        if self.table and (spec := drafter_spec(self.drafter)) is not None:
+            self._roles["drafter"] = spec
         self._engine: Any = None
         self._vllm: Any = None
         self._aloop: asyncio.AbstractEventLoop | None = None
@@ -87,6 +91,7 @@ class VllmBackend(RolloutBackend):
         self._paused = False
         self._held = False  # a wait-mode pause or commit holds new requests back
         self._info: BackendInfo | None = None
+        self._strategy = "plain"  # what vLLM's last step ran
 
     # -- lifecycle -----------------------------------------------------------------------------------------
     def start(self) -> None:
@@ -106,14 +111,17 @@ class VllmBackend(RolloutBackend):
     async def _main(self) -> None:
         self._aloop = asyncio.get_running_loop()
         self._stop_event = asyncio.Event()
-        self._vllm, self._engine = build_engine(self.config, self.vcfg, self.drafter, self.table)
+        if wants_profile(self.drafter, self.config, self.vcfg):
+            self.table = await profiled_table(self.config, self.vcfg, self.drafter, self.model_config.vocab_size)
+        self._vllm, self._engine = build_engine(self.config, self.vcfg, self.drafter, self.table,
+                                                [step_logger(self._on_step, self.drafter.method)])
         await self._warm_up()
         eos = self._tokenizer.eos_token_id if self._tokenizer is not None else None
         caps = (set() if self._cpu else {CAP_SEEDS}) | (set() if self.table else {CAP_TOP_LOGPROBS})
         self._info = BackendInfo(
             backend="vllm", model_path=self.model_dir, vocab_size=self.model_config.vocab_size,
             max_model_len=self.config.max_model_len, dtype=str(self.config.dtype), eos_token_id=eos,
-            drafter=self.drafter.method if self.drafter.path is None else f"{self.drafter.method}:{self.drafter.path}",
+            drafter=self.drafter.as_flag(),
             num_slots=self.config.max_num_seqs, capabilities=frozenset(caps))
         self.admission.slots = self.config.max_num_seqs
         self._ready.set()
@@ -122,6 +130,11 @@ class VllmBackend(RolloutBackend):
                     self.table)
         await self._stop_event.wait()
         await self._shutdown()
+
+    def _on_step(self, batch_size: int, strategy: str) -> None:
+        self._strategy = strategy
+        if self.metrics is not None:
+            self.metrics.observe_step(batch_size, strategy)
 
     async def _warm_up(self) -> None:
         """One tiny request before the server reports ready: a kernel this platform lacks for this model (vLLM's
@@ -180,10 +193,9 @@ class VllmBackend(RolloutBackend):
         runs = list(self._runs.values())
         running = sum(r.num_running() for r in runs)
         total = sum(len(r.samples) - r.finished for r in runs)
-        strategy = "plain" if not self.table else self.drafter.method
         return StatsSnapshot(policy_version=self.versions.policy, drafter_version=self.versions.drafter,
                              num_running=running, num_waiting=max(total - running, 0), paused=self._paused,
-                             admission_held=self._held, strategy=strategy, **vllm_counters())
+                             admission_held=self._held, strategy=self._strategy, **vllm_counters())
 
     # -- generation ------------------------------------------------------------------------------------------
     def submit_all(self, items: list[tuple[GenRequest, RequestHandle]]) -> None:
@@ -227,7 +239,7 @@ class VllmBackend(RolloutBackend):
                 handle.put_many([Failed(f"request id {req.request_id!r} is already in use", invalid=True)])
                 continue
             run = RequestRun(req, handle, self._engine, self._vllm, self.versions, self.hooks, self.metrics,
-                             lambda: "plain" if not self.table else self.drafter.method, self._forget, self._outbox)
+                             lambda: self._strategy, self._forget, self._outbox)
             self._runs[req.request_id] = run
             run.start()
 
@@ -276,47 +288,71 @@ class VllmBackend(RolloutBackend):
     # -- weights ---------------------------------------------------------------------------------------------
     def weight_roles(self) -> dict[str, WeightSpec]:
         self.info()
-        return {"target": self._spec}
+        return dict(self._roles)
 
     def unsupported(self, role: str) -> str:
-        return drafter_unsupported(self.drafter) if role == "drafter" else ""
+        if role == "drafter" and role not in self._roles:
+            if self.drafter.has_weights and not self.table:
+                return "the server runs with speculation off (--spec off): its drafter is not loaded"
+            return drafter_unsupported(self.drafter)
+        return ""
 
     def stage_weights(self, role: str, tensors: Iterable[tuple[str, torch.Tensor]]) -> Staged:
-        if role != "target":
+        if role not in self._roles:
             raise PushUnsupported(self.unsupported(role) or f"no weights to push for role {role!r}")
         folder, nbytes = self._files.stage(tensors, self.config.dtype)
         return Staged(role, nbytes, folder)
 
-    def commit_weights(self, staged: Staged, version: str, mode: str) -> Future[SwapResult]:
-        fut = self._call(self._commit(staged, version, check_mode(mode)))
+    def commit_weights(self, staged: Staged, version: str, mode: str,
+                       drafter: tuple[Staged, str] | None = None) -> Future[SwapResult]:
+        """A target commit follows `mode`; a drafter commit freezes generation (keep) for the reload only."""
+        mode = check_mode(mode) if staged.role == "target" else "keep"
+        fut = self._call(self._commit(staged, version, mode, drafter))
 
         def cleanup(f: Future[SwapResult]) -> None:
-            self._files.release(staged.payload)
+            for s in (staged, drafter[0] if drafter else None):
+                if s is not None:
+                    self._files.release(s.payload)
 
         fut.add_done_callback(cleanup)
         return fut
 
-    async def _commit(self, staged: Staged, version: str, mode: str) -> SwapResult:
-        """Inside a pause: load the staged files into the serving model, drop cached prefixes computed by the
-        old weights, tag later tokens with the new version, resume (unless an admin paused before)."""
+    async def _commit(self, staged: Staged, version: str, mode: str,
+                      drafter: tuple[Staged, str] | None) -> SwapResult:
+        """Inside a pause: load the staged files into the serving model(s), drop cached prefixes computed by
+        the old target weights, tag later tokens with the new versions, resume (unless an admin paused before).
+        A paired drafter loads first: if it fails, the target is not touched (fail closed)."""
         loop = asyncio.get_running_loop()
         t_wait = loop.time()
         was_paused = self._paused
         aborted = [] if was_paused else await self._pause(mode)
         t0 = loop.time()
         try:
-            await self._engine.collective_rpc("reload_weights", kwargs={"weights_path": str(staged.payload)})
-            await self._engine.reset_prefix_cache()
-            self.versions.policy = str(version)
+            draft = drafter or ((staged, version) if staged.role == "drafter" else None)
+            if draft is not None:
+                await self._reload_drafter(draft[0].payload)
+            if staged.role == "target":
+                await self._engine.collective_rpc("reload_weights", kwargs={"weights_path": str(staged.payload)})
+                await self._engine.reset_prefix_cache()
+                self.versions.policy = str(version)
+            if draft is not None:
+                self.versions.drafter = f"{self.drafter.method}@{draft[1]}"
         finally:
             if not was_paused:
                 await self._resume()
-        logger.info("now serving target weights version %s", version)
-        if self.versions.drafter != "none" and self.drafter.has_weights:
-            logger.warning("the %s drafter keeps its weights after target push %s: acceptance may drop until it "
-                           "is retrained (vLLM cannot update drafter weights on this platform)",
-                           self.drafter.method, version)
+        logger.info("now serving %s", f"policy {self.versions.policy}, drafter {self.versions.drafter}")
+        if staged.role == "target" and drafter is None and "drafter" in self._roles:
+            logger.warning("the %s drafter keeps its weights after target push %s: acceptance may drop until a "
+                           "drafter push (or one paired with the target: mode %r) lands", self.drafter.method,
+                           version, "with_target")
         return SwapResult(str(version), loop.time() - t0, t0 - t_wait, aborted)
+
+    async def _reload_drafter(self, folder: Path) -> None:
+        """Every worker loads the draft model's weights (`service/vllm/worker_ext.py`); they answer instead of
+        raising, so a failure refuses the push and leaves the engine alive."""
+        errors = [e for e in await self._engine.collective_rpc("specroll_reload_drafter", args=(str(folder),)) if e]
+        if errors:
+            raise PushError(f"drafter reload failed: {errors[0]}")
 
     def discard(self, staged: Staged) -> None:
         self._files.release(staged.payload)

@@ -32,7 +32,8 @@ class VllmConfig:
     gpu_memory_utilization: float = 0.85
     enforce_eager: bool = False  # no CUDA graphs (GPU); vLLM's CPU build decides on its own
     num_speculative_tokens: int = 4  # the deepest k; the per-batch-size table picks k <= this
-    spec_table: list[tuple[int, int, int]] | None = None  # [(first batch size, last, k)]; None: from --spec
+    # [(first batch size, last, k)]; "default": the heuristic table; None: from --spec (adaptive: profiled)
+    spec_table: list[tuple[int, int, int]] | str | None = None
     extra: dict[str, Any] = field(default_factory=dict)  # more AsyncEngineArgs fields (JSON object)
 
     def __post_init__(self) -> None:
@@ -45,11 +46,16 @@ class VllmConfig:
                                   f"{self.distributed_executor_backend!r}")
         if not 0 < self.gpu_memory_utilization <= 1:
             raise VllmConfigError(f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization}")
-        for key in ("speculative_config", "logprobs_mode", "model", "tokenizer", "seed"):
+        for key in ("speculative_config", "logprobs_mode", "model", "tokenizer", "seed", "worker_extension_cls"):
             if key in self.extra:
                 raise VllmConfigError(f"--vllm-arg {key} is set by specroll itself (use --drafter, --spec, --model, "
-                                      "--seed); logprobs are always those of the processed distribution")
-        if self.spec_table is not None:
+                                      "--seed); logprobs are always those of the processed distribution; its "
+                                      "workers carry specroll's extension (drafter weight pushes)")
+        if self.spec_table in ("profile", None):
+            self.spec_table = None
+        elif self.spec_table != "default":
+            if not isinstance(self.spec_table, list):
+                raise VllmConfigError(f"--spec-table is profile, default or JSON rows, got {self.spec_table!r}")
             self.spec_table = check_table(self.spec_table, self.num_speculative_tokens)
 
 
@@ -78,6 +84,12 @@ class DrafterSpec:
     @property
     def has_weights(self) -> bool:
         return self.method not in ("none", *MODEL_FREE)
+
+    def as_flag(self) -> str:
+        """The `--drafter` value that names this drafter (what GetServerInfo reports; the sidecar parses it)."""
+        if self.path is None:
+            return self.method
+        return self.path if self.method == "draft_model" else f"{self.method}:{self.path}"
 
 
 def parse_drafter(spec: str | None, model_dir: Path) -> DrafterSpec:
@@ -142,8 +154,9 @@ def add_vllm_args(p: argparse.ArgumentParser) -> None:
                    default=float(env("SPECROLL_GPU_MEMORY_UTILIZATION", "0.85")))
     g.add_argument("--enforce-eager", action="store_true", help="no CUDA graphs")
     g.add_argument("--spec-table", default=env("SPECROLL_SPEC_TABLE"),
-                   help="vLLM's per-batch-size draft depth as JSON [[first, last, k], ...] (default: from --spec: "
-                        "fixed = --spec-k at every batch size, adaptive = deep in the tail, shallow when full)")
+                   help="vLLM's per-batch-size draft depth: JSON [[first, last, k], ...], 'default' (deep in the "
+                        "tail, shallow when full) or 'profile' (measured at start-up, cached; what --spec adaptive "
+                        "does unless this is set); --spec fixed = --spec-k at every batch size")
     g.add_argument("--vllm-arg", action="append", default=[], metavar="KEY=JSON",
                    help="another AsyncEngineArgs field, e.g. --vllm-arg max_num_batched_tokens=8192")
 
@@ -158,7 +171,7 @@ def vllm_config_from_args(args: argparse.Namespace) -> VllmConfig:
             extra[key] = json.loads(value)
         except json.JSONDecodeError:
             extra[key] = value
-    table = json.loads(args.spec_table) if args.spec_table else None
+    table = args.spec_table if args.spec_table in (None, "", "profile", "default") else json.loads(args.spec_table)
     return VllmConfig(args.tensor_parallel_size, args.pipeline_parallel_size, args.data_parallel_size,
                       args.distributed_executor_backend, args.gpu_memory_utilization, args.enforce_eager,
                       max(args.spec_k, 1), table, extra)

@@ -4,8 +4,8 @@ Adaptive speculation on vLLM: vLLM fixes the method and the deepest k when the e
 live knob, `num_speculative_tokens_per_batch_size` (k chosen in its scheduler from the live batch size). So the
 table is where adaptation happens: deep when the batch has drained to the long tail (draft work is cheap next to
 a memory-bound verify pass), shallow as it fills, off when it is full (verification would spend compute the
-batch needs). `--spec fixed` gives one k everywhere, `--spec off` none; `--spec-table` sets it from a profile
-(`bench/backends.py --profile` measures step cost per batch bucket and k with the acceptance seen).
+batch needs). `--spec adaptive` measures that table at start-up (`service/vllm/profile.py`); `--spec fixed` gives
+one k everywhere, `--spec off` none; `--spec-table` passes one (JSON rows, or `default` for a fixed heuristic).
 """
 
 from __future__ import annotations
@@ -20,6 +20,7 @@ from service.vllm.config import DrafterSpec, VllmConfig, check_table, speculativ
 from service.vllm.sampling import MAX_TOP_LOGPROBS
 
 logger = logging.getLogger(__name__)
+WORKER_EXTENSION = "service.vllm.worker_ext.SpecrollWorkerExtension"  # imported by name in vLLM's workers
 
 
 def default_table(max_num_seqs: int, max_k: int) -> list[tuple[int, int, int]]:
@@ -32,14 +33,19 @@ def default_table(max_num_seqs: int, max_k: int) -> list[tuple[int, int, int]]:
 
 
 def spec_table_for(drafter: DrafterSpec, config: EngineConfig, vcfg: VllmConfig) -> list[tuple[int, int, int]]:
-    """The per-batch-size k table the engine is built with ([] without speculation)."""
+    """The per-batch-size k table the engine is built with ([] without speculation; the heuristic table where a
+    start-up profile will replace it, see `wants_profile`)."""
     if drafter.method == "none" or config.spec == "off":
         return []
-    if vcfg.spec_table is not None:
+    if isinstance(vcfg.spec_table, list):
         return check_table(vcfg.spec_table, vcfg.num_speculative_tokens)
     if config.spec == "fixed":
         return [(1, config.max_num_seqs, vcfg.num_speculative_tokens)]
     return default_table(config.max_num_seqs, vcfg.num_speculative_tokens)
+
+
+def wants_profile(drafter: DrafterSpec, config: EngineConfig, vcfg: VllmConfig) -> bool:
+    return drafter.method != "none" and config.spec == "adaptive" and vcfg.spec_table is None
 
 
 def engine_args(config: EngineConfig, vcfg: VllmConfig, drafter: DrafterSpec,
@@ -52,7 +58,7 @@ def engine_args(config: EngineConfig, vcfg: VllmConfig, drafter: DrafterSpec,
         "tensor_parallel_size": vcfg.tensor_parallel_size, "pipeline_parallel_size": vcfg.pipeline_parallel_size,
         "data_parallel_size": vcfg.data_parallel_size, "enforce_eager": vcfg.enforce_eager,
         "gpu_memory_utilization": vcfg.gpu_memory_utilization, "speculative_config": spec,
-        "enable_prefix_caching": True,
+        "enable_prefix_caching": True, "worker_extension_cls": WORKER_EXTENSION,
     }
     if not any((config.model and (Path(config.model) / f).is_file()) for f in ("tokenizer.json",
                                                                              "tokenizer_config.json")):
@@ -68,7 +74,7 @@ def engine_args(config: EngineConfig, vcfg: VllmConfig, drafter: DrafterSpec,
 
 
 def build_engine(config: EngineConfig, vcfg: VllmConfig, drafter: DrafterSpec,
-                 table: list[tuple[int, int, int]]) -> tuple[Any, Any]:
+                 table: list[tuple[int, int, int]], stat_loggers: list[Any] | None = None) -> tuple[Any, Any]:
     """(the vllm module, a started AsyncLLM). Call on the event loop that will drive it."""
     os.environ.setdefault("VLLM_WORKER_MULTIPROC_METHOD", "spawn")
     try:
@@ -86,4 +92,4 @@ def build_engine(config: EngineConfig, vcfg: VllmConfig, drafter: DrafterSpec,
                                "--drafter ngram (model-free) or the native backend's suffix drafter") from exc
     args = engine_args(config, vcfg, drafter, table)
     logger.info("starting vLLM %s: %s", vllm.__version__, {k: v for k, v in args.items() if k != "model"})
-    return vllm, AsyncLLM.from_engine_args(AsyncEngineArgs(**args))
+    return vllm, AsyncLLM.from_engine_args(AsyncEngineArgs(**args), stat_loggers=stat_loggers)

