@@ -111,10 +111,13 @@ class VllmBackend(RolloutBackend):
     async def _main(self) -> None:
         self._aloop = asyncio.get_running_loop()
         self._stop_event = asyncio.Event()
+        online = None
         if wants_profile(self.drafter, self.config, self.vcfg):
-            self.table = await profiled_table(self.config, self.vcfg, self.drafter, self.model_config.vocab_size)
+            self.table, depth = await profiled_table(self.config, self.vcfg, self.drafter,
+                                                     self.model_config.vocab_size)
+            online = depth.to_json()
         self._vllm, self._engine = build_engine(self.config, self.vcfg, self.drafter, self.table,
-                                                [step_logger(self._on_step, self.drafter.method)])
+                                                [step_logger(self._on_step, self.drafter.method)], online)
         await self._warm_up()
         eos = self._tokenizer.eos_token_id if self._tokenizer is not None else None
         caps = (set() if self._cpu else {CAP_SEEDS}) | (set() if self.table else {CAP_TOP_LOGPROBS})

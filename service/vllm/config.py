@@ -46,7 +46,8 @@ class VllmConfig:
                                   f"{self.distributed_executor_backend!r}")
         if not 0 < self.gpu_memory_utilization <= 1:
             raise VllmConfigError(f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization}")
-        for key in ("speculative_config", "logprobs_mode", "model", "tokenizer", "seed", "worker_extension_cls"):
+        for key in ("speculative_config", "logprobs_mode", "model", "tokenizer", "seed", "worker_extension_cls",
+                    "scheduler_cls"):
             if key in self.extra:
                 raise VllmConfigError(f"--vllm-arg {key} is set by specroll itself (use --drafter, --spec, --model, "
                                       "--seed); logprobs are always those of the processed distribution; its "

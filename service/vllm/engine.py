@@ -4,8 +4,10 @@ Adaptive speculation on vLLM: vLLM fixes the method and the deepest k when the e
 live knob, `num_speculative_tokens_per_batch_size` (k chosen in its scheduler from the live batch size). So the
 table is where adaptation happens: deep when the batch has drained to the long tail (draft work is cheap next to
 a memory-bound verify pass), shallow as it fills, off when it is full (verification would spend compute the
-batch needs). `--spec adaptive` measures that table at start-up (`service/vllm/profile.py`); `--spec fixed` gives
-one k everywhere, `--spec off` none; `--spec-table` passes one (JSON rows, or `default` for a fixed heuristic).
+batch needs). `--spec adaptive` measures step costs at start-up (`service/vllm/profile.py`) and re-chooses the
+table from live acceptance while serving (`service/vllm/online.py`, run by specroll's scheduler subclass in
+vLLM's engine core); `--spec fixed` gives one k everywhere, `--spec off` none; `--spec-table` passes a table
+(JSON rows, or `default` for a fixed heuristic) that stays as given.
 """
 
 from __future__ import annotations
@@ -21,6 +23,8 @@ from service.vllm.sampling import MAX_TOP_LOGPROBS
 
 logger = logging.getLogger(__name__)
 WORKER_EXTENSION = "service.vllm.worker_ext.SpecrollWorkerExtension"  # imported by name in vLLM's workers
+ONLINE_SCHEDULER = "service.vllm.scheduler.OnlineScheduler"  # ... and in its engine-core process
+ONLINE_ASYNC_SCHEDULER = "service.vllm.scheduler.OnlineAsyncScheduler"
 
 
 def default_table(max_num_seqs: int, max_k: int) -> list[tuple[int, int, int]]:
@@ -49,7 +53,9 @@ def wants_profile(drafter: DrafterSpec, config: EngineConfig, vcfg: VllmConfig) 
 
 
 def engine_args(config: EngineConfig, vcfg: VllmConfig, drafter: DrafterSpec,
-                table: list[tuple[int, int, int]]) -> dict[str, Any]:
+                table: list[tuple[int, int, int]], online: dict[str, Any] | None = None) -> dict[str, Any]:
+    """AsyncEngineArgs' keywords. `online` (an `OnlineDepth` as JSON) puts specroll's scheduler in vLLM's
+    engine core: it re-chooses the table's k per batch size from live acceptance (`service/vllm/online.py`)."""
     spec = speculative_config(drafter, vcfg, table) if table else None
     args: dict[str, Any] = {
         "model": str(config.model), "tokenizer": str(config.model), "dtype": config.dtype,
@@ -69,12 +75,19 @@ def engine_args(config: EngineConfig, vcfg: VllmConfig, drafter: DrafterSpec,
         # vLLM's CPU build sizes its KV cache from a fraction of host memory; ours comes from --kv-cache-gb.
         args["kv_cache_memory_bytes"] = int(config.kv_cache_memory_gb * 2**30)
         args["gpu_memory_utilization"] = min(vcfg.gpu_memory_utilization, 0.5)
+    user_additional = dict(vcfg.extra.get("additional_config") or {})
     args.update(vcfg.extra)
+    if online is not None and table:
+        # vLLM runs its scheduler asynchronously on GPUs (draft models included), never on CPU.
+        sync = str(config.device).startswith("cpu") or vcfg.extra.get("async_scheduling") is False
+        args["scheduler_cls"] = ONLINE_SCHEDULER if sync else ONLINE_ASYNC_SCHEDULER
+        args["additional_config"] = user_additional | {"specroll_online": online}
     return args
 
 
 def build_engine(config: EngineConfig, vcfg: VllmConfig, drafter: DrafterSpec,
-                 table: list[tuple[int, int, int]], stat_loggers: list[Any] | None = None) -> tuple[Any, Any]:
+                 table: list[tuple[int, int, int]], stat_loggers: list[Any] | None = None,
+                 online: dict[str, Any] | None = None) -> tuple[Any, Any]:
     """(the vllm module, a started AsyncLLM). Call on the event loop that will drive it."""
     os.environ.setdefault("VLLM_WORKER_MULTIPROC_METHOD", "spawn")
     try:
@@ -90,6 +103,6 @@ def build_engine(config: EngineConfig, vcfg: VllmConfig, drafter: DrafterSpec,
         except ImportError as exc:
             raise RuntimeError("--drafter suffix on vLLM needs arctic-inference, which this platform lacks; use "
                                "--drafter ngram (model-free) or the native backend's suffix drafter") from exc
-    args = engine_args(config, vcfg, drafter, table)
+    args = engine_args(config, vcfg, drafter, table, online)
     logger.info("starting vLLM %s: %s", vllm.__version__, {k: v for k, v in args.items() if k != "model"})
     return vllm, AsyncLLM.from_engine_args(AsyncEngineArgs(**args), stat_loggers=stat_loggers)

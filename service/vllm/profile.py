@@ -5,7 +5,10 @@ So `--spec adaptive` on the vLLM backend measures before it serves: one short-li
 each (batch bucket, k) pair its own batch size (a "striped" table: sizes b, b+1, ... map to k = 0, 1, ...), a
 greedy batch of that size run through it, and vLLM's own counters for the drafts and accepted tokens. From it:
 
-- t(b, k): seconds per engine step at batch size b with k drafts, interpolated linearly in b between buckets;
+- t(b, k): seconds per engine step at batch size b with k drafts, from a least-squares fit of every measured
+  point to t = a + c*b + k*(u + v*b) (fixed cost, per-sequence cost, per-draft-position cost of the drafter's
+  forward and the wider verify): one model over all points smooths the noise of a few dozen steps per point
+  (a per-point argmax flipped k between neighbouring buckets) and predicts the sizes between buckets;
 - r_j: the measured probability that draft position j is accepted (all before it accepted), at the deepest k,
   so a step with k drafts yields E(k) = 1 + r_0 + ... + r_(k-1) tokens per sequence;
 
@@ -28,7 +31,6 @@ import json
 import logging
 import os
 import time
-from bisect import bisect_left
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -36,6 +38,7 @@ from typing import Any
 from service.config import EngineConfig
 from service.vllm.config import DrafterSpec, VllmConfig
 from service.vllm.engine import build_engine
+from service.vllm.online import CostModel, OnlineDepth, best_depths, rows_of, tokens_per_step
 from service.vllm.stats import vllm_counters
 
 logger = logging.getLogger(__name__)
@@ -51,22 +54,28 @@ class Profile:
     acceptance: tuple[float, ...]
 
     def tokens_per_step(self, k: int) -> float:
-        return 1.0 + sum(self.acceptance[:k])
+        return tokens_per_step(self.acceptance, k)
 
-    def seconds(self, batch: int, k: int) -> float:
-        """Step time at `batch` with k drafts, linear between the measured batch sizes (flat beyond them)."""
-        points = sorted((b, t) for (b, kk), t in self.step_seconds.items() if kk == k)
-        sizes = [b for b, _ in points]
-        i = bisect_left(sizes, batch)
-        if i == 0:
-            return points[0][1]
-        if i == len(points):
-            return points[-1][1]
-        (b0, t0), (b1, t1) = points[i - 1], points[i]
-        return t0 + (t1 - t0) * (batch - b0) / (b1 - b0)
+    def cost_model(self) -> CostModel:
+        """Least squares on relative error (each point weighted by 1 / its time), minimum-norm where the points
+        cannot tell the terms apart (one batch size only). Costs that fall with the batch size are noise: a
+        negative per-sequence term (c or v) is dropped and the rest refitted, so a draft never gets cheaper as
+        the batch grows (a tilted fit made drafts look free at full batch and the table deeper there)."""
+        import torch
 
-    def best_k(self, batch: int, ks: list[int]) -> int:
-        return max(ks, key=lambda k: (self.tokens_per_step(k) / self.seconds(batch, k), -k))
+        points = sorted(self.step_seconds.items())
+        x = torch.tensor([[1.0, b, k, k * b] for (b, k), _ in points], dtype=torch.float64)  # [N, 4]
+        t = torch.tensor([sec for _, sec in points], dtype=torch.float64)  # [N]
+        w = 1.0 / t
+        keep = [0, 1, 2, 3]
+        while True:
+            sol = torch.linalg.lstsq(x[:, keep] * w[:, None], (t * w)[:, None], driver="gelsd").solution[:, 0]
+            coef = dict(zip(keep, sol.tolist(), strict=True))
+            negative = [i for i in (1, 3) if coef.get(i, 0.0) < 0]
+            if not negative:
+                break
+            keep = [i for i in keep if i not in negative]
+        return CostModel(coef.get(0, 0.0), coef.get(1, 0.0), coef.get(2, 0.0), coef.get(3, 0.0), float(t.min()))
 
     def to_json(self) -> dict[str, Any]:
         return {"step_seconds": [[b, k, t] for (b, k), t in sorted(self.step_seconds.items())],
@@ -112,14 +121,12 @@ def striped_table(starts: list[int], ks: list[int], max_num_seqs: int) -> tuple[
 
 def table_from(profile: Profile, ks: list[int], max_num_seqs: int) -> list[tuple[int, int, int]]:
     """vLLM's table: for every batch size the k of most tokens per second, consecutive equal k's merged."""
-    rows: list[tuple[int, int, int]] = []
-    for b in range(1, max_num_seqs + 1):
-        k = profile.best_k(b, ks)
-        if rows and rows[-1][2] == k:
-            rows[-1] = (rows[-1][0], b, k)
-        else:
-            rows.append((b, b, k))
-    return rows
+    return rows_of(best_depths(profile.cost_model(), profile.acceptance, ks, max_num_seqs))
+
+
+def online_depth(profile: Profile, ks: list[int], max_num_seqs: int) -> OnlineDepth:
+    """What the serving engine's scheduler starts from: the profile's costs, its acceptance as the prior."""
+    return OnlineDepth(profile.cost_model(), ks, max_num_seqs, profile.acceptance)
 
 
 def cache_path(config: EngineConfig, vcfg: VllmConfig, drafter: DrafterSpec, vllm_version: str) -> Path:
@@ -143,15 +150,17 @@ async def measure(engine: Any, vllm: Any, points: list[tuple[int, int]], vocab_s
     params = vllm.SamplingParams(max_tokens=PROFILE_TOKENS, temperature=0.0, ignore_eos=True, detokenize=False)
 
     async def batch(size: int, tag: str) -> float:
+        """Seconds from the moment every sequence has its first token (the batch's prefill is done) to the end."""
+        firsts: dict[int, float] = {}
+
         async def one(i: int) -> None:
             prompt = [(7 * i + 3 * j + 1) % vocab_size for j in range(6)]
             rid = f"specroll-profile-{tag}-{i}"
             async for _ in engine.generate({"prompt_token_ids": prompt}, params, request_id=rid):
-                pass
+                firsts.setdefault(i, time.perf_counter())
 
-        t0 = time.perf_counter()
         await asyncio.gather(*(one(i) for i in range(size)))
-        return time.perf_counter() - t0
+        return time.perf_counter() - max(firsts.values())
 
     await batch(points[0][0], "warm-up")
     step_seconds: dict[tuple[int, int], float] = {}
@@ -162,7 +171,7 @@ async def measure(engine: Any, vllm: Any, points: list[tuple[int, int]], vocab_s
         elapsed = await batch(size, f"{size}")
         after = vllm_counters()
         n_drafts = after.get("spec_drafts", 0) - before.get("spec_drafts", 0)
-        steps = 1 + (n_drafts / size if k else PROFILE_TOKENS - 1)  # the prefill step, then decode or verify
+        steps = n_drafts / size if k else PROFILE_TOKENS - 1  # decode or verify steps after the prefill
         step_seconds[(size, k)] = elapsed / steps
         if k == max_k:
             per_pos_0, per_pos_1 = before.get("accepted_per_position", ()), after.get("accepted_per_position", ())
@@ -191,8 +200,9 @@ def save(path: Path, profile: Profile) -> None:
 
 
 async def profiled_table(config: EngineConfig, vcfg: VllmConfig, drafter: DrafterSpec,
-                         vocab_size: int) -> list[tuple[int, int, int]]:
-    """The table for the serving engine: from the cached profile, else from one measured now."""
+                         vocab_size: int) -> tuple[list[tuple[int, int, int]], OnlineDepth]:
+    """The serving engine's first table and its online depth, from the cached profile, else from one measured
+    now."""
     import vllm
 
     path = cache_path(config, vcfg, drafter, vllm.__version__)
@@ -212,4 +222,4 @@ async def profiled_table(config: EngineConfig, vcfg: VllmConfig, drafter: Drafte
         save(path, profile)
     else:
         logger.info("speculation profile from %s", path)
-    return table_from(profile, ks, config.max_num_seqs)
+    return table_from(profile, ks, config.max_num_seqs), online_depth(profile, ks, config.max_num_seqs)

@@ -19,7 +19,8 @@ from service.config import EngineConfig
 from service.engine.llm_engine import LLMEngine
 from service.params import SamplingParams
 from service.vllm.config import check_table
-from service.vllm.profile import Profile, candidate_ks, table_from
+from service.vllm.engine import ONLINE_SCHEDULER
+from service.vllm.profile import Profile, candidate_ks, online_depth, table_from
 
 pytestmark = pytest.mark.vllm
 logger = logging.getLogger(__name__)
@@ -54,8 +55,12 @@ def test_adaptive_table_comes_from_the_startup_profile(server):
     assert {k for _, k in profile.step_seconds} == set(ks) and all(t > 0 for t in profile.step_seconds.values())
     assert len(profile.acceptance) == 3 and 1 >= profile.acceptance[0] >= profile.acceptance[2] >= 0
     table = srv.server.backend.table
-    assert table == table_from(profile, ks, 256)  # the serving engine runs the profiled table
+    assert table == table_from(profile, ks, 256)  # the serving engine starts from the profiled table
     check_table(table, 3)
+    # ... and vLLM's engine core runs specroll's scheduler, which re-chooses it from live acceptance
+    vllm_config = srv.server.backend._engine.vllm_config
+    assert vllm_config.scheduler_config.scheduler_cls == ONLINE_SCHEDULER
+    assert vllm_config.additional_config["specroll_online"] == online_depth(profile, ks, 256).to_json()
     logger.info("profiled speculation table: %s (acceptance per position %s)", table, profile.acceptance)
 
 
