@@ -105,13 +105,13 @@ class CachedModel:
         host.append([[slot_lo + b] * Q for b in range(B)])
         pos, slots = torch.tensor(host, dtype=torch.int64, device=dev).unbind(0)
         kv_len = max(s + n for s, n in zip(starts, q_lens, strict=True))
-        # Additive mask, once per step for all layers, already laid out as attention's [B * Hkv, G * Q, L]
-        # batch; padded rows see everything (their output is discarded).
+        # Additive mask in the model dtype, once per step for all layers, already laid out as attention's
+        # [B, Hkv, G * Q, L] (query heads grouped by KV head); padded rows see everything (output discarded).
         Hkv = self.cfg.num_kv_heads
         G = self.cfg.num_heads // Hkv
         hidden = torch.arange(kv_len, device=dev) > pos[:, None, None, :, None]  # [B, 1, 1, Q, L]
-        bias = torch.zeros(B, Hkv, G, Q, kv_len, device=dev).masked_fill_(hidden, -torch.inf)
-        bias = bias.view(B * Hkv, G * Q, kv_len)
+        bias = torch.zeros(B, Hkv, G, Q, kv_len, dtype=self.dtype, device=dev).masked_fill_(hidden, -torch.inf)
+        bias = bias.view(B, Hkv, G * Q, kv_len)
         cos, sin = self.rope.lookup(pos)
         return AttnMeta(slot_lo, kv_len, slots.reshape(-1), pos.reshape(-1), bias, cos, sin), pos
 
