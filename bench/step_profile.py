@@ -37,7 +37,7 @@ from service.models.loader import load_model
 logger = logging.getLogger("bench.step_profile")
 
 CATEGORIES = {
-    "matmul": ("aten::addmm", "aten::mm", "aten::_mkldnn_mm", "aten::mkldnn_linear"),
+    "matmul": ("aten::addmm", "aten::mm", "aten::mkldnn_linear", "mkldnn::_linear_pointwise"),
     "attention": ("aten::bmm", "aten::baddbmm", "aten::_softmax", "aten::_scaled_dot_product_flash_attention_for_cpu"),
     "kv_write": ("aten::index_put_", "aten::_index_put_impl_"),
 }
@@ -85,7 +85,7 @@ class Step:
 
 def measure(cached: CachedModel, batch: int, q: int, context: int, reps: int) -> dict:
     step = Step(cached, batch, q, context)
-    for _ in range(3):
+    for _ in range(5):
         step()
     ms = statistics.median(_timed(step) for _ in range(reps)) * 1e3
     with profile(activities=[ProfilerActivity.CPU]) as prof:
@@ -127,7 +127,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--batches", default="1,16,64")
     ap.add_argument("--k", type=int, default=4, help="draft depth: a verify step has k + 1 positions per row")
     ap.add_argument("--context", type=int, default=128, help="cached tokens per row before the step")
-    ap.add_argument("--reps", type=int, default=20)
+    ap.add_argument("--reps", type=int, default=50)
     ap.add_argument("--threads", type=int, default=1)
     args = ap.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s", stream=sys.stderr)

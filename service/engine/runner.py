@@ -15,6 +15,7 @@ from service.engine.scheduler import SchedulerOutput, SlotCopy
 from service.engine.sequence import Sequence
 from service.engine.speculative.verify import verify
 from service.models.llama import AttnMeta, CausalLM
+from service.models.packed import pack_linears
 from service.models.rope import Rope
 
 if TYPE_CHECKING:
@@ -87,12 +88,21 @@ class CachedModel:
     """A decoder with its own static KV cache and RoPE table; builds the per-forward attention metadata."""
 
     def __init__(self, model: CausalLM, cache: KVCache, device: torch.device) -> None:
-        self.model = model
+        self.model = model  # packs its linear layers' weights for this device (service/models/packed.py)
         self.cfg = model.config
         self.cache = cache
         self.device = device
         self.dtype = next(model.parameters()).dtype
         self.rope = Rope(self.cfg, cache.max_positions, device, self.dtype)
+
+    @property
+    def model(self) -> CausalLM:
+        return self._model
+
+    @model.setter
+    def model(self, model: CausalLM) -> None:
+        pack_linears(model)
+        self._model = model
 
     def build_meta(self, slot_lo: int, starts: list[int], q_lens: list[int]) -> tuple[AttnMeta, torch.Tensor]:
         """Rows b = slots slot_lo + b append q_lens[b] tokens at positions starts[b]...; returns meta and

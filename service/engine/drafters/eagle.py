@@ -26,6 +26,7 @@ from service.engine.scheduler import SlotCopy
 from service.engine.sequence import Sequence
 from service.engine.speculative.verify import DraftProposal
 from service.models.llama import AttnMeta, CausalLM, DecoderLayer, RMSNorm
+from service.models.packed import Linear
 
 
 class EagleHead(nn.Module):
@@ -33,7 +34,7 @@ class EagleHead(nn.Module):
         super().__init__()
         self.config = replace(target_cfg, num_layers=1)
         H = target_cfg.hidden_size
-        self.fc = nn.Linear(2 * H, H, bias=False)
+        self.fc = Linear(2 * H, H, bias=False)
         self.layer = DecoderLayer(self.config, 0)
         self.norm = RMSNorm(H, target_cfg.rms_norm_eps)
 
