@@ -1,15 +1,26 @@
-"""Linear layers with weights prepacked for the CPU's matmul kernels (oneDNN), for inference.
+"""Linear-layer weights laid out for the CPU's matmul kernels, for inference.
 
-`F.linear` on CPU lays a weight out for the matmul kernel on every call. Packing once, when a model starts
-serving, removes that work from every step: measured on torch 2.13 (one core, AVX-512/AMX), a 768 x 4224
-layer at 5 rows (a verify step of k + 1 = 5 positions at batch 1) takes 0.50 ms packed against 0.91 ms, at
-64 rows 2.6 ms against 3.1 ms; bf16 layers of any size save ~5 us per call or more, and bf16 results are
-bit-identical (the same kernel, without the per-call reorder). Where packing does not pay it is not used:
-float32 single rows (MKL's gemv is as fast) and small float32 layers (oneDNN's fixed per-call cost
-dominates). Autograd never sees a packed weight: with gradients enabled the layer is a plain `nn.Linear`.
+Which kernel is fastest depends on the rows of the product (batch x positions): measured on torch 2.13, one
+core, a 12-layer 768-wide model's weights (too big for the caches, as when serving), float32:
 
-Packed weights are copies: `pack_linears` runs whenever a model is installed for serving (the runner's
-`CachedModel`), and a model whose weights are changed in place must be packed again.
+    rows                     1     2     5     9    16    32    64    80
+    F.linear, W row-major  22.6  23.9  44.7  57.8  53.6  73.6  93.2 110.5  ms for all layers
+    F.linear, W^T stored   20.1  32.6  43.1  55.2  57.0  69.6  71.7  90.2
+    oneDNN, W packed       23.5  25.2  25.5  31.2  37.8  53.5  81.3 100.0
+
+A verify step of k + 1 positions at a small batch (the long tail) is 5-50 rows: there a packed copy costs
+about half of `F.linear`, which otherwise makes a 5-row verify cost twice a 1-row decode. So:
+- float32: the weight itself is stored transposed (an [in, out] buffer seen as [out, in]: no copy), and a
+  oneDNN-packed copy serves 2-48 rows (`FLOAT32_PACKED_ROWS`); only while the model's linear weights fit
+  `FLOAT32_COPY_BYTES` (the copy doubles them). Other orders of accumulation: not bit-identical (logprobs
+  agree within 1e-5; every float32 exactness test of the engine runs on this layout).
+- bf16 (where the CPU has native bf16, AVX512-BF16 or AMX): a packed copy serves 1-256 rows
+  (`BF16_PACKED_ROWS`; packed / plain 0.5-0.8 up to 144 rows, even at 320, 1.1 at 576). Bit-identical: the
+  same kernel, without its per-call reorder of the weight (tested).
+
+Autograd never sees a packed weight: with gradients enabled a layer is a plain `nn.Linear`. `pack_linears`
+runs whenever a model is installed for serving (the runner's `CachedModel`); a model whose weights are
+changed in place must be packed again.
 """
 
 from __future__ import annotations
@@ -22,44 +33,68 @@ from torch import nn
 
 logger = logging.getLogger(__name__)
 
-# float32 layers below this many weights run faster through MKL than through oneDNN's packed path.
-_FLOAT32_MIN_WEIGHTS = 1 << 19
+BF16_PACKED_ROWS = (1, 256)
+FLOAT32_PACKED_ROWS = (2, 48)
+FLOAT32_COPY_BYTES = 2 << 30
 
 
-def packing_available() -> bool:
+def onednn_available() -> bool:
     return torch.backends.mkldnn.is_available() and hasattr(torch.ops.mkldnn, "_reorder_linear_weight")
+
+
+def native_bf16() -> bool:
+    """AVX512-BF16 or AMX: where plain bf16 linears run the same oneDNN kernel as packed ones."""
+    flags = ("_is_avx512_bf16_supported", "_is_amx_tile_supported")
+    return any(getattr(torch.cpu, f, lambda: False)() for f in flags)
 
 
 class Linear(nn.Linear):
     """`nn.Linear` that uses a prepacked copy of its weight (set by `pack_linears`) in inference."""
 
     packed: torch.Tensor | None = None
-    packed_min_rows: int = 1  # fewer rows than this: the plain path
+    packed_rows: tuple[int, int] = (0, 0)  # the packed copy serves products of this many rows (inclusive)
+
+    def __getstate__(self) -> dict:
+        """Copies (`copy.deepcopy`, pickling) leave the packed copy behind: an opaque oneDNN tensor has no
+        storage to copy, and a copy is packed again when it is installed for serving."""
+        state = super().__getstate__()
+        state.pop("packed", None)
+        state.pop("packed_rows", None)
+        return state
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self.packed is None or torch.is_grad_enabled() or x.numel() < self.packed_min_rows * x.shape[-1]:
+        lo, hi = self.packed_rows
+        if self.packed is None or torch.is_grad_enabled() or not lo * x.shape[-1] <= x.numel() <= hi * x.shape[-1]:
             return F.linear(x, self.weight, self.bias)
         return torch.ops.mkldnn._linear_pointwise(x, self.packed, self.bias, "none", [], "")
 
 
 def pack_linears(model: nn.Module) -> int:
-    """Pack the weights of `model`'s `Linear` layers where it pays (CPU, float32 or bfloat16). Returns how
-    many layers were packed; on other devices and dtypes, or without oneDNN, packs nothing."""
+    """Lay out the weights of `model`'s `Linear` layers on CPU (see the module's docstring). Returns how many
+    layers got a packed copy; other devices and dtypes are left as they are, packs of earlier weights dropped."""
     layers = [m for m in model.modules() if isinstance(m, Linear)]
     for m in layers:
         m.packed = None
-    if not layers or not packing_available():
+    cpu = [m for m in layers if m.weight.device.type == "cpu"]
+    fp32 = [m for m in cpu if m.weight.dtype == torch.float32]
+    with torch.no_grad():
+        for m in fp32:
+            if not m.weight.t().is_contiguous():
+                m.weight.data = m.weight.detach().t().contiguous().t()  # [out, in] view of an [in, out] buffer
+    if not onednn_available():
         return 0
+    copy_fp32 = sum(m.weight.numel() * 4 for m in fp32) <= FLOAT32_COPY_BYTES
+    bf16 = native_bf16()
     count = 0
     with torch.no_grad():
-        for m in layers:
-            w = m.weight
-            if w.device.type != "cpu" or w.dtype not in (torch.float32, torch.bfloat16):
+        for m in cpu:
+            if m.weight.dtype == torch.bfloat16 and bf16:
+                m.packed_rows = BF16_PACKED_ROWS
+            elif m.weight.dtype == torch.float32 and copy_fp32:
+                m.packed_rows = FLOAT32_PACKED_ROWS
+            else:
                 continue
-            if w.dtype == torch.float32 and w.numel() < _FLOAT32_MIN_WEIGHTS:
-                continue
-            m.packed_min_rows = 2 if w.dtype == torch.float32 else 1
-            m.packed = torch.ops.mkldnn._reorder_linear_weight(w.detach(), 1)
+            m.packed = torch.ops.mkldnn._reorder_linear_weight(m.weight.detach().contiguous(), 1)
             count += 1
     logger.debug("packed %d of %d linear layers", count, len(layers))
     return count
