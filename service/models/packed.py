@@ -1,22 +1,28 @@
 """Linear-layer weights laid out for the CPU's matmul kernels, for inference.
 
-Which kernel is fastest depends on the rows of the product (batch x positions): measured on torch 2.13, one
-core, a 12-layer 768-wide model's weights (too big for the caches, as when serving), float32:
+Two kernels can run a linear layer on CPU: `F.linear` (MKL / oneDNN with a per-call reorder of the weight) and
+oneDNN's matmul on a copy of the weight prepacked once. Which is faster depends on the CPU and on the rows of
+the product (batch x positions), and not by a little. Float32, one core, all linear layers of a 12-layer
+768-wide model (weights too big for the caches, as when serving), ms:
 
-    rows                     1     2     5     9    16    32    64    80
-    F.linear, W row-major  22.6  23.9  44.7  57.8  53.6  73.6  93.2 110.5  ms for all layers
-    F.linear, W^T stored   20.1  32.6  43.1  55.2  57.0  69.6  71.7  90.2
-    oneDNN, W packed       23.5  25.2  25.5  31.2  37.8  53.5  81.3 100.0
+    rows                                   1      5     16     64    128    320
+    Intel Xeon:  F.linear, W^T stored    20.1   43.1   57.0   71.7     -      -
+                 oneDNN, W packed        23.5   25.5   37.8   81.3     -      -
+    AMD EPYC:    F.linear, W^T stored    16.6   31.1   44.5  121.2  220.7  529.9
+                 oneDNN, W packed        14.3   19.2   26.7   59.3  102.1  249.5
 
-A verify step of k + 1 positions at a small batch (the long tail) is 5-50 rows: there a packed copy costs
-about half of `F.linear`, which otherwise makes a 5-row verify cost twice a 1-row decode. So:
-- float32: the weight itself is stored transposed (an [in, out] buffer seen as [out, in]: no copy), and a
-  oneDNN-packed copy serves 2-48 rows (`FLOAT32_PACKED_ROWS`); only while the model's linear weights fit
-  `FLOAT32_COPY_BYTES` (the copy doubles them). Other orders of accumulation: not bit-identical (logprobs
-  agree within 1e-5; every float32 exactness test of the engine runs on this layout).
-- bf16 (where the CPU has native bf16, AVX512-BF16 or AMX): a packed copy serves 1-256 rows
-  (`BF16_PACKED_ROWS`; packed / plain 0.5-0.8 up to 144 rows, even at 320, 1.1 at 576). Bit-identical: the
-  same kernel, without its per-call reorder of the weight (tested).
+A verify step of k + 1 positions is 5-50 rows in the long tail and hundreds at a full batch, so the wrong
+kernel makes verification cost twice what it should. Hence no fixed rule: the first time a model of a given
+layout is packed in a process, `calibrate` times both kernels on that model's own layers for one row count per
+class (1 | 2-48 | 49-256 | more rows) and each class runs the faster one from then on (`Linear.packed_for`).
+The choice is kept for the process (every engine on the model's layout serves with the same kernels).
+
+- float32: the weight itself is stored transposed (an [in, out] buffer seen as [out, in]: no copy; never
+  slower than row-major in the measurements above), plus a packed copy while the model's linear weights fit
+  `FLOAT32_COPY_BYTES` (the copy doubles them). The kernels accumulate in other orders: not bit-identical
+  (logprobs agree within 1e-5; every float32 exactness test of the engine runs on this layout).
+- bf16: packed only where the CPU has native bf16 (AVX512-BF16 or AMX), where the packed kernel is the one
+  `F.linear` runs, minus its reorder: bit-identical (tested). Elsewhere packed bf16 measured slower.
 
 Autograd never sees a packed weight: with gradients enabled a layer is a plain `nn.Linear`. `pack_linears`
 runs whenever a model is installed for serving (the runner's `CachedModel`); a model whose weights are
@@ -26,6 +32,8 @@ changed in place must be packed again.
 from __future__ import annotations
 
 import logging
+import time
+from collections.abc import Callable, Sequence
 
 import torch
 import torch.nn.functional as F
@@ -33,9 +41,14 @@ from torch import nn
 
 logger = logging.getLogger(__name__)
 
-BF16_PACKED_ROWS = (1, 256)
-FLOAT32_PACKED_ROWS = (2, 48)
+ROW_CLASSES = (1, 48, 256)  # upper bounds of the row classes; the last class is everything above
+CLASS_ROWS = (1, 16, 128, 512)  # the row count timed for each class
 FLOAT32_COPY_BYTES = 2 << 30
+CALIBRATION_BYTES = 64 << 20  # time the model's first layers up to this many weight bytes (beyond the caches)
+WIN_MARGIN = 0.97  # packed must take under this fraction of F.linear's time to be chosen
+
+Timer = Callable[[Callable[[], object]], float]
+_chosen: dict[tuple, tuple[bool, ...]] = {}  # layout of the timed layers -> packed per row class
 
 
 def onednn_available() -> bool:
@@ -48,28 +61,82 @@ def native_bf16() -> bool:
     return any(getattr(torch.cpu, f, lambda: False)() for f in flags)
 
 
+def row_class(rows: int) -> int:
+    for i, hi in enumerate(ROW_CLASSES):
+        if rows <= hi:
+            return i
+    return len(ROW_CLASSES)
+
+
 class Linear(nn.Linear):
     """`nn.Linear` that uses a prepacked copy of its weight (set by `pack_linears`) in inference."""
 
     packed: torch.Tensor | None = None
-    packed_rows: tuple[int, int] = (0, 0)  # the packed copy serves products of this many rows (inclusive)
+    packed_for: tuple[bool, ...] = ()  # per row class: whether the packed copy serves it
 
     def __getstate__(self) -> dict:
         """Copies (`copy.deepcopy`, pickling) leave the packed copy behind: an opaque oneDNN tensor has no
         storage to copy, and a copy is packed again when it is installed for serving."""
         state = super().__getstate__()
         state.pop("packed", None)
-        state.pop("packed_rows", None)
+        state.pop("packed_for", None)
         return state
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        lo, hi = self.packed_rows
-        if self.packed is None or torch.is_grad_enabled() or not lo * x.shape[-1] <= x.numel() <= hi * x.shape[-1]:
+        if self.packed is None or torch.is_grad_enabled() or not self.packed_for[row_class(x.numel() // x.shape[-1])]:
             return F.linear(x, self.weight, self.bias)
         return torch.ops.mkldnn._linear_pointwise(x, self.packed, self.bias, "none", [], "")
 
 
-def pack_linears(model: nn.Module) -> int:
+def median_seconds(fn: Callable[[], object], reps: int = 3) -> float:
+    fn()
+    times = []
+    for _ in range(reps):
+        t0 = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - t0)
+    return sorted(times)[len(times) // 2]
+
+
+def calibrate(layers: Sequence[Linear], timer: Timer = median_seconds) -> tuple[bool, ...]:
+    """Per row class, whether the packed copy beats `F.linear` over `layers` (all packed already)."""
+    dtype = layers[0].weight.dtype
+    choice = []
+    with torch.inference_mode():
+        for rows in CLASS_ROWS:
+            xs = {m.in_features: torch.randn(rows, m.in_features).to(dtype) for m in layers}
+
+            def plain(xs=xs) -> None:
+                for m in layers:
+                    F.linear(xs[m.in_features], m.weight, m.bias)
+
+            def packed(xs=xs) -> None:
+                for m in layers:
+                    torch.ops.mkldnn._linear_pointwise(xs[m.in_features], m.packed, m.bias, "none", [], "")
+
+            t_plain, t_packed = timer(plain), timer(packed)
+            choice.append(t_packed < WIN_MARGIN * t_plain)
+            logger.debug("%s linears, %d rows: F.linear %.2f ms, packed %.2f ms", dtype, rows, t_plain * 1e3,
+                         t_packed * 1e3)
+    return tuple(choice)
+
+
+def _choose(layers: list[Linear], timer: Timer) -> tuple[bool, ...]:
+    sample, nbytes = [], 0
+    for m in layers:
+        if nbytes >= CALIBRATION_BYTES:
+            break
+        sample.append(m)
+        nbytes += m.weight.numel() * m.weight.element_size()
+    key = (sample[0].weight.dtype, tuple((m.out_features, m.in_features, m.bias is not None) for m in sample))
+    if key not in _chosen:
+        _chosen[key] = calibrate(sample, timer)
+        logger.info("%s linear layers: prepacked weights serve row classes %s", key[0],
+                    [f"<={hi}" for hi, on in zip((*ROW_CLASSES, "inf"), _chosen[key], strict=True) if on] or "none")
+    return _chosen[key]
+
+
+def pack_linears(model: nn.Module, timer: Timer | None = None) -> int:
     """Lay out the weights of `model`'s `Linear` layers on CPU (see the module's docstring). Returns how many
     layers got a packed copy; other devices and dtypes are left as they are, packs of earlier weights dropped."""
     layers = [m for m in model.modules() if isinstance(m, Linear)]
@@ -83,18 +150,23 @@ def pack_linears(model: nn.Module) -> int:
                 m.weight.data = m.weight.detach().t().contiguous().t()  # [out, in] view of an [in, out] buffer
     if not onednn_available():
         return 0
-    copy_fp32 = sum(m.weight.numel() * 4 for m in fp32) <= FLOAT32_COPY_BYTES
-    bf16 = native_bf16()
+    by_dtype: dict[torch.dtype, list[Linear]] = {}
+    if fp32 and sum(m.weight.numel() * 4 for m in fp32) <= FLOAT32_COPY_BYTES:
+        by_dtype[torch.float32] = fp32
+    if native_bf16():
+        by_dtype[torch.bfloat16] = [m for m in cpu if m.weight.dtype == torch.bfloat16]
     count = 0
     with torch.no_grad():
-        for m in cpu:
-            if m.weight.dtype == torch.bfloat16 and bf16:
-                m.packed_rows = BF16_PACKED_ROWS
-            elif m.weight.dtype == torch.float32 and copy_fp32:
-                m.packed_rows = FLOAT32_PACKED_ROWS
-            else:
+        for group in by_dtype.values():
+            for m in group:
+                m.packed = torch.ops.mkldnn._reorder_linear_weight(m.weight.detach().contiguous(), 1)
+            if not group:
                 continue
-            m.packed = torch.ops.mkldnn._reorder_linear_weight(m.weight.detach().contiguous(), 1)
-            count += 1
+            packed_for = _choose(group, timer or median_seconds)
+            for m in group:
+                m.packed_for = packed_for
+                if not any(packed_for):
+                    m.packed = None
+            count += len(group) if any(packed_for) else 0
     logger.debug("packed %d of %d linear layers", count, len(layers))
     return count

@@ -18,7 +18,7 @@ from service.engine.llm_engine import LLMEngine
 from service.engine.runner import CachedModel
 from service.models import packed
 from service.models.loader import load_model
-from service.models.packed import BF16_PACKED_ROWS, FLOAT32_PACKED_ROWS, Linear, pack_linears
+from service.models.packed import ROW_CLASSES, Linear, pack_linears
 from service.params import SamplingParams
 
 needs_bf16 = pytest.mark.skipif(not (packed.onednn_available() and packed.native_bf16()),
@@ -26,12 +26,31 @@ needs_bf16 = pytest.mark.skipif(not (packed.onednn_available() and packed.native
 CPU = torch.device("cpu")
 
 
+needs_onednn = pytest.mark.skipif(not packed.onednn_available(), reason="needs oneDNN; nothing is packed here")
+
+
+def packed_wins(*classes: int):
+    """A scripted timer for `pack_linears`: the packed kernel is faster in these row classes only."""
+    calls = iter(range(10**6))
+
+    def timer(fn) -> float:
+        n = next(calls)  # calibrate times plain, then packed, per class in order
+        return 0.5 if fn.__name__ == "packed" and n // 2 in classes else 1.0
+
+    return timer
+
+
+@pytest.fixture(autouse=True)
+def fresh_choices(monkeypatch):
+    monkeypatch.setattr(packed, "_chosen", {})  # scripted choices must not reach other tests' models
+
+
 @needs_bf16
 def test_packed_layer_equals_the_plain_one():
     torch.manual_seed(0)
     layer = Linear(96, 200, bias=True).to(torch.bfloat16)
-    assert pack_linears(layer) == 1 and layer.packed is not None
-    for rows in (1, 5, 64, BF16_PACKED_ROWS[1] + 1):  # the last one takes the plain path
+    assert pack_linears(layer, packed_wins(0, 1, 2)) == 1 and layer.packed is not None
+    for rows in (1, 5, 64, ROW_CLASSES[-1] + 1):  # the last one takes the plain path
         x = torch.randn(rows, 3, 96).to(torch.bfloat16)
         with torch.inference_mode():
             got = layer(x)
@@ -42,47 +61,68 @@ def test_packed_layer_equals_the_plain_one():
     assert x.grad is not None and layer.weight.grad is not None
 
 
-def test_float32_weights_are_stored_transposed_and_packed_for_few_rows():
+@needs_onednn
+def test_each_row_class_runs_the_kernel_calibration_chose():
     torch.manual_seed(0)
     layer = Linear(64, 128)
-    xs = [torch.randn(rows, 64) for rows in (1, 2, 5, FLOAT32_PACKED_ROWS[1], FLOAT32_PACKED_ROWS[1] + 1, 300)]
+    pack_linears(layer, packed_wins(1, 3))
+    assert layer.packed_for == (False, True, False, True)
+    with torch.no_grad():  # a packed copy of twice the weight shows which kernel ran
+        layer.packed = torch.ops.mkldnn._reorder_linear_weight(2 * layer.weight.detach().contiguous(), 1)
+    with torch.inference_mode():
+        for rows in (1, 2, ROW_CLASSES[1], ROW_CLASSES[1] + 1, ROW_CLASSES[2], ROW_CLASSES[2] + 1, 700):
+            x = torch.randn(rows, 64)
+            plain = F.linear(x, layer.weight, layer.bias)
+            scale = 2.0 if packed.row_class(rows) in (1, 3) else 1.0
+            torch.testing.assert_close(layer(x), scale * plain - (scale - 1) * layer.bias, rtol=1e-4, atol=1e-5)
+    packed._chosen.clear()  # a choice is kept per layout for the process: forget it to script another
+    assert pack_linears(Linear(64, 128), packed_wins()) == 0  # packed never faster: no copy kept
+
+
+@needs_onednn
+def test_the_choice_is_made_once_per_layout():
+    calls = []
+
+    def timer(fn) -> float:
+        calls.append(fn.__name__)
+        return 1.0
+
+    pack_linears(Linear(32, 48), timer)
+    assert len(calls) == 2 * len(packed.CLASS_ROWS)
+    pack_linears(Linear(32, 48), timer)  # same layout: no new timing
+    assert len(calls) == 2 * len(packed.CLASS_ROWS)
+    pack_linears(Linear(32, 40), timer)
+    assert len(calls) == 4 * len(packed.CLASS_ROWS)
+
+
+def test_float32_weights_are_stored_transposed_and_give_the_same_products():
+    torch.manual_seed(0)
+    layer = Linear(64, 128)
+    xs = [torch.randn(rows, 64) for rows in (1, 2, 5, 48, 49, 300)]
     want = [layer(x).detach() for x in xs]
-    pack_linears(layer)
+    pack_linears(layer)  # the real calibration, whatever it chooses on this machine
     assert layer.weight.shape == (128, 64) and layer.weight.t().is_contiguous()
-    assert (layer.packed is not None) == packed.onednn_available()
     with torch.inference_mode():
         for x, w in zip(xs, want, strict=True):
             torch.testing.assert_close(layer(x), w, rtol=1e-5, atol=1e-6)
-    pack_linears(layer)  # again: the layout stays, the pack is rebuilt
-    assert layer.weight.t().is_contiguous()
-
-
-def test_a_packed_layer_can_be_copied_and_the_copy_is_packed_anew():
-    """Weight pushes of a head and the drafter trainer deep-copy served modules: the opaque packed copy has no
-    storage, so copies leave it behind and stay plain until installed."""
-    torch.manual_seed(0)
-    layer = Linear(64, 128)
-    pack_linears(layer)
-    twin = copy.deepcopy(layer)
-    assert twin.packed is None and torch.equal(twin.weight, layer.weight)
-    assert twin.weight.data_ptr() != layer.weight.data_ptr()
-    assert layer.packed is not None or not packed.onednn_available()  # the original keeps its pack
-    x = torch.randn(5, 64)
+    packed._chosen.clear()
+    pack_linears(layer, packed_wins(0, 1, 2, 3))  # again: the layout stays, the pack is rebuilt
+    assert layer.weight.t().is_contiguous() and (layer.packed is not None) == packed.onednn_available()
     with torch.inference_mode():
-        torch.testing.assert_close(twin(x), layer(x), rtol=1e-5, atol=1e-6)
-        assert pack_linears(twin) == int(packed.onednn_available())
-        torch.testing.assert_close(twin(x), layer(x), rtol=1e-5, atol=1e-6)
+        for x, w in zip(xs, want, strict=True):
+            torch.testing.assert_close(layer(x), w, rtol=1e-5, atol=1e-6)
 
 
 @needs_bf16
 def test_a_stale_pack_is_dropped():
     layer = Linear(64, 128).to(torch.bfloat16)
-    assert pack_linears(layer) == 1 and layer.packed is not None
+    assert pack_linears(layer, packed_wins(0)) == 1 and layer.packed is not None
     assert pack_linears(layer.half()) == 0 and layer.packed is None  # float16: no packing, old pack gone
 
 
 @needs_bf16
-def test_a_swapped_model_is_packed_with_its_own_weights(tiny_qwen2):
+def test_a_swapped_model_is_packed_with_its_own_weights(tiny_qwen2, monkeypatch):
+    monkeypatch.setattr(packed, "median_seconds", packed_wins(0, 1, 2, 3))
     a = load_model(tiny_qwen2, torch.bfloat16, CPU)
     b = load_model(tiny_qwen2, torch.bfloat16, CPU)
     with torch.no_grad():
@@ -97,12 +137,31 @@ def test_a_swapped_model_is_packed_with_its_own_weights(tiny_qwen2):
         assert torch.equal(layer(x), F.linear(x, layer.weight))
 
 
+def test_a_packed_layer_can_be_copied_and_the_copy_is_packed_anew():
+    """Weight pushes of a head and the drafter trainer deep-copy served modules: the opaque packed copy has no
+    storage, so copies leave it behind and stay plain until installed."""
+    torch.manual_seed(0)
+    layer = Linear(64, 128)
+    pack_linears(layer, packed_wins(0, 1, 2, 3))
+    twin = copy.deepcopy(layer)
+    assert twin.packed is None and torch.equal(twin.weight, layer.weight)
+    assert twin.weight.data_ptr() != layer.weight.data_ptr()
+    assert layer.packed is not None or not packed.onednn_available()  # the original keeps its pack
+    x = torch.randn(5, 64)
+    with torch.inference_mode():
+        torch.testing.assert_close(twin(x), layer(x), rtol=1e-5, atol=1e-6)
+        assert pack_linears(twin, packed_wins(1)) == int(packed.onednn_available())
+        torch.testing.assert_close(twin(x), layer(x), rtol=1e-5, atol=1e-6)
+
+
 PROMPTS = [[5, 6, 7], [9, 8, 7, 6, 5, 4, 3, 2, 1, 11, 12], [300], list(range(40, 70))]
 
 
 def _serve(model, monkeypatch, pack: bool):
     with monkeypatch.context() as mp:
-        if not pack:
+        if pack:
+            mp.setattr(packed, "median_seconds", packed_wins(0, 1, 2, 3))  # every row class packed
+        else:
             mp.setattr(packed, "native_bf16", lambda: False)
         engine = LLMEngine(EngineConfig(model=str(model), dtype="bfloat16", max_model_len=128, drafter="suffix",
                                         spec="fixed", spec_k=3))
