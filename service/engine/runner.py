@@ -14,6 +14,7 @@ from service.engine.sampler import SampleResult, SamplingBatch, sample
 from service.engine.scheduler import SchedulerOutput, SlotCopy
 from service.engine.sequence import Sequence
 from service.engine.speculative.verify import verify
+from service.models import attention
 from service.models.llama import AttnMeta, CausalLM
 from service.models.packed import pack_linears
 from service.models.rope import Rope
@@ -94,6 +95,9 @@ class CachedModel:
         self.device = device
         self.dtype = next(model.parameters()).dtype
         self.rope = Rope(self.cfg, cache.max_positions, device, self.dtype)
+        Hkv = self.cfg.num_kv_heads
+        self.attn_kernel = attention.choose(Hkv, self.cfg.num_heads // Hkv, self.cfg.head_dim, self.dtype, device)
+        self.mask_dtype = attention.mask_dtype(self.attn_kernel, self.dtype)
 
     @property
     def model(self) -> CausalLM:
@@ -115,15 +119,15 @@ class CachedModel:
         host.append([[slot_lo + b] * Q for b in range(B)])
         pos, slots = torch.tensor(host, dtype=torch.int64, device=dev).unbind(0)
         kv_len = max(s + n for s, n in zip(starts, q_lens, strict=True))
-        # Additive mask in the model dtype, once per step for all layers, already laid out as attention's
-        # [B, Hkv, G * Q, L] (query heads grouped by KV head); padded rows see everything (output discarded).
+        # Additive mask in the dtype of this machine's attention kernel, once per step for all layers, already laid
+        # out as attention's [B, Hkv, G * Q, L] (query heads grouped by KV head); padded rows see everything.
         Hkv = self.cfg.num_kv_heads
         G = self.cfg.num_heads // Hkv
         hidden = torch.arange(kv_len, device=dev) > pos[:, None, None, :, None]  # [B, 1, 1, Q, L]
-        bias = torch.zeros(B, Hkv, G, Q, kv_len, dtype=self.dtype, device=dev).masked_fill_(hidden, -torch.inf)
+        bias = torch.zeros(B, Hkv, G, Q, kv_len, dtype=self.mask_dtype, device=dev).masked_fill_(hidden, -torch.inf)
         bias = bias.view(B, Hkv, G * Q, kv_len)
         cos, sin = self.rope.lookup(pos)
-        return AttnMeta(slot_lo, kv_len, slots.reshape(-1), pos.reshape(-1), bias, cos, sin), pos
+        return AttnMeta(slot_lo, kv_len, slots.reshape(-1), pos.reshape(-1), bias, cos, sin, self.attn_kernel), pos
 
     def forward(self, input_ids: torch.Tensor, meta: AttnMeta) -> torch.Tensor:
         """input_ids [B, Q] -> final hidden states [B, Q, hidden]."""

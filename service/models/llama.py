@@ -14,6 +14,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from service.config import ModelConfig
+from service.models.attention import cached_attention
 from service.models.packed import Linear
 from service.models.rope import apply_rope
 
@@ -26,9 +27,10 @@ class AttnMeta:
     kv_len: int  # attend over cache positions [0, kv_len)
     write_slots: torch.Tensor | None  # [B * Q] cache slot of each new token; None = no cache (training)
     write_pos: torch.Tensor | None  # [B * Q] cache position of each new token (scratch for padding)
-    bias: torch.Tensor | None  # [B, Hkv, G * Q, kv_len] additive mask in the model dtype: 0 = attend, -inf = not
+    bias: torch.Tensor | None  # [B, Hkv, G * Q, kv_len] additive mask: 0 = attend, -inf = not (attention.mask_dtype)
     cos: torch.Tensor  # [B, Q, 1, D]
     sin: torch.Tensor  # [B, Q, 1, D]
+    kernel: str = "sdpa"  # attention over the cache (service/models/attention.py)
 
 
 def causal_meta(cos_table: torch.Tensor, sin_table: torch.Tensor, batch: int, seq_len: int) -> AttnMeta:
@@ -85,19 +87,9 @@ class Attention(nn.Module):
         values = v_cache[meta.slot_lo : meta.slot_lo + B, :, : meta.kv_len]
         # Group the G query heads of each KV head along the query axis: [B, Hkv, G * Q, D].
         q = q.view(B, Q, Hkv, G, D).permute(0, 2, 3, 1, 4).reshape(B, Hkv, G * Q, D)
-        out = cached_attention(q, keys, values, meta.bias)  # [B, Hkv, G * Q, D]
+        out = cached_attention(q, keys, values, meta.bias, meta.kernel)  # [B, Hkv, G * Q, D]
         out = out.view(B, Hkv, G, Q, D).permute(0, 3, 1, 2, 4).reshape(B, Q, H * D)
         return self.o_proj(out)
-
-
-def cached_attention(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, bias: torch.Tensor) -> torch.Tensor:
-    """q [B, Hkv, G * Q, D] over cache views keys/values [B, Hkv, L, D] with an additive mask [B, Hkv, G * Q, L]
-    in q's dtype -> [B, Hkv, G * Q, D].
-
-    One SDPA call. On CPU (torch 2.13) its flash kernel reads the bf16 cache in place and accumulates in
-    float32, 2-5x faster in bf16 than scores in float32 through two bmms (which copied the whole cache view to
-    float32 per layer), and on par in float32 (bench/step_profile.py). Cache views fold (B, Hkv) without a copy."""
-    return F.scaled_dot_product_attention(q, keys, values, attn_mask=bias)
 
 
 class MLP(nn.Module):

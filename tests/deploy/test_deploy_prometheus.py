@@ -147,21 +147,26 @@ def _server_counter(http_port: int, name: str) -> float:
     return sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines() if line.startswith(name))
 
 
-def _long_requests(grpc_port: int) -> None:
+def _long_requests(grpc_port: int, started: threading.Event) -> None:
     with SpecrollClient(f"127.0.0.1:{grpc_port}") as client:
         try:
-            client.generate(PROMPTS[:2], n=4, max_tokens=400, temperature=1.0)
+            for _ in client.stream(PROMPTS[1], n=4, max_tokens=480, temperature=1.0, ignore_eos=True):
+                started.set()  # generating: the abort below finds it running, however fast the engine is
         except Exception as exc:  # an aborted request may end with an error; that is the point here
             logger.info("aborted request ended with %r", exc)
+        finally:
+            started.set()
 
 
 def _abort_running(client: SpecrollClient, grpc_port: int, http_port: int) -> None:
-    """Start long requests and abort them all from the admin API (until the server counted an abort)."""
+    """Start a long request and abort everything from the admin API once it streams (until the server counted
+    an abort)."""
     before = _server_counter(http_port, "specroll:requests_aborted_total")
     for _ in range(10):
-        long = threading.Thread(target=_long_requests, args=(grpc_port,))
+        started = threading.Event()
+        long = threading.Thread(target=_long_requests, args=(grpc_port, started))
         long.start()
-        time.sleep(0.4)
+        started.wait(60)
         client.abort(all=True)
         long.join(timeout=120)
         if _server_counter(http_port, "specroll:requests_aborted_total") > before:
