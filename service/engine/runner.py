@@ -96,8 +96,8 @@ class CachedModel:
         self.dtype = next(model.parameters()).dtype
         self.rope = Rope(self.cfg, cache.max_positions, device, self.dtype)
         Hkv = self.cfg.num_kv_heads
-        self.attn_kernel = attention.choose(Hkv, self.cfg.num_heads // Hkv, self.cfg.head_dim, self.dtype, device)
-        self.mask_dtype = attention.mask_dtype(self.attn_kernel, self.dtype)
+        # (one position per row, more): the attention kernel this machine runs faster for each
+        self.attn_kernels = attention.choose(Hkv, self.cfg.num_heads // Hkv, self.cfg.head_dim, self.dtype, device)
 
     @property
     def model(self) -> CausalLM:
@@ -124,10 +124,12 @@ class CachedModel:
         Hkv = self.cfg.num_kv_heads
         G = self.cfg.num_heads // Hkv
         hidden = torch.arange(kv_len, device=dev) > pos[:, None, None, :, None]  # [B, 1, 1, Q, L]
-        bias = torch.zeros(B, Hkv, G, Q, kv_len, dtype=self.mask_dtype, device=dev).masked_fill_(hidden, -torch.inf)
+        kernel = self.attn_kernels[Q > 1]
+        bias = torch.zeros(B, Hkv, G, Q, kv_len, dtype=attention.mask_dtype(kernel, self.dtype), device=dev)
+        bias.masked_fill_(hidden, -torch.inf)
         bias = bias.view(B, Hkv, G * Q, kv_len)
         cos, sin = self.rope.lookup(pos)
-        return AttnMeta(slot_lo, kv_len, slots.reshape(-1), pos.reshape(-1), bias, cos, sin, self.attn_kernel), pos
+        return AttnMeta(slot_lo, kv_len, slots.reshape(-1), pos.reshape(-1), bias, cos, sin, kernel), pos
 
     def forward(self, input_ids: torch.Tensor, meta: AttnMeta) -> torch.Tensor:
         """input_ids [B, Q] -> final hidden states [B, Q, hidden]."""

@@ -6,13 +6,14 @@
   bf16 caches are converted per layer. At tiny sizes (batch x keys <= `TINY_ROWS_X_KEYS`) it hands over to
   SDPA, whose single call costs less than its dispatches.
 
-Neither wins everywhere, by a lot: decode on the demo model in bf16 at batch 64, 2 threads (bench/step_profile.py),
-sdpa 3.5 ms and bmm 5.7 ms on an Intel Xeon with AMX; sdpa 3.1 ms and bmm 2.1 ms on an AMD EPYC (AVX512-BF16, no
-AMX), where the flash kernel's share of the step was 65%. So `choose` times both on the model's own head layout
-at decode and verify shapes the first time a layout is installed in a process, and every cache-attached forward
-of that layout runs the faster one from then on (the runner's `CachedModel` records it in `AttnMeta.kernel`).
-CUDA always runs `sdpa`. Both kernels compute the same attention, rounded differently: every exactness test
-runs on whichever this machine chose.
+Neither wins everywhere, by a lot, and the winner depends on the number of query positions per row. Demo model,
+bf16, at batch 64 (bench/step_profile.py): decode took 3.5 ms with sdpa and 5.7 ms with bmm on an Intel Xeon
+with AMX (2 threads); on an AMD EPYC (AVX512-BF16, no AMX; 1 thread, 400 cached tokens) decode took 19.3 ms with
+sdpa and 11.1 ms with bmm, while a verify step of 5 positions took 16.9 and 19.2 ms. So `choose` times both on
+the model's own head layout at a decode and a verify shape the first time a layout is installed in a process,
+and from then on every cache-attached forward of that layout runs the faster kernel for its kind of step (the
+runner's `CachedModel` records it in `AttnMeta.kernel`). CUDA always runs `sdpa`. Both kernels compute the same
+attention, rounded differently: every exactness test runs on whichever this machine chose.
 """
 
 from __future__ import annotations
@@ -31,7 +32,7 @@ TINY_ROWS_X_KEYS = 512
 TIMED_SHAPES = ((32, 1, 256), (32, 5, 256))  # (batch, query positions, keys): a decode and a verify step
 WIN_MARGIN = 0.9  # bmm must take under this fraction of sdpa's time to be chosen (sdpa is one call)
 
-_chosen: dict[tuple, str] = {}  # (device type, dtype, Hkv, G, D) -> kernel
+_chosen: dict[tuple, tuple[str, str]] = {}  # (device type, dtype, Hkv, G, D) -> (decode, verify) kernels
 
 
 def mask_dtype(kernel: str, model_dtype: torch.dtype) -> torch.dtype:
@@ -66,24 +67,28 @@ def _median_seconds(fn: Callable[[], object], reps: int = 5) -> float:
 
 
 def choose(num_kv_heads: int, group: int, head_dim: int, dtype: torch.dtype, device: torch.device,
-           timer: Callable[[Callable[[], object]], float] | None = None) -> str:
-    """The kernel for this head layout on this device: `sdpa` on CUDA, the faster one on CPU (timed once)."""
-    key = (device.type, dtype, num_kv_heads, group, head_dim)
+           timer: Callable[[Callable[[], object]], float] | None = None) -> tuple[str, str]:
+    """The kernels for this head layout on this device, (one query position per row: decode, more: verify and
+    prefill): `sdpa` on CUDA; on CPU, each the faster one at its shape in `TIMED_SHAPES` (timed once)."""
     if device.type != "cpu":
-        return "sdpa"
+        return ("sdpa", "sdpa")
+    key = (device.type, dtype, num_kv_heads, group, head_dim)
     if key not in _chosen:
         timer = timer or _median_seconds
-        totals = dict.fromkeys(KERNELS, 0.0)
         gen = torch.Generator().manual_seed(0)
+        chosen, report = [], []
         with torch.inference_mode():
             for B, Q, L in TIMED_SHAPES:
                 q = torch.randn(B, num_kv_heads, group * Q, head_dim, generator=gen).to(dtype)
                 cache = torch.randn(2, B, num_kv_heads, 2 * L, head_dim, generator=gen).to(dtype)
                 keys, values = cache[0, :, :, :L], cache[1, :, :, :L]  # views into a longer cache, as served
+                took = {}
                 for kernel in KERNELS:
                     bias = torch.zeros(B, num_kv_heads, group * Q, L, dtype=mask_dtype(kernel, dtype))
-                    totals[kernel] += timer(lambda a=(q, keys, values, bias, kernel): cached_attention(*a))
-        _chosen[key] = "bmm" if totals["bmm"] < WIN_MARGIN * totals["sdpa"] else "sdpa"
-        logger.info("attention over the cache (%s, %d KV heads x %d, head_dim %d): %s (sdpa %.2f ms, bmm %.2f ms)",
-                    dtype, num_kv_heads, group, head_dim, _chosen[key], totals["sdpa"] * 1e3, totals["bmm"] * 1e3)
+                    took[kernel] = timer(lambda a=(q, keys, values, bias, kernel): cached_attention(*a))
+                chosen.append("bmm" if took["bmm"] < WIN_MARGIN * took["sdpa"] else "sdpa")
+                report.append(f"{Q} per row: sdpa {took['sdpa'] * 1e3:.2f} ms, bmm {took['bmm'] * 1e3:.2f} ms")
+        _chosen[key] = (chosen[0], chosen[1])
+        logger.info("attention over the cache (%s, %d KV heads x %d, head_dim %d): decode %s, verify %s (%s)",
+                    dtype, num_kv_heads, group, head_dim, *_chosen[key], "; ".join(report))
     return _chosen[key]

@@ -38,27 +38,43 @@ def test_both_kernels_compute_masked_attention(kernel, dtype, tol, B, Q, L):
     torch.testing.assert_close(got.double(), reference(q, keys, values, bias), atol=tol, rtol=tol)
 
 
-def test_the_faster_kernel_is_chosen_once_per_layout(monkeypatch):
+def test_the_faster_kernel_is_chosen_per_kind_of_step_once_per_layout(monkeypatch):
     monkeypatch.setattr(attention, "_chosen", {})
     calls = []
 
-    def bmm_faster(fn) -> float:
+    def bmm_faster_at_decode(fn) -> float:
         calls.append(fn)
-        return 1.0 if len(calls) % 2 else 0.5  # sdpa is timed first at each shape
+        n = len(calls)  # per timed shape (decode first, then verify): sdpa, then bmm
+        return 0.5 if n == 2 else 1.0
 
-    assert attention.choose(2, 3, 16, torch.float32, CPU, bmm_faster) == "bmm"
+    assert attention.choose(2, 3, 16, torch.float32, CPU, bmm_faster_at_decode) == ("bmm", "sdpa")
     assert len(calls) == 2 * len(attention.TIMED_SHAPES)
-    assert attention.choose(2, 3, 16, torch.float32, CPU, bmm_faster) == "bmm"  # kept: no new timing
+    assert attention.choose(2, 3, 16, torch.float32, CPU, bmm_faster_at_decode) == ("bmm", "sdpa")  # kept
     assert len(calls) == 2 * len(attention.TIMED_SHAPES)
-    assert attention.choose(2, 3, 16, torch.bfloat16, CPU, lambda fn: 1.0) == "sdpa"  # a tie keeps one call
-    assert attention.choose(2, 3, 16, torch.float32, torch.device("cuda"), bmm_faster) == "sdpa"  # never timed
-    assert len(calls) == 2 * len(attention.TIMED_SHAPES)
+    assert attention.choose(2, 3, 16, torch.bfloat16, CPU, lambda fn: 1.0) == ("sdpa", "sdpa")  # ties: one call
+    assert attention.choose(2, 3, 16, torch.float32, torch.device("cuda"), bmm_faster_at_decode) == ("sdpa", "sdpa")
+    assert len(calls) == 2 * len(attention.TIMED_SHAPES)  # CUDA: never timed
 
 
-@pytest.mark.parametrize("kernel", attention.KERNELS)
-def test_engine_matches_transformers_with_either_kernel(kernel, monkeypatch):
+def test_each_kind_of_step_runs_its_kernel(monkeypatch, tiny_qwen2):
+    from service.engine.kv_cache import KVCache
+    from service.engine.runner import CachedModel
+    from service.models.loader import load_model
+
+    monkeypatch.setattr(attention, "choose", lambda *args, **kw: ("bmm", "sdpa"))
+    model = load_model(tiny_qwen2, torch.bfloat16, CPU)
+    cached = CachedModel(model, KVCache(model.config, 4, 64, torch.bfloat16, CPU), CPU)
+    decode, _ = cached.build_meta(0, [5, 9], [1, 1])
+    verify, _ = cached.build_meta(0, [5, 9], [3, 1])
+    assert (decode.kernel, decode.bias.dtype) == ("bmm", torch.float32)
+    assert (verify.kernel, verify.bias.dtype) == ("sdpa", torch.bfloat16)
+
+
+@pytest.mark.parametrize("kernels", [("sdpa", "sdpa"), ("bmm", "bmm"), ("bmm", "sdpa"), ("sdpa", "bmm")],
+                         ids=lambda k: "decode-{}-prefill-{}".format(*k))
+def test_engine_matches_transformers_with_either_kernel(kernels, monkeypatch):
     """Batches large enough that `bmm` does not hand over to SDPA (rows x keys > TINY_ROWS_X_KEYS)."""
-    monkeypatch.setattr(attention, "choose", lambda *args, **kw: kernel)
+    monkeypatch.setattr(attention, "choose", lambda *args, **kw: kernels)
     lengths = (100, 1, 60, 90, 37, 110)
     assert len(lengths) * max(lengths) > attention.TINY_ROWS_X_KEYS
     check_logits_every_step(make_checkpoint("qwen2", tied=True), steps=6, lengths=lengths)
