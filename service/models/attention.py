@@ -29,7 +29,8 @@ logger = logging.getLogger(__name__)
 
 KERNELS = ("sdpa", "bmm")
 TINY_ROWS_X_KEYS = 512
-TIMED_SHAPES = ((32, 1, 256), (32, 5, 256))  # (batch, query positions, keys): a decode and a verify step
+TIMED_SHAPES = ((32, 1, 256), (64, 5, 512))  # (batch, query positions, keys): a decode and a verify step (a
+# large one: large batches over long caches take most of a rollout's verify time)
 WIN_MARGIN = 0.9  # bmm must take under this fraction of sdpa's time to be chosen (sdpa is one call)
 
 _chosen: dict[tuple, tuple[str, str]] = {}  # (device type, dtype, Hkv, G, D) -> (decode, verify) kernels
