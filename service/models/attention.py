@@ -19,11 +19,11 @@ attention, rounded differently: every exactness test runs on whichever this mach
 from __future__ import annotations
 
 import logging
-import time
-from collections.abc import Callable
 
 import torch
 import torch.nn.functional as F
+
+from service.models.timing import Timer, median_seconds
 
 logger = logging.getLogger(__name__)
 
@@ -57,25 +57,15 @@ def cached_attention(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, 
     return torch.bmm(probs.to(values.dtype), values.reshape(B * Hkv, L, D)).view(B, Hkv, GQ, D)
 
 
-def _median_seconds(fn: Callable[[], object], reps: int = 5) -> float:
-    fn()
-    times = []
-    for _ in range(reps):
-        t0 = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - t0)
-    return sorted(times)[len(times) // 2]
-
-
 def choose(num_kv_heads: int, group: int, head_dim: int, dtype: torch.dtype, device: torch.device,
-           timer: Callable[[Callable[[], object]], float] | None = None) -> tuple[str, str]:
+           timer: Timer | None = None) -> tuple[str, str]:
     """The kernels for this head layout on this device, (one query position per row: decode, more: verify and
     prefill): `sdpa` on CUDA; on CPU, each the faster one at its shape in `TIMED_SHAPES` (timed once)."""
     if device.type != "cpu":
         return ("sdpa", "sdpa")
     key = (device.type, dtype, num_kv_heads, group, head_dim)
     if key not in _chosen:
-        timer = timer or _median_seconds
+        timer = timer or (lambda fn: median_seconds(fn, reps=5))
         gen = torch.Generator().manual_seed(0)
         chosen, report = [], []
         with torch.inference_mode():

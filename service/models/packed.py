@@ -32,12 +32,13 @@ changed in place must be packed again.
 from __future__ import annotations
 
 import logging
-import time
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 
 import torch
 import torch.nn.functional as F
 from torch import nn
+
+from service.models.timing import Timer, median_seconds
 
 logger = logging.getLogger(__name__)
 
@@ -47,7 +48,6 @@ FLOAT32_COPY_BYTES = 2 << 30
 CALIBRATION_BYTES = 64 << 20  # time the model's first layers up to this many weight bytes (beyond the caches)
 WIN_MARGIN = 0.97  # packed must take under this fraction of F.linear's time to be chosen
 
-Timer = Callable[[Callable[[], object]], float]
 _chosen: dict[tuple, tuple[bool, ...]] = {}  # layout of the timed layers -> packed per row class
 
 
@@ -86,16 +86,6 @@ class Linear(nn.Linear):
         if self.packed is None or torch.is_grad_enabled() or not self.packed_for[row_class(x.numel() // x.shape[-1])]:
             return F.linear(x, self.weight, self.bias)
         return torch.ops.mkldnn._linear_pointwise(x, self.packed, self.bias, "none", [], "")
-
-
-def median_seconds(fn: Callable[[], object], reps: int = 3) -> float:
-    fn()
-    times = []
-    for _ in range(reps):
-        t0 = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - t0)
-    return sorted(times)[len(times) // 2]
 
 
 def calibrate(layers: Sequence[Linear], timer: Timer = median_seconds) -> tuple[bool, ...]:
