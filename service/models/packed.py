@@ -32,6 +32,7 @@ changed in place must be packed again.
 from __future__ import annotations
 
 import logging
+from bisect import bisect_left
 from collections.abc import Sequence
 
 import torch
@@ -62,10 +63,7 @@ def native_bf16() -> bool:
 
 
 def row_class(rows: int) -> int:
-    for i, hi in enumerate(ROW_CLASSES):
-        if rows <= hi:
-            return i
-    return len(ROW_CLASSES)
+    return bisect_left(ROW_CLASSES, rows)  # the first class whose upper bound is >= rows
 
 
 class Linear(nn.Linear):
@@ -111,7 +109,13 @@ def calibrate(layers: Sequence[Linear], timer: Timer = median_seconds) -> tuple[
     return tuple(choice)
 
 
+def _pack(m: Linear) -> None:
+    m.packed = torch.ops.mkldnn._reorder_linear_weight(m.weight.detach().contiguous(), 1)
+
+
 def _choose(layers: list[Linear], timer: Timer) -> tuple[bool, ...]:
+    """The row classes packed weights serve for this layout; the first time, packs and times the leading
+    layers (up to `CALIBRATION_BYTES`), not the whole model."""
     sample, nbytes = [], 0
     for m in layers:
         if nbytes >= CALIBRATION_BYTES:
@@ -120,6 +124,8 @@ def _choose(layers: list[Linear], timer: Timer) -> tuple[bool, ...]:
         nbytes += m.weight.numel() * m.weight.element_size()
     key = (sample[0].weight.dtype, tuple((m.out_features, m.in_features, m.bias is not None) for m in sample))
     if key not in _chosen:
+        for m in sample:
+            _pack(m)
         _chosen[key] = calibrate(sample, timer)
         logger.info("%s linear layers: prepacked weights serve row classes %s", key[0],
                     [f"<={hi}" for hi, on in zip((*ROW_CLASSES, "inf"), _chosen[key], strict=True) if on] or "none")
@@ -140,23 +146,24 @@ def pack_linears(model: nn.Module, timer: Timer | None = None) -> int:
                 m.weight.data = m.weight.detach().t().contiguous().t()  # [out, in] view of an [in, out] buffer
     if not onednn_available():
         return 0
-    by_dtype: dict[torch.dtype, list[Linear]] = {}
+    groups = []
     if fp32 and sum(m.weight.numel() * 4 for m in fp32) <= FLOAT32_COPY_BYTES:
-        by_dtype[torch.float32] = fp32
-    if native_bf16():
-        by_dtype[torch.bfloat16] = [m for m in cpu if m.weight.dtype == torch.bfloat16]
+        groups.append(fp32)
+    bf16 = [m for m in cpu if m.weight.dtype == torch.bfloat16]
+    if bf16 and native_bf16():
+        groups.append(bf16)
     count = 0
     with torch.no_grad():
-        for group in by_dtype.values():
-            for m in group:
-                m.packed = torch.ops.mkldnn._reorder_linear_weight(m.weight.detach().contiguous(), 1)
-            if not group:
-                continue
+        for group in groups:
             packed_for = _choose(group, timer or median_seconds)
+            if not any(packed_for):
+                for m in group:
+                    m.packed = None  # the timed layers' packs, never used
+                continue
             for m in group:
+                if m.packed is None:
+                    _pack(m)
                 m.packed_for = packed_for
-                if not any(packed_for):
-                    m.packed = None
-            count += len(group) if any(packed_for) else 0
+            count += len(group)
     logger.debug("packed %d of %d linear layers", count, len(layers))
     return count
