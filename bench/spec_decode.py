@@ -103,10 +103,11 @@ def workload(shape: str, n_prompts: int, per_prompt: int, median: int, sigma: fl
 
 
 def run(target: Path, drafter: str, spec: str, k: int, prompts, lengths, per_prompt: int, max_len: int,
-        threads: int, stale_draft: Path | None = None) -> dict:
+        threads: int, stale_draft: Path | None = None, device: str = "cpu", eager: bool = False) -> dict:
     """One rollout; with `stale_draft`, the draft model is replaced by it once half the tokens are out."""
     engine = LLMEngine(EngineConfig(model=str(target), drafter=drafter, spec=spec, spec_k=k, max_model_len=max_len,
-                                    max_num_seqs=len(lengths), num_threads=threads, seed=0))
+                                    max_num_seqs=len(lengths), num_threads=threads, seed=0, device=device,
+                                    enforce_eager=eager))
     warm = SamplingParams(temperature=1.0, max_tokens=8, seed=1, ignore_eos=True)
     engine.generate([prompts[0]] * 4, warm)  # warm-up, also primes the strategy's plain-cost estimates
     for i, n in enumerate(lengths):
@@ -181,6 +182,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--plot-dir", type=Path, default=Path(__file__).resolve().parent.parent / "docs",
                     help="where the PNGs go")
     ap.add_argument("--threads", type=int, default=None)
+    ap.add_argument("--device", default="cpu", help="cpu or cuda[:N]")
+    ap.add_argument("--enforce-eager", action="store_true", help="CUDA: no graphs")
     ap.add_argument("--quick", action="store_true", help="small sizes for a smoke run")
     ap.add_argument("--seed", type=int, default=0)
     args = ap.parse_args(argv)
@@ -193,7 +196,8 @@ def main(argv: list[str] | None = None) -> int:
         raise SystemExit(f"unknown workloads {sorted(unknown)}; choose from {WORKLOADS}")
     load_start = os.getloadavg()
     summary: dict = {
-        "bench": "spec_decode", "threads": args.threads or torch.get_num_threads(), "device": "cpu",
+        "bench": "spec_decode", "threads": args.threads or torch.get_num_threads(), "device": args.device,
+        "enforce_eager": args.enforce_eager,
         "model": {"hidden": args.hidden, "layers": args.layers, "draft_layers": args.draft_layers, "vocab": args.vocab},
         "workloads": {},
     }
@@ -213,7 +217,8 @@ def main(argv: list[str] | None = None) -> int:
             results = {}
             for name, drafter, spec, k in tqdm(configs, desc=shape, file=sys.stderr):
                 results[name] = run(target, drafter, spec, k, prompts, lengths, args.per_prompt, 40 + max(lengths),
-                                    args.threads, stale if shape == "collapse" else None)
+                                    args.threads, stale if shape == "collapse" else None, args.device,
+                                    args.enforce_eager)
                 logger.warning("%s %s: %s", shape, name, {k: v for k, v in results[name].items() if k != "trace"})
             if args.plot_dir:
                 from bench.spec_plots import strategy_plot

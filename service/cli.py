@@ -27,6 +27,8 @@ def _engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--spec", default=_env("spec", "adaptive"), choices=["adaptive", "fixed", "off"],
                    help="speculative decoding: adaptive (drafter, k) per step, fixed k, or off")
     p.add_argument("--spec-k", type=int, default=int(_env("spec_k", "4")), help="draft length for --spec fixed")
+    p.add_argument("--enforce-eager", action="store_true", default=_env("enforce_eager", "") in ("1", "true"),
+                   help="GPU: no CUDA graphs (either backend); decode and verify steps run eagerly")
     p.add_argument("--threads", type=int, default=int(_env("threads", "0")) or None, help="torch CPU threads")
 
 
@@ -46,7 +48,7 @@ def _engine_config(args: argparse.Namespace):
         model=_model_dir(args), dtype=args.dtype, device=args.device, max_model_len=args.max_model_len,
         max_num_seqs=args.max_num_seqs, kv_cache_memory_gb=args.kv_cache_gb, seed=args.seed,
         max_num_batched_tokens=max(8192, args.max_model_len), spec=args.spec, spec_k=args.spec_k,
-        num_threads=args.threads, drafter=getattr(args, "drafter", "none"),
+        num_threads=args.threads, drafter=getattr(args, "drafter", "none"), enforce_eager=args.enforce_eager,
     )
 
 

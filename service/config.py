@@ -136,6 +136,8 @@ class EngineConfig:
     drafter: str = "none"
     spec: str = "adaptive"
     spec_k: int = 4
+    # CUDA only: run decode and verify forwards eagerly instead of replaying CUDA graphs (service/engine/graphs.py)
+    enforce_eager: bool = False
     extra: dict[str, Any] = field(default_factory=dict)
 
     def __post_init__(self) -> None:

@@ -58,7 +58,7 @@ class LLMEngine:
         num_slots = min(config.max_num_seqs, slots_for_budget(self.model_config, max_positions, self.dtype, budget))
         self.cache = KVCache(self.model_config, num_slots, max_positions, self.dtype, self.device)
         self.scheduler = Scheduler(num_slots, config.max_num_batched_tokens)
-        self.runner = ModelRunner(model, self.cache, self.device)
+        self.runner = ModelRunner(model, self.cache, self.device, graphs=not config.enforce_eager)
         self.requests: dict[str, Request] = {}
         self._rng = random.Random(config.seed)
         self._aborted: list[Sequence] = []
@@ -76,6 +76,11 @@ class LLMEngine:
         elif config.spec == "fixed":
             fixed = Strategy(next(iter(self.drafters)), config.spec_k)
         self.strategy = AdaptiveStrategy(list(self.drafters), fixed=fixed, seed=config.seed)
+        if self.runner.target.graphs is not None:  # CUDA: every decode / verify graph before the first step
+            ks = [] if fixed == PLAIN else [fixed.k] if fixed is not None else list(self.strategy.ks)
+            t0 = time.perf_counter()
+            n = self.runner.capture_graphs(ks)
+            logger.info("captured %d CUDA graphs in %.1f s", n, time.perf_counter() - t0)
         self.last_strategy = PLAIN.name  # the label of the last step's choice (metrics, rollout records)
         self.paused = False  # step() does nothing while paused (weight pushes, admin pause)
         self.stats = EngineStats()
@@ -194,7 +199,8 @@ class LLMEngine:
         B = len(result.seqs)
         self.last_strategy = strategy.name
         if batch.kind == "decode":
-            self.strategy.record(strategy, B, seconds + self.between_steps_s, result.num_accepted or None)
+            cost = None if result.captured else seconds + self.between_steps_s
+            self.strategy.record(strategy, B, cost, result.num_accepted or None)
         if not result.k:
             self.stats.record_step(batch.kind, batch, B, seconds)
             return

@@ -9,6 +9,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from service.engine.graphs import StepGraphs
 from service.engine.kv_cache import KVCache
 from service.engine.sampler import SampleResult, SamplingBatch, sample
 from service.engine.scheduler import SchedulerOutput, SlotCopy
@@ -38,6 +39,7 @@ class StepResult:
     num_accepted: list[int] = field(default_factory=list)
     num_drafted: list[int] = field(default_factory=list)
     draft_seconds: float = 0.0
+    captured: bool = False  # the step captured a CUDA graph: its time is no measure of the strategy
 
     @classmethod
     def plain(cls, seqs: list[Sequence], results: list[TokenResult]) -> StepResult:
@@ -88,7 +90,7 @@ def to_host(res: SampleResult, seqs: list[Sequence], extra: torch.Tensor | None 
 class CachedModel:
     """A decoder with its own static KV cache and RoPE table; builds the per-forward attention metadata."""
 
-    def __init__(self, model: CausalLM, cache: KVCache, device: torch.device) -> None:
+    def __init__(self, model: CausalLM, cache: KVCache, device: torch.device, graphs: bool = False) -> None:
         self.model = model  # packs its linear layers' weights for this device (service/models/packed.py)
         self.cfg = model.config
         self.cache = cache
@@ -98,6 +100,8 @@ class CachedModel:
         Hkv = self.cfg.num_kv_heads
         # (one position per row, more): the attention kernel this machine runs faster for each
         self.attn_kernels = attention.choose(Hkv, self.cfg.num_heads // Hkv, self.cfg.head_dim, self.dtype, device)
+        # Decode / verify forwards replayed as CUDA graphs (service/engine/graphs.py); None: always eager.
+        self.graphs = StepGraphs(self, cache.num_slots) if graphs and device.type == "cuda" else None
 
     @property
     def model(self) -> CausalLM:
@@ -119,21 +123,37 @@ class CachedModel:
         host.append([[slot_lo + b] * Q for b in range(B)])
         pos, slots = torch.tensor(host, dtype=torch.int64, device=dev).unbind(0)
         kv_len = max(s + n for s, n in zip(starts, q_lens, strict=True))
+        return self.meta_for(slot_lo, pos, slots.reshape(-1), kv_len, self.attn_kernels[Q > 1]), pos
+
+    def meta_for(self, slot_lo: int, pos: torch.Tensor, write_slots: torch.Tensor, kv_len: int,
+                 kernel: str) -> AttnMeta:
+        """Metadata from device tensors alone (what a CUDA graph captures): positions [B, Q], the cache slot of
+        each new token [B * Q], attention over cache positions [0, kv_len)."""
+        B, Q = pos.shape
         # Additive mask in the dtype of this machine's attention kernel, once per step for all layers, already laid
         # out as attention's [B, Hkv, G * Q, L] (query heads grouped by KV head); padded rows see everything.
         Hkv = self.cfg.num_kv_heads
         G = self.cfg.num_heads // Hkv
-        hidden = torch.arange(kv_len, device=dev) > pos[:, None, None, :, None]  # [B, 1, 1, Q, L]
-        kernel = self.attn_kernels[Q > 1]
-        bias = torch.zeros(B, Hkv, G, Q, kv_len, dtype=attention.mask_dtype(kernel, self.dtype), device=dev)
+        hidden = torch.arange(kv_len, device=pos.device) > pos[:, None, None, :, None]  # [B, 1, 1, Q, L]
+        bias = torch.zeros(B, Hkv, G, Q, kv_len, dtype=attention.mask_dtype(kernel, self.dtype), device=pos.device)
         bias.masked_fill_(hidden, -torch.inf)
         bias = bias.view(B, Hkv, G * Q, kv_len)
         cos, sin = self.rope.lookup(pos)
-        return AttnMeta(slot_lo, kv_len, slots.reshape(-1), pos.reshape(-1), bias, cos, sin, kernel), pos
+        return AttnMeta(slot_lo, kv_len, write_slots, pos.reshape(-1), bias, cos, sin, kernel)
 
     def forward(self, input_ids: torch.Tensor, meta: AttnMeta) -> torch.Tensor:
         """input_ids [B, Q] -> final hidden states [B, Q, hidden]."""
         return self.model(input_ids, meta, self.cache.k, self.cache.v)
+
+    def forward_rows(self, input_ids: torch.Tensor, starts: list[int]) -> tuple[torch.Tensor, AttnMeta]:
+        """Rows b = slots b append input_ids[b] ([B, Q], the same Q for all) at positions starts[b]...: a CUDA
+        graph replay where one fits, else eager. Returns hidden [B, Q, hidden] (valid until the next forward)
+        and the metadata (at least write_slots / write_pos of the real rows)."""
+        B, Q = input_ids.shape
+        if self.graphs is not None and self.graphs.fits(B, Q):
+            return self.graphs.forward(input_ids, starts)
+        meta, _ = self.build_meta(0, starts, [Q] * B)
+        return self.forward(input_ids, meta), meta
 
     def extend(self, slot_lo: int, starts: list[int], tokens: list[list[int]]) -> tuple[torch.Tensor, torch.Tensor]:
         """Append per-row token lists at positions starts[b]...; returns hidden [B, Q, H] and the index of
@@ -149,8 +169,8 @@ class CachedModel:
 class ModelRunner:
     """Runs the target for prefill, decode and speculative steps; drafters plug in through `execute`."""
 
-    def __init__(self, model: CausalLM, cache: KVCache, device: torch.device) -> None:
-        self.target = CachedModel(model, cache, device)
+    def __init__(self, model: CausalLM, cache: KVCache, device: torch.device, graphs: bool = False) -> None:
+        self.target = CachedModel(model, cache, device, graphs)
         self.cache = cache
         self.device = device
         self.cfg = model.config
@@ -174,6 +194,13 @@ class ModelRunner:
             d.observe_target_hidden(meta, hidden)
         return hidden
 
+    def forward_rows(self, input_ids: torch.Tensor, starts: list[int]) -> torch.Tensor:
+        """A decode or verify forward of the target (graphed where it can be); drafters see it as above."""
+        hidden, meta = self.target.forward_rows(input_ids, starts)
+        for d in self.drafters:
+            d.observe_target_hidden(meta, hidden)
+        return hidden
+
     def apply_copies(self, copies: list[SlotCopy]) -> None:
         self.cache.copy_slots(copies)
         for d in self.drafters:
@@ -187,9 +214,32 @@ class ModelRunner:
         self.apply_copies(batch.moves)
         if batch.kind == "prefill":
             return self._prefill(batch)
+        built = self.graphs_built()
         if strategy.k and drafter is not None:
-            return self._speculative(batch.seqs, drafter, strategy.k)
-        return self._decode(batch.seqs)
+            result = self._speculative(batch.seqs, drafter, strategy.k)
+        else:
+            result = self._decode(batch.seqs)
+        result.captured = self.graphs_built() > built
+        return result
+
+    def step_graphs(self) -> list[StepGraphs]:
+        """The graphs of the target and of every drafter that has its own (empty when eager)."""
+        owners = [self.target] + [getattr(d, "cached", None) for d in self.drafters]
+        return [c.graphs for c in owners if c is not None and c.graphs is not None]
+
+    def graphs_built(self) -> int:
+        return sum(g.built for g in self.step_graphs())
+
+    def capture_graphs(self, ks: list[int]) -> int:
+        """Capture decode graphs and verify graphs for k + 1 positions, k in `ks`, for every batch and key
+        bucket (the drafters' graphs: one position per row); returns how many."""
+        if self.target.graphs is None:
+            return 0
+        with torch.inference_mode():
+            n = self.target.graphs.capture_all([1] + [k + 1 for k in ks])
+            for g in self.step_graphs()[1:]:
+                n += g.capture_all([1])
+        return n
 
     def _prefill(self, out: SchedulerOutput) -> StepResult:
         prompts = [r.prompt_token_ids for r in out.requests]
@@ -208,8 +258,7 @@ class ModelRunner:
 
     def _decode(self, seqs: list[Sequence]) -> StepResult:
         ids = torch.tensor([[s.last_token] for s in seqs], dtype=torch.int64, device=self.device)
-        meta, _ = self.target.build_meta(0, [s.num_cached for s in seqs], [1] * len(seqs))
-        logits = self.model.logits(self.forward(ids, meta)[:, 0])  # [B, V]
+        logits = self.model.logits(self.forward_rows(ids, [s.num_cached for s in seqs])[:, 0])  # [B, V]
         sb = SamplingBatch.build(seqs, self.cfg.vocab_size, self.device)
         return StepResult.plain(seqs, to_host(sample(logits, sb), seqs))
 
@@ -222,8 +271,7 @@ class ModelRunner:
         draft_seconds = time.perf_counter() - t0
         last = torch.tensor([[s.last_token] for s in seqs], dtype=torch.int64, device=self.device)
         ids = torch.cat([last, draft.tokens], dim=1)  # [B, k + 1]
-        meta, _ = self.target.build_meta(0, [s.num_cached for s in seqs], [k + 1] * B)
-        hidden = self.forward(ids, meta)  # [B, k + 1, hidden]
+        hidden = self.forward_rows(ids, [s.num_cached for s in seqs])  # [B, k + 1, hidden]
         res = verify(self.model.logits(hidden), draft, sb)
         # One host transfer: [B, k + 1] sampled columns plus num_accepted and the draft lengths.
         flat_seqs = [s for s in seqs for _ in range(k + 1)]

@@ -172,12 +172,30 @@ class AdaptiveStrategy:
             return Strategy(best.drafter, min(best.k, self.ks[0]))
         return best
 
-    def record(self, s: Strategy, batch_size: int, seconds: float, num_accepted: list[int] | None = None) -> None:
-        """One step's measurement: its wall seconds, and num_accepted per row for speculative steps."""
+    def record(self, s: Strategy, batch_size: int, seconds: float | None,
+               num_accepted: list[int] | None = None) -> None:
+        """One step's measurement: its wall seconds (None: not a measure of its cost, e.g. it captured a CUDA
+        graph), and num_accepted per row for speculative steps."""
         drafter = s.drafter if s.k else None
         switched, self._last = drafter is not None and drafter != self._last, drafter
         for d in self.drafters:
             self._away[d] = 0 if d == drafter else self._away.get(d, 0) + 1
+        if seconds is not None:
+            self._record_cost(s, drafter, switched, batch_size, seconds)
+        if drafter is None:
+            self._plain_buckets.add(bucket_of(batch_size))
+        for a in self.accept.values():
+            a.hits *= self.discount
+            a.trials *= self.discount
+        if drafter is not None and num_accepted:
+            # Rows whose drafter proposed fewer than k count the missing drafts as failures.
+            hits = sum(num_accepted)
+            trials = hits + sum(1 for n in num_accepted if n < s.k)
+            if trials:
+                self._observe(drafter, hits, trials)
+
+    def _record_cost(self, s: Strategy, drafter: str | None, switched: bool, batch_size: int,
+                     seconds: float) -> None:
         if switched and self._steady.get(drafter, 0):
             # The first step after a switch pays the drafter's catch-up (a draft model feeds itself every
             # token it missed). That is the price of switching, not of the arm: kept apart, or one costly
@@ -192,17 +210,6 @@ class AdaptiveStrategy:
                 ratio = seconds / self.model.predict(drafter, s.k, batch_size)
                 self.correction.setdefault((bucket_of(batch_size), s), Ewma()).update(ratio, 0.3)
             self.model.record(drafter, s.k, batch_size, seconds)
-        if drafter is None:
-            self._plain_buckets.add(bucket_of(batch_size))
-        for a in self.accept.values():
-            a.hits *= self.discount
-            a.trials *= self.discount
-        if drafter is not None and num_accepted:
-            # Rows whose drafter proposed fewer than k count the missing drafts as failures.
-            hits = sum(num_accepted)
-            trials = hits + sum(1 for n in num_accepted if n < s.k)
-            if trials:
-                self._observe(drafter, hits, trials)
 
     def _missed_steps(self, drafter: str) -> int:
         """Steps a drafter missed, capped: one catch-up pass over many tokens costs far less than as many

@@ -153,7 +153,6 @@ def add_vllm_args(p: argparse.ArgumentParser) -> None:
                    choices=["mp", "ray", "uni"], help="ray for a model across nodes")
     g.add_argument("--gpu-memory-utilization", type=float,
                    default=float(env("SPECROLL_GPU_MEMORY_UTILIZATION", "0.85")))
-    g.add_argument("--enforce-eager", action="store_true", help="no CUDA graphs")
     g.add_argument("--spec-table", default=env("SPECROLL_SPEC_TABLE"),
                    help="vLLM's per-batch-size draft depth: JSON [[first, last, k], ...], 'default' (deep in the "
                         "tail, shallow when full) or 'profile' (measured at start-up, cached; what --spec adaptive "

@@ -24,10 +24,12 @@ class DraftModelDrafter(Drafter):
     name = "draft"
 
     def __init__(self, model: CausalLM, target_vocab: int, num_slots: int, max_positions: int,
-                 device: torch.device, version: str = "0") -> None:
+                 device: torch.device, version: str = "0", graphs: bool = False) -> None:
         dtype = next(model.parameters()).dtype
         cache = KVCache(model.config, num_slots, max_positions, dtype, device)
-        self.cached = CachedModel(model, cache, device)  # the draft model with its own KV cache
+        # The draft model with its own KV cache; its k - 1 decode forwards per proposal are graphed like the
+        # target's where the target's are.
+        self.cached = CachedModel(model, cache, device, graphs)
         self.device = device
         self.version = version
         self.target_vocab = target_vocab
@@ -62,8 +64,8 @@ class DraftModelDrafter(Drafter):
         positions = [s.num_tokens for s in seqs]
         for j in range(k):
             if j:
-                meta, _ = self.cached.build_meta(0, [p + j - 1 for p in positions], [1] * B)
-                logits = self._logits(self.cached.forward(tokens[-1][:, None], meta)[:, 0])
+                hidden, _ = self.cached.forward_rows(tokens[-1][:, None], [p + j - 1 for p in positions])
+                logits = self._logits(hidden[:, 0])
             tok, q = draw_draft(logits, sb, j)
             tokens.append(tok)
             probs.append(q)
