@@ -79,7 +79,7 @@ class _Graph:
             fn()
         torch.cuda.current_stream().wait_stream(stream)
         self.graph = torch.cuda.CUDAGraph()
-        # No garbage collection inside a capture: freeing a dropped engine's graphs there invalidates it. Other
+        # No garbage collection inside a capture: freeing a dropped engine's graphs there can invalidate it. Other
         # threads (a weight push staging tensors on the device) may go on: their work is not captured.
         collecting = gc.isenabled()
         gc.disable()
@@ -122,7 +122,7 @@ class StepGraphs:
     def fits(self, batch: int, q_len: int) -> bool:
         return batch <= self.max_batch and q_len <= MAX_QUERY
 
-    def _table(self) -> dict:
+    def _table(self) -> tuple[torch.nn.Module, object, dict]:
         """This model's graphs (and pool), the model's entry refreshed as most recently used."""
         model = self.cached.model
         entry = self._graphs.get(id(model))
