@@ -42,8 +42,6 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from service.models.llama import AttnMeta
-
 if TYPE_CHECKING:
     from service.engine.runner import CachedModel
 
@@ -103,7 +101,6 @@ class StepGraphs:
 
     def __init__(self, cached: CachedModel, max_batch: int, capture: bool = True) -> None:
         self.cached = cached
-        self.capture = capture
         self.batch_buckets = [b for b in BATCH_BUCKETS if b < max_batch] + [max_batch]
         self.key_buckets = key_buckets(cached.cache.max_positions)
         dev = cached.device
@@ -127,7 +124,7 @@ class StepGraphs:
         model = self.cached.model
         entry = self._graphs.get(id(model))
         if entry is None or entry[0] is not model:
-            pool = torch.cuda.graph_pool_handle() if self.capture else None
+            pool = torch.cuda.graph_pool_handle() if self.stream is not None else None
             entry = (model, pool, {})
             self._graphs[id(model)] = entry
             while len(self._graphs) > MODELS_KEPT:
@@ -162,10 +159,9 @@ class StepGraphs:
                         graphs[(Bb, Q, L)] = self._build(Bb, Q, L, pool)
         return self.built - built
 
-    def forward(self, ids: torch.Tensor, starts: list[int]) -> tuple[torch.Tensor, AttnMeta]:
-        """ids [B, Q] appended at positions starts[b]... -> hidden [B, Q, H] (a view of the graph's output)
-        and the metadata of the real rows' cache writes (write_slots / write_pos), for drafters that keep
-        per-position features."""
+    def forward(self, ids: torch.Tensor, starts: list[int]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """ids [B, Q] appended at positions starts[b]... -> hidden [B, Q, H] (a view of the graph's output),
+        and the real rows' cache slots and positions [B * Q] (for drafters that keep per-position features)."""
         B, Q = ids.shape
         Bb = self.batch_buckets[bisect_left(self.batch_buckets, B)]
         kv_len = max(starts) + Q
@@ -178,7 +174,4 @@ class StepGraphs:
         graph = graphs.get((Bb, Q, L))
         if graph is None:  # inputs first: a capture's warm-up runs this very step
             graph = graphs[(Bb, Q, L)] = self._build(Bb, Q, L, pool)
-        hidden = graph.run()[:B]
-        pos = self.pos[: B * Q]
-        cos, sin = self.cached.rope.lookup(pos.view(B, Q))
-        return hidden, AttnMeta(0, kv_len, self.slots.view(-1, MAX_QUERY)[:B, :Q].reshape(-1), pos, None, cos, sin)
+        return graph.run()[:B], self.slots.view(-1, MAX_QUERY)[:B, :Q].reshape(-1), self.pos[: B * Q]

@@ -77,9 +77,8 @@ class LLMEngine:
             fixed = Strategy(next(iter(self.drafters)), config.spec_k)
         self.strategy = AdaptiveStrategy(list(self.drafters), fixed=fixed, seed=config.seed)
         if self.runner.target.graphs is not None:  # CUDA: every decode / verify graph before the first step
-            ks = [] if fixed == PLAIN else [fixed.k] if fixed is not None else list(self.strategy.ks)
             t0 = time.perf_counter()
-            n = self.runner.capture_graphs(ks)
+            n = self.runner.capture_graphs(self.strategy.depths())
             logger.info("captured %d CUDA graphs in %.1f s", n, time.perf_counter() - t0)
         self.last_strategy = PLAIN.name  # the label of the last step's choice (metrics, rollout records)
         self.paused = False  # step() does nothing while paused (weight pushes, admin pause)

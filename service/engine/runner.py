@@ -145,15 +145,15 @@ class CachedModel:
         """input_ids [B, Q] -> final hidden states [B, Q, hidden]."""
         return self.model(input_ids, meta, self.cache.k, self.cache.v)
 
-    def forward_rows(self, input_ids: torch.Tensor, starts: list[int]) -> tuple[torch.Tensor, AttnMeta]:
+    def forward_rows(self, input_ids: torch.Tensor, starts: list[int]) -> tuple[torch.Tensor, ...]:
         """Rows b = slots b append input_ids[b] ([B, Q], the same Q for all) at positions starts[b]...: a CUDA
         graph replay where one fits, else eager. Returns hidden [B, Q, hidden] (valid until the next forward)
-        and the metadata (at least write_slots / write_pos of the real rows)."""
+        and the cache slot and position of each new token ([B * Q] each)."""
         B, Q = input_ids.shape
         if self.graphs is not None and self.graphs.fits(B, Q):
             return self.graphs.forward(input_ids, starts)
         meta, _ = self.build_meta(0, starts, [Q] * B)
-        return self.forward(input_ids, meta), meta
+        return self.forward(input_ids, meta), meta.write_slots, meta.write_pos
 
     def extend(self, slot_lo: int, starts: list[int], tokens: list[list[int]]) -> tuple[torch.Tensor, torch.Tensor]:
         """Append per-row token lists at positions starts[b]...; returns hidden [B, Q, H] and the index of
@@ -191,14 +191,14 @@ class ModelRunner:
         """The target forward; every drafter sees the resulting hidden states (feature-based drafters)."""
         hidden = self.target.forward(input_ids, meta)
         for d in self.drafters:
-            d.observe_target_hidden(meta, hidden)
+            d.observe_target_hidden(meta.write_slots, meta.write_pos, hidden)
         return hidden
 
     def forward_rows(self, input_ids: torch.Tensor, starts: list[int]) -> torch.Tensor:
         """A decode or verify forward of the target (graphed where it can be); drafters see it as above."""
-        hidden, meta = self.target.forward_rows(input_ids, starts)
+        hidden, write_slots, write_pos = self.target.forward_rows(input_ids, starts)
         for d in self.drafters:
-            d.observe_target_hidden(meta, hidden)
+            d.observe_target_hidden(write_slots, write_pos, hidden)
         return hidden
 
     def apply_copies(self, copies: list[SlotCopy]) -> None:
@@ -230,7 +230,7 @@ class ModelRunner:
     def graphs_built(self) -> int:
         return sum(g.built for g in self.step_graphs())
 
-    def capture_graphs(self, ks: list[int]) -> int:
+    def capture_graphs(self, ks: tuple[int, ...]) -> int:
         """Capture decode graphs and verify graphs for k + 1 positions, k in `ks`, for every batch and key
         bucket (the drafters' graphs: one position per row); returns how many."""
         if self.target.graphs is None:

@@ -111,6 +111,12 @@ class AdaptiveStrategy:
         self.model = StepCostModel(list(self.drafters))
         self.accept = {d: Acceptance() for d in self.drafters}
 
+    def depths(self) -> tuple[int, ...]:
+        """The draft depths this strategy may run (what a GPU captures verify graphs for)."""
+        if self.fixed is not None:
+            return (self.fixed.k,) if self.fixed.k else ()
+        return self.ks if self.drafters else ()
+
     @property
     def arms(self) -> list[Strategy]:
         return [PLAIN] + [Strategy(d, k) for d in self.drafters for k in self.ks]

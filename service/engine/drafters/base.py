@@ -10,7 +10,6 @@ from service.engine.sampler import SamplingBatch
 from service.engine.scheduler import SlotCopy
 from service.engine.sequence import Sequence
 from service.engine.speculative.verify import DraftProposal
-from service.models.llama import AttnMeta
 
 
 class Drafter(ABC):
@@ -30,8 +29,9 @@ class Drafter(ABC):
     def observe(self, seq: Sequence) -> None:
         """Called whenever a sequence gained tokens (any step kind) or finished."""
 
-    def observe_target_hidden(self, meta: AttnMeta, hidden: torch.Tensor) -> None:
-        """The target's final hidden states [B, Q, H] of every target forward, with its write positions."""
+    def observe_target_hidden(self, write_slots: torch.Tensor, write_pos: torch.Tensor, hidden: torch.Tensor) -> None:
+        """The target's final hidden states [B, Q, H] of every target forward, with the cache slot and position
+        of each row's tokens ([B * Q] each)."""
 
     def apply_copies(self, copies: list[SlotCopy]) -> None:
         """Follow the target cache's slot moves and forks."""

@@ -64,7 +64,7 @@ class DraftModelDrafter(Drafter):
         positions = [s.num_tokens for s in seqs]
         for j in range(k):
             if j:
-                hidden, _ = self.cached.forward_rows(tokens[-1][:, None], [p + j - 1 for p in positions])
+                hidden = self.cached.forward_rows(tokens[-1][:, None], [p + j - 1 for p in positions])[0]
                 logits = self._logits(hidden[:, 0])
             tok, q = draw_draft(logits, sb, j)
             tokens.append(tok)

@@ -90,8 +90,8 @@ class EagleDrafter(Drafter):
         self.version = version
         self.cached_positions.clear()  # every sequence catches up on the new head
 
-    def observe_target_hidden(self, meta: AttnMeta, hidden: torch.Tensor) -> None:
-        self.features[meta.write_slots, meta.write_pos] = hidden.reshape(-1, hidden.shape[-1])
+    def observe_target_hidden(self, write_slots: torch.Tensor, write_pos: torch.Tensor, hidden: torch.Tensor) -> None:
+        self.features[write_slots, write_pos] = hidden.reshape(-1, hidden.shape[-1])
 
     def apply_copies(self, copies: list[SlotCopy]) -> None:
         self.cached.cache.copy_slots(copies)
