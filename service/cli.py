@@ -28,7 +28,8 @@ def _engine_args(p: argparse.ArgumentParser) -> None:
                    help="speculative decoding: adaptive (drafter, k) per step, fixed k, or off")
     p.add_argument("--spec-k", type=int, default=int(_env("spec_k", "4")), help="draft length for --spec fixed")
     p.add_argument("--enforce-eager", action="store_true", default=_env("enforce_eager", "") in ("1", "true"),
-                   help="GPU: no CUDA graphs (either backend); decode and verify steps run eagerly")
+                   help="decode and verify steps run eagerly: no CUDA graphs on a GPU (either backend), no "
+                   "torch.compile on CPU (native backend; saves its start-up compile)")
     p.add_argument("--threads", type=int, default=int(_env("threads", "0")) or None, help="torch CPU threads")
 
 

@@ -136,7 +136,8 @@ class EngineConfig:
     drafter: str = "none"
     spec: str = "adaptive"
     spec_k: int = 4
-    # CUDA only: run decode and verify forwards eagerly instead of replaying CUDA graphs (service/engine/graphs.py)
+    # Run decode and verify forwards eagerly: no CUDA graphs on a GPU (service/engine/graphs.py), no torch.compile
+    # on CPU (service/engine/compiled.py)
     enforce_eager: bool = False
     extra: dict[str, Any] = field(default_factory=dict)
 

@@ -225,3 +225,21 @@ def _build_checkpoint(target: Path, p: dict[str, Any]) -> None:
         if tmp.exists():
             shutil.rmtree(tmp, ignore_errors=True)
     logger.info("built tiny %s checkpoint at %s", p["family"], target)
+
+
+def assert_same(a, b, atol: float) -> None:
+    for x, y in zip(a, b, strict=True):
+        assert x.outputs[0].token_ids == y.outputs[0].token_ids
+        torch.testing.assert_close(x.outputs[0].logprobs, y.outputs[0].logprobs, atol=atol, rtol=0)
+
+
+def assert_same_up_to_near_ties(a, b, atol: float) -> None:
+    """Greedy outputs agree token for token, logprobs within atol, until a step whose two choices were near-tied
+    (both runs gave their own pick a logprob within atol of each other's): rounding may break a tie either way."""
+    for x, y in zip(a, b, strict=True):
+        tx, ty = x.outputs[0].token_ids, y.outputs[0].token_ids
+        lx, ly = x.outputs[0].logprobs, y.outputs[0].logprobs
+        n = next((i for i, (u, v) in enumerate(zip(tx, ty, strict=True)) if u != v), len(tx))
+        torch.testing.assert_close(lx[:n], ly[:n], atol=atol, rtol=0)
+        if n < len(tx):
+            assert abs(lx[n] - ly[n]) < atol, f"diverged at {n} without a near-tie: {lx[n]} vs {ly[n]}"

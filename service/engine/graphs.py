@@ -20,7 +20,8 @@ measurement. All graphs of one model share one memory pool (`torch.cuda.graph_po
 after another on one stream. A weight push installs another model object, whose graphs are captured anew as
 they are used; the graphs of the last two models are kept, so the pushed-into spare (weights loaded in place)
 finds its graphs again. Prefill and drafter catch-up (rows of different lengths) run eagerly, as does
-everything with `EngineConfig.enforce_eager`, on CPU, and steps beyond the largest bucket; the EAGLE head too.
+everything with `EngineConfig.enforce_eager` and steps beyond the largest bucket; the EAGLE head too. A CPU
+compiles the same forwards with torch.compile instead, unpadded (service/engine/compiled.py).
 
 Exactness: a graph computes the same forward as the eager step, over more (masked) keys; on the GPU both use
 SDPA, so results agree up to the rounding of a different attention tiling, like any kernel choice. The

@@ -58,7 +58,7 @@ class LLMEngine:
         num_slots = min(config.max_num_seqs, slots_for_budget(self.model_config, max_positions, self.dtype, budget))
         self.cache = KVCache(self.model_config, num_slots, max_positions, self.dtype, self.device)
         self.scheduler = Scheduler(num_slots, config.max_num_batched_tokens)
-        self.runner = ModelRunner(model, self.cache, self.device, graphs=not config.enforce_eager)
+        self.runner = ModelRunner(model, self.cache, self.device, compiled=not config.enforce_eager)
         self.requests: dict[str, Request] = {}
         self._rng = random.Random(config.seed)
         self._aborted: list[Sequence] = []
@@ -76,10 +76,10 @@ class LLMEngine:
         elif config.spec == "fixed":
             fixed = Strategy(next(iter(self.drafters)), config.spec_k)
         self.strategy = AdaptiveStrategy(list(self.drafters), fixed=fixed, seed=config.seed)
-        if self.runner.target.graphs is not None:  # CUDA: every decode / verify graph before the first step
-            t0 = time.perf_counter()
-            n = self.runner.capture_graphs(self.strategy.depths())
-            logger.info("captured %d CUDA graphs in %.1f s", n, time.perf_counter() - t0)
+        t0 = time.perf_counter()  # CUDA graphs (GPU) or compiled forwards (CPU) before the first step
+        if n := self.runner.prepare(self.strategy.depths()):
+            logger.info("%s %d decode / verify forwards in %.1f s", "captured" if self.runner.target.graphs else
+                        "compiled", n, time.perf_counter() - t0)
         self.last_strategy = PLAIN.name  # the label of the last step's choice (metrics, rollout records)
         self.paused = False  # step() does nothing while paused (weight pushes, admin pause)
         self.stats = EngineStats()

@@ -9,6 +9,8 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from service.engine.compiled import available as compiled_available
+from service.engine.compiled import compiled_forward, compiles
 from service.engine.graphs import StepGraphs
 from service.engine.kv_cache import KVCache
 from service.engine.sampler import SampleResult, SamplingBatch, sample
@@ -90,7 +92,7 @@ def to_host(res: SampleResult, seqs: list[Sequence], extra: torch.Tensor | None 
 class CachedModel:
     """A decoder with its own static KV cache and RoPE table; builds the per-forward attention metadata."""
 
-    def __init__(self, model: CausalLM, cache: KVCache, device: torch.device, graphs: bool = False) -> None:
+    def __init__(self, model: CausalLM, cache: KVCache, device: torch.device, compiled: bool = False) -> None:
         self.model = model  # packs its linear layers' weights for this device (service/models/packed.py)
         self.cfg = model.config
         self.cache = cache
@@ -100,8 +102,10 @@ class CachedModel:
         Hkv = self.cfg.num_kv_heads
         # (one position per row, more): the attention kernel this machine runs faster for each
         self.attn_kernels = attention.choose(Hkv, self.cfg.num_heads // Hkv, self.cfg.head_dim, self.dtype, device)
-        # Decode / verify forwards replayed as CUDA graphs (service/engine/graphs.py); None: always eager.
-        self.graphs = StepGraphs(self, cache.num_slots) if graphs and device.type == "cuda" else None
+        # Decode / verify forwards: replayed as CUDA graphs on a GPU (service/engine/graphs.py), compiled with
+        # torch.compile on CPU (service/engine/compiled.py), else eager.
+        self.graphs = StepGraphs(self, cache.num_slots) if compiled and device.type == "cuda" else None
+        self.compiled = compiled_forward if compiled and device.type == "cpu" and compiled_available() else None
 
     @property
     def model(self) -> CausalLM:
@@ -153,7 +157,25 @@ class CachedModel:
         if self.graphs is not None and self.graphs.fits(B, Q):
             return self.graphs.forward(input_ids, starts)
         meta, _ = self.build_meta(0, starts, [Q] * B)
-        return self.forward(input_ids, meta), meta.write_slots, meta.write_pos
+        if self.compiled is not None:
+            hidden = self.compiled(self.model, input_ids, meta, self.cache.k, self.cache.v)
+        else:
+            hidden = self.forward(input_ids, meta)
+        return hidden, meta.write_slots, meta.write_pos
+
+    def warm_up(self, query_lens: list[int]) -> None:
+        """Compile (CPU) the uniform forwards of these query lengths at batch 1 and 2 before serving: rows are
+        cache slots 0-1 at positions that no sequence owns yet (call it before the first request)."""
+        if self.compiled is None:
+            return
+        try:
+            for B in sorted({1, min(2, self.cache.num_slots)}):
+                for Q in query_lens:
+                    start = max(2, self.cache.max_positions - 1 - Q)  # clear of sizes 0 and 1 (specialised)
+                    self.forward_rows(torch.ones(B, Q, dtype=torch.int64, device=self.device), [start] * B)
+        except Exception as exc:  # any failure of the compiler stack: serve eagerly rather than not at all
+            logger.warning("torch.compile failed, forwards run eagerly: %s: %s", type(exc).__name__, exc)
+            self.compiled = None
 
     def extend(self, slot_lo: int, starts: list[int], tokens: list[list[int]]) -> tuple[torch.Tensor, torch.Tensor]:
         """Append per-row token lists at positions starts[b]...; returns hidden [B, Q, H] and the index of
@@ -169,8 +191,8 @@ class CachedModel:
 class ModelRunner:
     """Runs the target for prefill, decode and speculative steps; drafters plug in through `execute`."""
 
-    def __init__(self, model: CausalLM, cache: KVCache, device: torch.device, graphs: bool = False) -> None:
-        self.target = CachedModel(model, cache, device, graphs)
+    def __init__(self, model: CausalLM, cache: KVCache, device: torch.device, compiled: bool = False) -> None:
+        self.target = CachedModel(model, cache, device, compiled)
         self.cache = cache
         self.device = device
         self.cfg = model.config
@@ -214,32 +236,38 @@ class ModelRunner:
         self.apply_copies(batch.moves)
         if batch.kind == "prefill":
             return self._prefill(batch)
-        built = self.graphs_built()
+        built = self.builds()
         if strategy.k and drafter is not None:
             result = self._speculative(batch.seqs, drafter, strategy.k)
         else:
             result = self._decode(batch.seqs)
-        result.captured = self.graphs_built() > built
+        result.captured = self.builds() > built
         return result
+
+    def cached_models(self) -> list[CachedModel]:
+        """The target and every drafter's model with its own KV cache."""
+        return [self.target] + [c for d in self.drafters if (c := getattr(d, "cached", None)) is not None]
 
     def step_graphs(self) -> list[StepGraphs]:
         """The graphs of the target and of every drafter that has its own (empty when eager)."""
-        owners = [self.target] + [getattr(d, "cached", None) for d in self.drafters]
-        return [c.graphs for c in owners if c is not None and c.graphs is not None]
+        return [c.graphs for c in self.cached_models() if c.graphs is not None]
 
-    def graphs_built(self) -> int:
-        return sum(g.built for g in self.step_graphs())
+    def builds(self) -> int:
+        """CUDA graphs captured and (CPU) forwards compiled so far: a step that adds one is not a cost measurement."""
+        return sum(g.built for g in self.step_graphs()) + (compiles() if self.target.compiled is not None else 0)
 
-    def capture_graphs(self, ks: tuple[int, ...]) -> int:
-        """Capture decode graphs and verify graphs for k + 1 positions, k in `ks`, for every batch and key
-        bucket (the drafters' graphs: one position per row); returns how many."""
-        if self.target.graphs is None:
-            return 0
+    def prepare(self, ks: tuple[int, ...]) -> int:
+        """Before the first request: capture (GPU) or compile (CPU) the decode forwards and the verify forwards
+        of k + 1 positions, k in `ks` (drafters' models: one position per row). Returns how many were built."""
+        built = self.builds()
         with torch.inference_mode():
-            n = self.target.graphs.capture_all([1] + [k + 1 for k in ks])
-            for g in self.step_graphs()[1:]:
-                n += g.capture_all([1])
-        return n
+            for c in self.cached_models():
+                query_lens = [1] + [k + 1 for k in ks] if c is self.target else [1]
+                if c.graphs is not None:
+                    c.graphs.capture_all(query_lens)
+                else:
+                    c.warm_up(query_lens)
+        return self.builds() - built
 
     def _prefill(self, out: SchedulerOutput) -> StepResult:
         prompts = [r.prompt_token_ids for r in out.requests]

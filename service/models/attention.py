@@ -48,7 +48,7 @@ def cached_attention(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, 
         return F.scaled_dot_product_attention(q, keys, values, attn_mask=bias)
     B, Hkv, GQ, D = q.shape
     L = keys.shape[2]
-    if B * L <= TINY_ROWS_X_KEYS:
+    if B * L <= TINY_ROWS_X_KEYS and not torch.compiler.is_compiling():
         return F.scaled_dot_product_attention(q, keys, values, attn_mask=bias.to(q.dtype))
     # Cache views fold (B, Hkv) into one batch axis without a copy: the slot stride is a multiple of the head's.
     qf = q.reshape(B * Hkv, GQ, D).float()

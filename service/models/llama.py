@@ -40,6 +40,15 @@ def causal_meta(cos_table: torch.Tensor, sin_table: torch.Tensor, batch: int, se
     return AttnMeta(0, seq_len, None, None, None, cos.expand(batch, -1, -1, -1), sin.expand(batch, -1, -1, -1))
 
 
+def write_cache(cache: torch.Tensor, layer: int, meta: AttnMeta, x: torch.Tensor) -> None:
+    """cache [layers, slots, Hkv, P, D][layer, write_slots, :, write_pos] = x [N, Hkv, D], in place. Traced by
+    torch.compile, the write indexes the whole cache (a write through a view of it would copy all of it)."""
+    if torch.compiler.is_compiling():
+        cache[torch.full_like(meta.write_slots, layer), meta.write_slots, :, meta.write_pos] = x
+    else:
+        cache[layer][meta.write_slots, :, meta.write_pos] = x
+
+
 class RMSNorm(nn.Module):
     def __init__(self, dim: int, eps: float) -> None:
         super().__init__()
@@ -81,10 +90,10 @@ class Attention(nn.Module):
             out = F.scaled_dot_product_attention(q.transpose(1, 2), k, v, is_causal=True)  # [B, H, Q, D]
             return self.o_proj(out.transpose(1, 2).reshape(B, Q, H * D))
         # Write the new K/V at their positions: cache [slots, Hkv, P, D] indexed [N] x : x [N] -> [N, Hkv, D].
-        k_cache[meta.write_slots, :, meta.write_pos] = k.reshape(B * Q, Hkv, D)
-        v_cache[meta.write_slots, :, meta.write_pos] = v.reshape(B * Q, Hkv, D)
-        keys = k_cache[meta.slot_lo : meta.slot_lo + B, :, : meta.kv_len]  # [B, Hkv, L, D] view
-        values = v_cache[meta.slot_lo : meta.slot_lo + B, :, : meta.kv_len]
+        write_cache(k_cache, self.layer_idx, meta, k.reshape(B * Q, Hkv, D))
+        write_cache(v_cache, self.layer_idx, meta, v.reshape(B * Q, Hkv, D))
+        keys = k_cache[self.layer_idx, meta.slot_lo : meta.slot_lo + B, :, : meta.kv_len]  # [B, Hkv, L, D] view
+        values = v_cache[self.layer_idx, meta.slot_lo : meta.slot_lo + B, :, : meta.kv_len]
         # Group the G query heads of each KV head along the query axis: [B, Hkv, G * Q, D].
         q = q.view(B, Q, Hkv, G, D).permute(0, 2, 3, 1, 4).reshape(B, Hkv, G * Q, D)
         out = cached_attention(q, keys, values, meta.bias, meta.kernel)  # [B, Hkv, G * Q, D]
@@ -135,8 +144,8 @@ class CausalLM(nn.Module):
     ) -> torch.Tensor:
         """input_ids [B, Q]; k_cache/v_cache [layers, slots, Hkv, P, D] (None with a causal_meta) -> [B, Q, hidden]."""
         x = self.embed_tokens(input_ids)
-        for i, layer in enumerate(self.layers):
-            x = layer(x, meta, None if k_cache is None else k_cache[i], None if v_cache is None else v_cache[i])
+        for layer in self.layers:
+            x = layer(x, meta, k_cache, v_cache)
         return self.norm(x)
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:

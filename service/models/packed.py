@@ -81,9 +81,35 @@ class Linear(nn.Linear):
         return state
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self.packed is None or torch.is_grad_enabled() or not self.packed_for[row_class(x.numel() // x.shape[-1])]:
+        if self.packed is None or torch.is_grad_enabled():
             return F.linear(x, self.weight, self.bias)
-        return torch.ops.mkldnn._linear_pointwise(x, self.packed, self.bias, "none", [], "")
+        if torch.compiler.is_compiling():  # one opaque op: the row class is chosen when it runs, not traced
+            classes = sum(1 << i for i, on in enumerate(self.packed_for) if on)
+            return linear_op(x, self.weight, self.packed, self.bias, classes)
+        return _linear(x, self.weight, self.packed, self.bias, self.packed_for[row_class(x.numel() // x.shape[-1])])
+
+
+def _linear(x: torch.Tensor, weight: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None,
+            use_packed: bool) -> torch.Tensor:
+    if use_packed:
+        return torch.ops.mkldnn._linear_pointwise(x, packed, bias, "none", [], "")
+    return F.linear(x, weight, bias)
+
+
+@torch.library.custom_op("specroll::linear", mutates_args=())
+def linear_op(x: torch.Tensor, weight: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None,
+              packed_classes: int) -> torch.Tensor:
+    """A packed `Linear` inside torch.compile (service/engine/compiled.py): the kernel of x's row class (bit i
+    of `packed_classes`: class i runs the packed weight). Opaque to inductor, whose own oneDNN lowering needs
+    weights frozen into the compiled code (a weight push could not replace them), and one compiled variant
+    serves every row count (a traced choice would compile one per row class)."""
+    return _linear(x, weight, packed, bias, bool(packed_classes >> row_class(x.numel() // x.shape[-1]) & 1))
+
+
+@linear_op.register_fake
+def _(x: torch.Tensor, weight: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None,
+      packed_classes: int) -> torch.Tensor:
+    return x.new_empty((*x.shape[:-1], weight.shape[0]))
 
 
 def calibrate(layers: Sequence[Linear], timer: Timer = median_seconds) -> tuple[bool, ...]:

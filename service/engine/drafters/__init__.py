@@ -55,5 +55,5 @@ def build_drafters(spec: str, model_dir: Path, target: CachedModel, num_slots: i
                               "draft model must share the target's tokenizer")
         model = load_model(path, target.dtype, target.device)
         drafters["draft"] = DraftModelDrafter(model, vocab, num_slots, target.cache.max_positions, target.device,
-                                              graphs=target.graphs is not None)
+                                              compiled=target.graphs is not None or target.compiled is not None)
     return drafters

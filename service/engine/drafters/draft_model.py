@@ -24,12 +24,12 @@ class DraftModelDrafter(Drafter):
     name = "draft"
 
     def __init__(self, model: CausalLM, target_vocab: int, num_slots: int, max_positions: int,
-                 device: torch.device, version: str = "0", graphs: bool = False) -> None:
+                 device: torch.device, version: str = "0", compiled: bool = False) -> None:
         dtype = next(model.parameters()).dtype
         cache = KVCache(model.config, num_slots, max_positions, dtype, device)
-        # The draft model with its own KV cache; its k - 1 decode forwards per proposal are graphed like the
-        # target's where the target's are.
-        self.cached = CachedModel(model, cache, device, graphs)
+        # The draft model with its own KV cache; its k - 1 decode forwards per proposal are graphed (GPU) or
+        # compiled (CPU) like the target's where the target's are.
+        self.cached = CachedModel(model, cache, device, compiled)
         self.device = device
         self.version = version
         self.target_vocab = target_vocab

@@ -42,8 +42,7 @@ class EagleHead(nn.Module):
                 k_cache: torch.Tensor | None = None, v_cache: torch.Tensor | None = None) -> torch.Tensor:
         """embeds, features [B, Q, H] -> predicted next features [B, Q, H]. No caches with a causal_meta."""
         x = self.fc(torch.cat([embeds, features], dim=-1))
-        k, v = (None, None) if k_cache is None else (k_cache[0], v_cache[0])
-        return self.norm(self.layer(x, meta, k, v))
+        return self.norm(self.layer(x, meta, k_cache, v_cache))
 
 
 def init_head(target_cfg: ModelConfig, seed: int = 0) -> EagleHead:

@@ -1,0 +1,107 @@
+"""Decode and verify forwards compiled with torch.compile on CPU (service/engine/compiled.py).
+
+Every other engine test runs the compiled path too (it is the CPU default); these compare it with
+`enforce_eager` and check what the compilation itself promises: compiled before the first request, nothing
+compiled again for a weight push or a second engine of the same layout, the KV cache written in place, and
+eager forwards where no C++ compiler exists."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from helpers import assert_same, assert_same_up_to_near_ties, make_checkpoint
+
+from service.config import EngineConfig
+from service.engine import compiled
+from service.engine.llm_engine import LLMEngine
+from service.models.loader import load_model
+from service.params import SamplingParams
+
+PROMPTS = [[5, 6, 7], list(range(40, 70)), [300], [9, 8, 7, 6, 5], [17] * 12]
+GREEDY = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True)
+ROOT = Path(__file__).resolve().parents[2]
+
+
+@pytest.fixture(scope="module")
+def target():
+    return make_checkpoint("qwen2", tied=True, init_std=0.3, seed=1)
+
+
+@pytest.fixture(scope="module")
+def draft():
+    return make_checkpoint("llama", tied=False, seed=3, hidden_size=32, num_layers=1)
+
+
+def engine_on(target, eager: bool, **kw) -> LLMEngine:
+    return LLMEngine(EngineConfig(model=str(target), max_model_len=200, max_num_seqs=16, enforce_eager=eager, **kw))
+
+
+@pytest.mark.parametrize("spec", [dict(), dict(drafter="draft", spec="fixed", spec_k=3),
+                                  dict(drafter="draft,suffix")], ids=["plain", "draft-k3", "adaptive"])
+def test_compiled_forwards_match_eager(target, draft, spec):
+    if "drafter" in spec:
+        spec = dict(spec, drafter=spec["drafter"].replace("draft", str(draft), 1))
+    eager = engine_on(target, True, **spec)
+    fast = engine_on(target, False, **spec)
+    assert eager.runner.target.compiled is None and fast.runner.target.compiled is not None
+    params = [SamplingParams(temperature=0, max_tokens=n, ignore_eos=True) for n in (7, 40, 25, 3, 33)]
+    want, got = eager.generate(PROMPTS, params), fast.generate(PROMPTS, params)
+    if spec.get("spec") == "fixed":  # the same k every step: the same verify shapes as eager
+        assert_same(want, got, atol=1e-4)
+        assert fast.drafters["draft"].cached.compiled is not None and fast.stats.spec_drafts > 0
+    else:  # adaptive picks k by timing: other shapes, other rounding of near-ties
+        assert_same_up_to_near_ties(want, got, atol=1e-4)
+
+
+def test_compiled_before_the_first_request_and_never_again_for_a_push(target, draft):
+    """Start-up compiles the decode and verify variants; serving them (any batch, any k), pushing a new target
+    and starting a second engine of the same layout compile nothing more."""
+    engine = engine_on(target, False, drafter=f"{draft},suffix")
+    start = compiled.compiles()
+    engine.generate(PROMPTS, GREEDY)
+    engine.generate(PROMPTS[:1], SamplingParams(temperature=1.0, max_tokens=30, seed=1))
+    assert engine.stats.spec_drafts > 0
+    other = make_checkpoint("qwen2", tied=True, init_std=0.3, seed=2)
+    engine.swap_target(load_model(other, torch.float32, torch.device("cpu")), "1")
+    got = engine.generate(PROMPTS, GREEDY)
+    engine_on(target, False, drafter=f"{draft},suffix")
+    assert compiled.compiles() == start
+    # The pushed weights are what the compiled code computes with (parameters are inputs, not constants).
+    assert_same_up_to_near_ties(engine_on(other, True, drafter=f"{draft},suffix").generate(PROMPTS, GREEDY), got,
+                                atol=1e-4)
+
+
+def test_compiled_decode_steps_write_the_engines_cache(target):
+    engine = engine_on(target, False)
+    cache = engine.runner.cache
+    k_before = cache.k.clone()
+    engine.generate(PROMPTS[:1], SamplingParams(temperature=0, max_tokens=5, ignore_eos=True))
+    # Slot 0, positions 0-6: the prompt's 3 (eager prefill) and 4 fed back by compiled decode steps.
+    written = (cache.k[:, 0, :, :8] != k_before[:, 0, :, :8]).any(-1)  # [layers, Hkv, 8 positions]
+    assert written[:, :, :7].all() and not written[:, :, 7].any()
+
+
+def test_without_a_cxx_compiler_forwards_stay_eager(target, tmp_path):
+    """A PATH without g++ (as in a slim container): the engine logs it and serves eagerly."""
+    bindir = tmp_path / "bin"
+    bindir.mkdir()
+    (bindir / "python3").symlink_to(sys.executable)
+    code = ("import logging; logging.basicConfig(level=logging.WARNING)\n"
+            "from service.config import EngineConfig\nfrom service.engine.llm_engine import LLMEngine\n"
+            "from service.params import SamplingParams\n"
+            f"e = LLMEngine(EngineConfig(model={str(target)!r}, max_model_len=64, max_num_seqs=2))\n"
+            "assert e.runner.target.compiled is None\n"
+            "out = e.generate([[5, 6, 7]], SamplingParams(temperature=0, max_tokens=4, ignore_eos=True))\n"
+            "print('tokens', len(out[0].outputs[0].token_ids))\n")
+    env = {"PATH": str(bindir), "PYTHONPATH": f"{ROOT}{os.pathsep}{os.environ.get('PYTHONPATH', '')}",
+           "HOME": os.environ.get("HOME", str(tmp_path))}
+    proc = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=300,
+                          cwd=tmp_path)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "tokens 4" in proc.stdout
+    assert "no C++ compiler" in proc.stderr
