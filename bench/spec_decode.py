@@ -183,7 +183,7 @@ def main(argv: list[str] | None = None) -> int:
                     help="where the PNGs go")
     ap.add_argument("--threads", type=int, default=None)
     ap.add_argument("--device", default="cpu", help="cpu or cuda[:N]")
-    ap.add_argument("--enforce-eager", action="store_true", help="CUDA: no graphs")
+    ap.add_argument("--enforce-eager", action="store_true", help="no CUDA graphs (GPU), no torch.compile (CPU)")
     ap.add_argument("--quick", action="store_true", help="small sizes for a smoke run")
     ap.add_argument("--seed", type=int, default=0)
     args = ap.parse_args(argv)

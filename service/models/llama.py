@@ -89,7 +89,7 @@ class Attention(nn.Module):
             k, v = (t.repeat_interleave(G, dim=2).transpose(1, 2) for t in (k, v))  # [B, H, Q, D]
             out = F.scaled_dot_product_attention(q.transpose(1, 2), k, v, is_causal=True)  # [B, H, Q, D]
             return self.o_proj(out.transpose(1, 2).reshape(B, Q, H * D))
-        # Write the new K/V at their positions: cache [slots, Hkv, P, D] indexed [N] x : x [N] -> [N, Hkv, D].
+        # Write the new K/V at their positions: cache [layers, slots, Hkv, P, D] at (layer, slot[n], :, pos[n]).
         write_cache(k_cache, self.layer_idx, meta, k.reshape(B * Q, Hkv, D))
         write_cache(v_cache, self.layer_idx, meta, v.reshape(B * Q, Hkv, D))
         keys = k_cache[self.layer_idx, meta.slot_lo : meta.slot_lo + B, :, : meta.kv_len]  # [B, Hkv, L, D] view
