@@ -78,8 +78,8 @@ class LLMEngine:
         self.strategy = AdaptiveStrategy(list(self.drafters), fixed=fixed, seed=config.seed)
         t0 = time.perf_counter()  # CUDA graphs (GPU) or compiled forwards (CPU) before the first step
         if n := self.runner.prepare(self.strategy.depths()):
-            logger.info("%s %d decode / verify forwards in %.1f s", "captured" if self.runner.target.graphs else
-                        "compiled", n, time.perf_counter() - t0)
+            how = "captured" if self.runner.target.graphs is not None else "compiled"
+            logger.info("%s %d decode / verify forwards in %.1f s", how, n, time.perf_counter() - t0)
         self.last_strategy = PLAIN.name  # the label of the last step's choice (metrics, rollout records)
         self.paused = False  # step() does nothing while paused (weight pushes, admin pause)
         self.stats = EngineStats()

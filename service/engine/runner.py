@@ -41,7 +41,7 @@ class StepResult:
     num_accepted: list[int] = field(default_factory=list)
     num_drafted: list[int] = field(default_factory=list)
     draft_seconds: float = 0.0
-    captured: bool = False  # the step captured a CUDA graph: its time is no measure of the strategy
+    captured: bool = False  # the step captured a CUDA graph or compiled a forward: its time measures nothing
 
     @classmethod
     def plain(cls, seqs: list[Sequence], results: list[TokenResult]) -> StepResult:

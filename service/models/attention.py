@@ -4,7 +4,7 @@
   kernel reads the bf16 cache in place and accumulates in float32.
 - `bmm`: scores in float32 (one baddbmm with the scale and a float32 mask, a float32 softmax, one bmm with V);
   bf16 caches are converted per layer. At tiny sizes (batch x keys <= `TINY_ROWS_X_KEYS`) it hands over to
-  SDPA, whose single call costs less than its dispatches.
+  SDPA, whose single call costs less than its dispatches (not in compiled code: no dispatches to save there).
 
 Neither wins everywhere, by a lot, and the winner depends on the number of query positions per row. Demo model,
 bf16, at batch 64 (bench/step_profile.py): decode took 3.5 ms with sdpa and 5.7 ms with bmm on an Intel Xeon
