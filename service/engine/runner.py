@@ -164,15 +164,15 @@ class CachedModel:
         return hidden, meta.write_slots, meta.write_pos
 
     def warm_up(self, query_lens: list[int]) -> None:
-        """Compile (CPU) the uniform forwards of these query lengths at batch 1 and 2 before serving: rows are
-        cache slots 0-1 at positions that no sequence owns yet (call it before the first request)."""
+        """Compile (CPU) the uniform forwards of these query lengths before serving: one run per compiled variant
+        (batch 1 or more x one position per row or more; other sizes share them). Rows are cache slots 0-1 at
+        positions 2.., written before any sequence owns them: call it before the first request."""
         if self.compiled is None:
             return
         try:
             for B in sorted({1, min(2, self.cache.num_slots)}):
-                for Q in query_lens:
-                    start = max(2, self.cache.max_positions - 1 - Q)  # clear of sizes 0 and 1 (specialised)
-                    self.forward_rows(torch.ones(B, Q, dtype=torch.int64, device=self.device), [start] * B)
+                for Q in sorted({min(q, 2) for q in query_lens}):  # sizes 0 and 1 are specialised, not 2
+                    self.forward_rows(torch.ones(B, Q, dtype=torch.int64, device=self.device), [2] * B)
         except Exception as exc:  # any failure of the compiler stack: serve eagerly rather than not at all
             logger.warning("torch.compile failed, forwards run eagerly: %s: %s", type(exc).__name__, exc)
             self.compiled = None

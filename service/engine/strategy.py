@@ -112,7 +112,7 @@ class AdaptiveStrategy:
         self.accept = {d: Acceptance() for d in self.drafters}
 
     def depths(self) -> tuple[int, ...]:
-        """The draft depths this strategy may run (what a GPU captures verify graphs for)."""
+        """The draft depths this strategy may run (what the engine captures or compiles verify forwards for)."""
         if self.fixed is not None:
             return (self.fixed.k,) if self.fixed.k else ()
         return self.ks if self.drafters else ()

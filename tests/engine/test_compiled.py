@@ -27,16 +27,6 @@ GREEDY = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True)
 ROOT = Path(__file__).resolve().parents[2]
 
 
-@pytest.fixture(scope="module")
-def target():
-    return make_checkpoint("qwen2", tied=True, init_std=0.3, seed=1)
-
-
-@pytest.fixture(scope="module")
-def draft():
-    return make_checkpoint("llama", tied=False, seed=3, hidden_size=32, num_layers=1)
-
-
 def engine_on(target, eager: bool, **kw) -> LLMEngine:
     return LLMEngine(EngineConfig(model=str(target), max_model_len=200, max_num_seqs=16, enforce_eager=eager, **kw))
 

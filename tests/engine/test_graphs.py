@@ -23,16 +23,6 @@ PROMPTS = [[5, 6, 7], list(range(40, 70)), [300], [9, 8, 7, 6, 5], [17] * 12]
 GREEDY = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True)
 
 
-@pytest.fixture(scope="module")
-def target():
-    return make_checkpoint("qwen2", tied=True, init_std=0.3, seed=1)
-
-
-@pytest.fixture(scope="module")
-def draft():
-    return make_checkpoint("llama", tied=False, seed=3, hidden_size=32, num_layers=1)
-
-
 def engine_on(device: str, target, eager: bool, **kw) -> LLMEngine:
     return LLMEngine(EngineConfig(model=str(target), device=device, max_model_len=200, max_num_seqs=16,
                                   enforce_eager=eager, **kw))
