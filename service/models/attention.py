@@ -48,7 +48,8 @@ def cached_attention(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, 
         return F.scaled_dot_product_attention(q, keys, values, attn_mask=bias)
     B, Hkv, GQ, D = q.shape
     L = keys.shape[2]
-    if B * L <= TINY_ROWS_X_KEYS and not torch.compiler.is_compiling():
+    # is_compiling() first: a size test in traced code is a guard, and a guard on B * L recompiles when it flips.
+    if not torch.compiler.is_compiling() and B * L <= TINY_ROWS_X_KEYS:
         return F.scaled_dot_product_attention(q, keys, values, attn_mask=bias.to(q.dtype))
     # Cache views fold (B, Hkv) into one batch axis without a copy: the slot stride is a multiple of the head's.
     qf = q.reshape(B * Hkv, GQ, D).float()

@@ -19,6 +19,7 @@ from helpers import assert_same, assert_same_up_to_near_ties, make_checkpoint
 from service.config import EngineConfig
 from service.engine import compiled
 from service.engine.llm_engine import LLMEngine
+from service.models import attention
 from service.models.loader import load_model
 from service.params import SamplingParams
 
@@ -48,12 +49,17 @@ def test_compiled_forwards_match_eager(target, draft, spec):
         assert_same_up_to_near_ties(want, got, atol=1e-4)
 
 
-def test_compiled_before_the_first_request_and_never_again_for_a_push(target, draft):
-    """Start-up compiles the decode and verify variants; serving them (any batch, any k), pushing a new target
-    and starting a second engine of the same layout compile nothing more."""
+@pytest.mark.parametrize("kernel", attention.KERNELS)
+def test_compiled_before_the_first_request_and_never_again_for_a_push(target, draft, kernel, monkeypatch):
+    """Start-up compiles the decode and verify variants; serving them (any batch, any k, any cache length, with
+    either attention kernel), pushing a new target and starting a second engine of the same layout compile
+    nothing more."""
+    monkeypatch.setattr(attention, "choose", lambda *a, **kw: (kernel, kernel))
     engine = engine_on(target, False, drafter=f"{draft},suffix")
     start = compiled.compiles()
     engine.generate(PROMPTS, GREEDY)
+    many = [[i + 1] * 20 for i in range(16)]  # 16 rows x 60+ keys: past the bmm kernel's tiny-size hand-over
+    engine.generate(many, SamplingParams(temperature=1.0, max_tokens=48, seed=3, ignore_eos=True))
     engine.generate(PROMPTS[:1], SamplingParams(temperature=1.0, max_tokens=30, seed=1))
     assert engine.stats.spec_drafts > 0
     other = make_checkpoint("qwen2", tied=True, init_std=0.3, seed=2)
