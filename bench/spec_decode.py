@@ -12,7 +12,10 @@ head (a well-aligned drafter; `--align` sets how well). Prints one JSON line (to
 workload, loadavg) and writes a PNG per workload (`--plot-dir`): tokens/s of each strategy per batch-size
 bucket, and the adaptive choice over the run's steps.
 
-    python3 -m bench.spec_decode [--threads 1] [--workloads long_tail,near_uniform] [--quick]
+    python3 -m bench.spec_decode [--threads 1] [--workloads long_tail,near_uniform] [--repeats 3] [--quick]
+
+Each config runs `--repeats` times, round-robin; the JSON reports the run with the median wall time (and
+every run's seconds), since runs of ~10 s vary by about 5% on a quiet machine.
 """
 
 from __future__ import annotations
@@ -177,6 +180,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--sigma", type=float, default=0.9)
     ap.add_argument("--cap", type=int, default=640)
     ap.add_argument("--ks", default="2,4,8")
+    ap.add_argument("--repeats", type=int, default=None,
+                    help="runs per config, the median run is reported (default 3; 1 with --quick)")
     ap.add_argument("--workloads", default=",".join(WORKLOADS), help=f"comma-separated, of {WORKLOADS}")
     ap.add_argument("--configs", default=None, help="only these configs (e.g. off,adaptive); default all")
     ap.add_argument("--plot-dir", type=Path, default=Path(__file__).resolve().parent.parent / "docs",
@@ -190,6 +195,10 @@ def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(level=logging.WARNING, stream=sys.stderr)
     if args.quick:
         args.hidden, args.layers, args.prompts, args.per_prompt, args.cap, args.median = 128, 4, 4, 4, 96, 16
+    if args.repeats is None:
+        args.repeats = 1 if args.quick else 3
+    if args.repeats < 1:
+        raise SystemExit("--repeats must be at least 1")
     shapes = [w for w in args.workloads.split(",") if w]
     unknown = set(shapes) - set(WORKLOADS)
     if unknown:
@@ -214,12 +223,15 @@ def main(argv: list[str] | None = None) -> int:
         for shape in shapes:
             prompts, lengths = workload(shape, args.prompts, args.per_prompt, args.median, args.sigma, args.cap,
                                         args.vocab, args.seed)
-            results = {}
-            for name, drafter, spec, k in tqdm(configs, desc=shape, file=sys.stderr):
-                results[name] = run(target, drafter, spec, k, prompts, lengths, args.per_prompt, 40 + max(lengths),
-                                    args.threads, stale if shape == "collapse" else None, args.device,
-                                    args.enforce_eager)
-                logger.warning("%s %s: %s", shape, name, {k: v for k, v in results[name].items() if k != "trace"})
+            runs: dict[str, list[dict]] = {name: [] for name, *_ in configs}
+            # Repeats go round the configs, so a drift in the machine's speed hits every config alike.
+            rounds = [c for _ in range(args.repeats) for c in configs]
+            for name, drafter, spec, k in tqdm(rounds, desc=shape, file=sys.stderr):
+                r = run(target, drafter, spec, k, prompts, lengths, args.per_prompt, 40 + max(lengths), args.threads,
+                        stale if shape == "collapse" else None, args.device, args.enforce_eager)
+                runs[name].append(r)
+                logger.warning("%s %s: %s", shape, name, {k: v for k, v in r.items() if k != "trace"})
+            results = {name: median_run(rs) for name, rs in runs.items()}
             if args.plot_dir:
                 from bench.spec_plots import strategy_plot
 
@@ -229,6 +241,12 @@ def main(argv: list[str] | None = None) -> int:
     summary["loadavg"] = {"start": [round(x, 2) for x in load_start], "end": [round(x, 2) for x in os.getloadavg()]}
     sys.stdout.write(json.dumps(summary) + "\n")
     return 0
+
+
+def median_run(runs: list[dict]) -> dict:
+    """The run with the median wall time (its trace, tail and buckets), with every run's seconds."""
+    ordered = sorted(runs, key=lambda r: r["seconds"])
+    return dict(ordered[(len(ordered) - 1) // 2], seconds_runs=[r["seconds"] for r in runs])
 
 
 def summarise(results: dict[str, dict], lengths: list[int]) -> dict:

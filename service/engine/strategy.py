@@ -1,14 +1,15 @@
 """Adaptive speculation strategy: per step, pick (drafter, k) for the running batch. Torch-free.
 
 The choice is a bandit over arms {plain} + drafters x ks, scored by predicted throughput
-    batch * E[tokens per row] / step cost,   E = (1 - alpha^(k+1)) / (1 - alpha)
-where alpha is the drafter's per-token acceptance rate. It is Thompson sampling: each step draws alpha from
-the drafter's posterior and a cost from the cost posterior, and runs the arm whose draw is best. Why this
-and not a greedy rule with a small exploration rate (what we had, 9% behind the best fixed k): a rollout
-spends only a few dozen steps in each batch bucket, so the strategy cannot afford to measure arms one by one
-and cannot afford to sit on an arm it has wrongly written off either. Thompson sampling spends exploration
-in proportion to the chance an arm is best: arms clearly worse are almost never run, near-ties (where a
-wrong pick costs little) are run often, and it needs no tuned exploration rate.
+    batch * E[tokens per row] / step cost,   E = 1 + sum_{j<=k} alpha_1 * ... * alpha_j
+where alpha_j is the rate at which the drafter's j-th draft is accepted once drafts 1..j-1 were. It is
+Thompson sampling: each step draws the alphas from the drafter's posteriors and a cost from the cost
+posterior, and runs the arm whose draw is best. Why this and not a greedy rule with a small exploration
+rate (what we had, 9% behind the best fixed k): a rollout spends only a few dozen steps in each batch
+bucket, so the strategy cannot afford to measure arms one by one and cannot afford to sit on an arm it
+has wrongly written off either. Thompson sampling spends exploration in proportion to the chance an arm
+is best: arms clearly worse are almost never run, near-ties (where a wrong pick costs little) are run
+often, and it needs no tuned exploration rate.
 
 What makes it fast to converge is sharing across arms:
 - Cost: one online least-squares model of step cost for all arms and batch sizes (`StepCostModel`: target
@@ -21,17 +22,27 @@ What makes it fast to converge is sharing across arms:
   the longer it stayed off the costlier the next catch-up: the old strategy sat on plain decoding at full
   batch for that reason) and learned apart, per row per step missed; it is charged, spread over
   `switch_horizon` steps, to arms that would switch.
-- Acceptance: one Beta posterior per drafter, fed by every speculative step of any k (a row that accepted a
-  of k drafts saw a successes and, if a < k, one failure; one step counts for at most `trials_per_step`
-  trials, since a batch's rows are not independent). Counts are discounted every step, so a drafter that
-  has not run for a while becomes uncertain again and gets re-tried when it may have recovered.
+- Acceptance: per drafter, one Beta posterior per draft position, of the rate at which a row that reached
+  that position accepts it (a row that accepted a of k drafts tried positions 1..a+1 and accepted 1..a).
+  One rate for every position (a geometric model) is right for a draft model but not for a suffix table,
+  which either matches a row, and then nearly all its drafts are right, or proposes nothing: pooled into
+  one rate, its 50% matches look like a 50% per-token rate, and deep drafts, which pay most on the tail,
+  look worthless. A position never measured takes the rate drawn for the one before it as its prior, so
+  the first k measured extrapolates to the rest. Every speculative step of any k feeds them (one step
+  counts for at most `trials_per_step` rows, since a batch's rows are not independent). Counts are
+  discounted every step, so a drafter that has not run for a while becomes uncertain again and gets
+  re-tried when it may have recovered.
 - Collapse: when the newest step (or, at small batches where one step holds few trials, the newest few)
-  is far outside the posterior (a policy push made the drafter stale), the posterior restarts from those
-  steps, so the strategy leaves a collapsed drafter after one step instead of after a slow decay.
-Two rules keep exploration cheap: a new bucket starts with one plain step (a plain step is never a costly
-mistake, and it separates the target's cost from the drafters' in the model), and a drafter whose
+  is far outside the posterior, pooled over positions (a policy push made the drafter stale), the
+  posterior restarts from those steps, so the strategy leaves a collapsed drafter after one step instead
+  of after a slow decay.
+Three rules keep exploration cheap: a new bucket starts with one plain step (a plain step is never a costly
+mistake, and it separates the target's cost from the drafters' in the model); a drafter whose
 acceptance is barely known is probed at the smallest k, which measures its acceptance as well as a deep k
-does at a fraction of the price of a wrong guess.
+does at a fraction of the price of a wrong guess; and no arm runs more than twice the deepest k its
+drafter has run, since the cost of a deeper one is an extrapolation (a CPU verify of k + 1 positions at
+full batch costs nearly k + 1 decode steps: a k = 6 guess there costs five steps).
+A drafter's first step ever is no measure of anything: it catches up on every token so far.
 """
 
 from __future__ import annotations
@@ -73,14 +84,30 @@ class Ewma:
 
 @dataclass(slots=True)
 class Acceptance:
-    """Discounted Beta posterior of one drafter's per-token acceptance rate."""
+    """Discounted Beta posteriors of one drafter's acceptance, one per draft position: of the `trials[j]`
+    rows whose verification reached draft j + 1, `hits[j]` accepted it (a conditional rate)."""
 
-    hits: float = 0.0
-    trials: float = 0.0
-    recent: deque[tuple[int, int]] = field(default_factory=lambda: deque(maxlen=4))  # for change detection
+    hits: list[float]
+    trials: list[float]
+    recent: deque[tuple[list[int], list[int]]] = field(default_factory=lambda: deque(maxlen=4))  # per step
 
-    def mean(self, prior: float, prior_trials: float) -> float:
-        return (self.hits + prior * prior_trials) / (self.trials + prior_trials)
+    @classmethod
+    def empty(cls, depth: int) -> Acceptance:
+        return cls([0.0] * depth, [0.0] * depth)
+
+    def rates(self, prior: float, prior_trials: float, draw: random.Random | None = None) -> list[float]:
+        """Per-position rates (posterior means, or one Thompson draw with `draw`). Position 1's prior is
+        `prior`; each deeper position's is the rate found for the one before, so a depth never measured
+        extrapolates from the measured ones."""
+        out, mean = [], prior
+        for h, t in zip(self.hits, self.trials, strict=True):
+            a, b = h + mean * prior_trials, t - h + (1 - mean) * prior_trials
+            mean = draw.betavariate(max(a, 1e-3), max(b, 1e-3)) if draw else a / (a + b)
+            out.append(mean)
+        return out
+
+    def pooled(self) -> tuple[float, float]:
+        return sum(self.hits), sum(self.trials)
 
 
 @dataclass(slots=True)
@@ -103,13 +130,14 @@ class AdaptiveStrategy:
     _away: dict[str, int] = field(default_factory=dict)  # steps since each drafter last ran
     _plain_buckets: set[int] = field(default_factory=set)
     _steady: dict[str, int] = field(default_factory=dict)  # steps measured without a switch, per drafter
+    _deepest: dict[str, int] = field(default_factory=dict)  # deepest k measured, per drafter
     _last: str | None = None  # drafter of the last recorded step (None: plain)
     _rng: random.Random = field(init=False)
 
     def __post_init__(self) -> None:
         self._rng = random.Random(self.seed)
         self.model = StepCostModel(list(self.drafters))
-        self.accept = {d: Acceptance() for d in self.drafters}
+        self.accept = {d: Acceptance.empty(max(self.ks)) for d in self.drafters}
 
     def depths(self) -> tuple[int, ...]:
         """The draft depths this strategy may run (what the engine captures or compiles verify forwards for)."""
@@ -121,21 +149,19 @@ class AdaptiveStrategy:
     def arms(self) -> list[Strategy]:
         return [PLAIN] + [Strategy(d, k) for d in self.drafters for k in self.ks]
 
-    def acceptance(self, drafter: str) -> float:
-        return self.accept[drafter].mean(self.prior_alpha, self.prior_trials)
-
-    def _draw_acceptance(self, drafter: str) -> float:
-        a = self.accept[drafter]
-        hits = a.hits + self.prior_alpha * self.prior_trials
-        misses = a.trials - a.hits + (1 - self.prior_alpha) * self.prior_trials
-        return self._rng.betavariate(max(hits, 1e-3), max(misses, 1e-3))
+    def acceptance(self, drafter: str) -> list[float]:
+        """Posterior mean acceptance per draft position (conditional on reaching it)."""
+        return self.accept[drafter].rates(self.prior_alpha, self.prior_trials)
 
     @staticmethod
-    def tokens_per_row(alpha: float, k: int) -> float:
-        if k == 0:
-            return 1.0
-        a = min(max(alpha, 0.0), 0.999)
-        return (1 - a ** (k + 1)) / (1 - a)
+    def tokens_per_row(alpha: float | list[float], k: int) -> float:
+        """Expected tokens a row emits with k drafts: 1 + sum over j <= k of P(drafts 1..j accepted), from one
+        rate for every position (geometric) or one per position."""
+        total = reach = 1.0
+        for j in range(k):
+            reach *= min(max(alpha if isinstance(alpha, float) else alpha[j], 0.0), 1.0)
+            total += reach
+        return total
 
     def expected_tokens(self, s: Strategy) -> float:
         return self.tokens_per_row(self.acceptance(s.drafter), s.k) if s.k else 1.0
@@ -159,9 +185,11 @@ class AdaptiveStrategy:
             return PLAIN
         if bucket_of(batch_size) not in self._plain_buckets:
             return PLAIN  # measure the baseline of a new bucket first (see the module docstring)
-        alpha = {d: self._draw_acceptance(d) for d in self.drafters}
+        alpha = {d: self.accept[d].rates(self.prior_alpha, self.prior_trials, self._rng) for d in self.drafters}
         best, best_value = PLAIN, -1.0
         for s in self.arms:
+            if s.k > 2 * self._deepest.get(s.drafter, self.ks[0]):
+                continue  # deeper than twice the deepest measured k: its cost is an extrapolation
             corr, n = self._correction(batch_size, s)
             noise = math.exp(self._rng.gauss(0.0, self.cost_spread / math.sqrt(1 + n)))
             cost = self.model.predict(s.drafter, s.k, batch_size) * corr * noise
@@ -171,7 +199,7 @@ class AdaptiveStrategy:
             value = self.tokens_per_row(alpha[s.drafter], s.k) / cost if s.k else 1.0 / cost
             if value > best_value:
                 best, best_value = s, value
-        if best.k and self.accept[best.drafter].trials < self.trials_per_step:
+        if best.k and self.accept[best.drafter].trials[0] < self.trials_per_step:
             # Its acceptance is barely known (never measured, or not for a long while): a draw picked it
             # because it may be good. Probe it at the smallest k, which measures its acceptance as well and
             # costs least if the draw was wrong.
@@ -188,20 +216,25 @@ class AdaptiveStrategy:
             self._away[d] = 0 if d == drafter else self._away.get(d, 0) + 1
         if seconds is not None:
             self._record_cost(s, drafter, switched, batch_size, seconds)
+        if drafter is not None:
+            self._deepest[drafter] = max(self._deepest.get(drafter, 0), s.k)
         if drafter is None:
             self._plain_buckets.add(bucket_of(batch_size))
         for a in self.accept.values():
-            a.hits *= self.discount
-            a.trials *= self.discount
+            a.hits = [h * self.discount for h in a.hits]
+            a.trials = [t * self.discount for t in a.trials]
         if drafter is not None and num_accepted:
-            # Rows whose drafter proposed fewer than k count the missing drafts as failures.
-            hits = sum(num_accepted)
-            trials = hits + sum(1 for n in num_accepted if n < s.k)
-            if trials:
-                self._observe(drafter, hits, trials)
+            # Position j + 1 was tried by the rows that accepted the j drafts before it, and accepted by
+            # those that accepted more than j. A row whose drafter proposed fewer than k drafts fails at
+            # the first one it did not propose.
+            hits = [sum(1 for n in num_accepted if n > j) for j in range(s.k)]
+            trials = [sum(1 for n in num_accepted if n >= j) for j in range(s.k)]
+            self._observe(drafter, hits, trials)
 
     def _record_cost(self, s: Strategy, drafter: str | None, switched: bool, batch_size: int,
                      seconds: float) -> None:
+        if switched and drafter not in self._deepest:
+            return  # a drafter's first step ever catches up on every token so far: it measures nothing
         if switched and self._steady.get(drafter, 0):
             # The first step after a switch pays the drafter's catch-up (a draft model feeds itself every
             # token it missed). That is the price of switching, not of the arm: kept apart, or one costly
@@ -209,35 +242,44 @@ class AdaptiveStrategy:
             excess = max(0.0, seconds - self.predicted_cost(batch_size, s))
             missed = batch_size * self._missed_steps(drafter)
             self.switch_cost.setdefault(drafter, Ewma()).update(excess / missed, 0.3)
-        else:
-            if drafter is not None:
-                self._steady[drafter] = self._steady.get(drafter, 0) + 1
-            if self.model.measured:
-                ratio = seconds / self.model.predict(drafter, s.k, batch_size)
-                self.correction.setdefault((bucket_of(batch_size), s), Ewma()).update(ratio, 0.3)
-            self.model.record(drafter, s.k, batch_size, seconds)
+            return
+        if drafter is not None:
+            self._steady[drafter] = self._steady.get(drafter, 0) + 1
+        if self.model.measured:
+            ratio = seconds / self.model.predict(drafter, s.k, batch_size)
+            self.correction.setdefault((bucket_of(batch_size), s), Ewma()).update(ratio, 0.3)
+        self.model.record(drafter, s.k, batch_size, seconds)
 
     def _missed_steps(self, drafter: str) -> int:
         """Steps a drafter missed, capped: one catch-up pass over many tokens costs far less than as many
         steps, and an uncapped charge would lock the strategy out of a drafter the longer it stays away."""
         return min(max(1, self._away.get(drafter, 1)), self.switch_max_steps)
 
-    def _observe(self, drafter: str, hits: int, trials: int) -> None:
+    def _observe(self, drafter: str, hits: list[int], trials: list[int]) -> None:
         a = self.accept[drafter]
         a.recent.append((hits, trials))
         # A change, not noise (a policy push made the drafter stale): trust the newest steps alone. One
         # step decides at large batches; at small ones, where a step holds few trials, the last few do.
+        # Tested on the counts pooled over positions.
+        pooled_hits, pooled_trials = a.pooled()
         h = t = 0
-        for step_hits, step_trials in reversed(a.recent):
-            h, t = h + step_hits, t + step_trials
-            if a.trials >= self.trials_per_step and t >= 6 and self._changed(a.hits / a.trials, h / t, t):
-                scale = min(1.0, self.trials_per_step / t)
-                a.hits, a.trials = h * scale, t * scale
+        for i, (step_hits, step_trials) in enumerate(reversed(a.recent)):
+            h, t = h + sum(step_hits), t + sum(step_trials)
+            if (pooled_trials >= self.trials_per_step and t >= 6
+                    and self._changed(pooled_hits / pooled_trials, h / t, t)):
+                a.hits, a.trials = [0.0] * len(a.hits), [0.0] * len(a.trials)
+                for step_hits, step_trials in list(a.recent)[-(i + 1):]:
+                    self._add(a, step_hits, step_trials)
                 a.recent.clear()
                 return
-        scale = min(1.0, self.trials_per_step / trials)
-        a.hits += hits * scale
-        a.trials += trials * scale
+        self._add(a, hits, trials)
+
+    def _add(self, a: Acceptance, hits: list[int], trials: list[int]) -> None:
+        # One step counts for at most trials_per_step rows at its first position: rows are not independent.
+        scale = min(1.0, self.trials_per_step / max(trials[0], 1))
+        for j, (h, t) in enumerate(zip(hits, trials, strict=True)):
+            a.hits[j] += h * scale
+            a.trials[j] += t * scale
 
     @staticmethod
     def _changed(p: float, observed: float, trials: float) -> bool:

@@ -206,3 +206,30 @@ def test_draft_cost_is_learned_per_drafter() -> None:
         s.record(Strategy("draft", 2), 8, 3.0, [2] * 8)  # a draft model: each position costs a forward
     assert s.predicted_cost(8, Strategy("suffix", 6)) < 1.5 < 5.0 < s.predicted_cost(8, Strategy("draft", 6))
     assert s.choose(8).drafter == "suffix"  # same acceptance, far cheaper
+
+
+def test_deep_drafts_for_a_drafter_that_is_right_or_wrong_for_a_whole_row() -> None:
+    """A suffix table either matches a row (and then its drafts are nearly all right) or proposes nothing:
+    acceptance is per row, not per token. Rates kept per draft position see that deep drafts pay; one rate
+    for every position (0.49 here) would call k = 2 best."""
+    strategy = AdaptiveStrategy(["suffix"], seed=0)
+    rng = random.Random(0)
+
+    def accepted(k: int) -> list[int]:
+        rows = []
+        for _ in range(4):
+            a = 0
+            if rng.random() < 0.5:  # the table matches this row
+                while a < k and rng.random() < 0.97:
+                    a += 1
+            rows.append(a)
+        return rows
+
+    chosen = []
+    for _ in range(80):
+        s = strategy.choose(4)
+        strategy.record(s, 4, roofline_cost(4, s.drafter, s.k), accepted(s.k) if s.k else None)
+        chosen.append(s.k)
+    assert sum(k >= 6 for k in chosen[-30:]) >= 25, chosen
+    assert strategy.acceptance("suffix")[0] == pytest.approx(0.5, abs=0.15)
+    assert min(strategy.acceptance("suffix")[1:]) > 0.85

@@ -1,0 +1,34 @@
+"""Smoke test of bench/spec_decode.py at --quick sizes: every config runs, repeats give a median run, the
+summary's ratios follow from the reported seconds, and the per-workload PNG is written."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from bench import spec_decode
+
+
+def test_quick_run_reports_median_runs_ratios_and_a_plot(tmp_path, capsys) -> None:
+    code = spec_decode.main(["--quick", "--workloads", "long_tail", "--configs", "off,k=2,adaptive",
+                             "--repeats", "2", "--plot-dir", str(tmp_path), "--threads", "1"])
+    assert code == 0
+    summary = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    w = summary["workloads"]["long_tail"]
+    results = w["results"]
+    assert set(results) == {"off", "k=2", "adaptive"}
+    for r in results.values():
+        assert len(r["seconds_runs"]) == 2 and r["seconds"] == min(r["seconds_runs"])  # median of two: the lower
+        assert r["tokens"] == sum(spec_decode.workload("long_tail", 4, 4, 16, 0.9, 96, 4096, 0)[1])
+    assert set(results["off"]["strategies"]) == {"plain"}
+    assert w["best_fixed"] == "k=2"
+    assert w["ratio_adaptive_vs_off"] == pytest.approx(results["off"]["seconds"] / results["adaptive"]["seconds"],
+                                                       abs=1e-3)
+    assert (tmp_path / "spec_decode_long_tail.png").stat().st_size > 0
+    assert "start" in summary["loadavg"] and summary["threads"] == 1
+
+
+def test_repeats_must_be_positive() -> None:
+    with pytest.raises(SystemExit):
+        spec_decode.main(["--quick", "--repeats", "0"])
