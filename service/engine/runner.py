@@ -270,7 +270,7 @@ class ModelRunner:
         return self.builds() - built
 
     def _prefill(self, out: SchedulerOutput) -> StepResult:
-        prompts = [r.prompt_token_ids for r in out.requests]
+        prompts = out.prompts
         q_lens = [len(p) for p in prompts]
         Q = max(q_lens)
         ids = torch.tensor([p + [0] * (Q - len(p)) for p in prompts], dtype=torch.int64, device=self.device)
@@ -279,8 +279,8 @@ class ModelRunner:
         last = torch.tensor([n - 1 for n in q_lens], device=self.device)
         logits = self.model.logits(hidden[torch.arange(len(prompts), device=self.device), last])  # [P, V]
         self.apply_copies(out.forks)
-        seqs = [s for r in out.requests for s in r.seqs]
-        row_of = torch.tensor([i for i, r in enumerate(out.requests) for _ in r.seqs], device=self.device)
+        seqs = out.seqs
+        row_of = torch.tensor(out.row_of, device=self.device)
         sb = SamplingBatch.build(seqs, self.cfg.vocab_size, self.device)
         return StepResult.plain(seqs, to_host(sample(logits[row_of], sb), seqs))
 

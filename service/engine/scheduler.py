@@ -26,13 +26,16 @@ class SlotCopy:
 @dataclass(slots=True)
 class SchedulerOutput:
     kind: str  # "prefill" | "decode" | "idle"
-    # Prefill: one row per request (its first sample), rows occupy slots [slot_lo, slot_lo + len(requests)).
+    # Prefill: the admitted requests; one row per distinct prompt, rows occupy slots [slot_lo, slot_lo +
+    # len(prompts)); seqs are every admitted sample in slot order from slot_lo, row_of[i] the row of seqs[i].
     requests: list[Request] = field(default_factory=list)
+    prompts: list[list[int]] = field(default_factory=list)
+    row_of: list[int] = field(default_factory=list)
     # Decode: running sequences in slot order, slots [0, len(seqs)).
     seqs: list[Sequence] = field(default_factory=list)
     # Compaction moves to apply, in order, before the forward pass.
     moves: list[SlotCopy] = field(default_factory=list)
-    # After a prefill: copy each request's prompt K/V into its other samples' slots.
+    # After a prefill: copy each row's prompt K/V into the slots of the other samples with that prompt.
     forks: list[SlotCopy] = field(default_factory=list)
     slot_lo: int = 0
 
@@ -68,34 +71,51 @@ class Scheduler:
         self._pending_moves = []
         admitted = [] if self.hold_admission else self._admit()
         if admitted:
-            slot_lo = len(self.running)
-            forks: list[SlotCopy] = []
-            leaders = [r.seqs[0] for r in admitted]
-            siblings = [s for r in admitted for s in r.seqs[1:]]
-            for seq in leaders + siblings:
-                seq.slot = len(self.running)
-                seq.status = SequenceStatus.RUNNING
-                self.running.append(seq)
-            for r in admitted:
-                forks += [SlotCopy(r.seqs[0].slot, s.slot, len(r.prompt_token_ids)) for s in r.seqs[1:]]
-            return SchedulerOutput("prefill", requests=admitted, moves=moves, forks=forks, slot_lo=slot_lo)
+            return self._prefill(admitted, moves)
         if self.running:
             return SchedulerOutput("decode", seqs=list(self.running), moves=moves)
         return SchedulerOutput("idle", moves=moves)
+
+    def _prefill(self, admitted: list[Request], moves: list[SlotCopy]) -> SchedulerOutput:
+        """One prefill row per distinct prompt: the samples of a request (n > 1) and requests that repeat a
+        prompt (a trainer sending a GRPO group as separate requests) get the row's prompt K/V copied."""
+        row: dict[tuple[int, ...], int] = {}
+        leaders: list[tuple[Sequence, int]] = []  # (sample, its row): row r's leader goes to slot_lo + r
+        followers: list[tuple[Sequence, int]] = []
+        for r in admitted:
+            key = tuple(r.prompt_token_ids)
+            for s in r.seqs:
+                if key in row:
+                    followers.append((s, row[key]))
+                else:
+                    row[key] = len(row)
+                    leaders.append((s, row[key]))
+        slot_lo = len(self.running)
+        for s, _ in leaders + followers:
+            s.slot = len(self.running)
+            s.status = SequenceStatus.RUNNING
+            self.running.append(s)
+        forks = [SlotCopy(slot_lo + r, s.slot, len(s.prompt_token_ids)) for s, r in followers]
+        return SchedulerOutput("prefill", requests=admitted, prompts=[list(p) for p in row],
+                               seqs=[s for s, _ in leaders + followers],
+                               row_of=[r for _, r in leaders + followers], moves=moves, forks=forks, slot_lo=slot_lo)
 
     def _admit(self) -> list[Request]:
         admitted: list[Request] = []
         free = self.num_slots - len(self.running)
         longest = 0
+        prompts: set[tuple[int, ...]] = set()  # prefill rows so far: a repeated prompt adds none
         while self.waiting:
             req = self.waiting[0]
             need = len(req.seqs)
-            longest_next = max(longest, len(req.prompt_token_ids))
-            over_budget = longest_next * (len(admitted) + 1) > self.max_num_batched_tokens
+            key = tuple(req.prompt_token_ids)
+            longest_next = max(longest, len(key))
+            over_budget = longest_next * (len(prompts) + (key not in prompts)) > self.max_num_batched_tokens
             if need > free or (admitted and over_budget):
                 break
             self.waiting.popleft()
             admitted.append(req)
+            prompts.add(key)
             free -= need
             longest = longest_next
         return admitted

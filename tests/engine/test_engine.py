@@ -8,6 +8,8 @@ from helpers import make_checkpoint
 
 from service.config import EngineConfig
 from service.engine.llm_engine import LLMEngine
+from service.engine.scheduler import Scheduler
+from service.engine.sequence import Request, Sequence
 from service.params import SamplingError, SamplingParams
 
 
@@ -92,6 +94,49 @@ def test_n_samples_share_prefill_and_differ(engine):
     assert [tuple(c.token_ids) for c in again.outputs] == seqs
     [greedy] = engine.generate([[7, 8, 9, 10]], SamplingParams(n=4, temperature=0, max_tokens=12, ignore_eos=True))
     assert len({tuple(c.token_ids) for c in greedy.outputs}) == 1
+
+
+def request(rid: str, prompt: list[int], n: int = 1) -> Request:
+    seqs = [Sequence(request_id=rid, index=i, prompt_token_ids=prompt, params=SamplingParams(n=n), seed=i)
+            for i in range(n)]
+    return Request(rid, prompt, SamplingParams(n=n), seqs)
+
+
+def test_requests_repeating_a_prompt_share_one_prefill_row():
+    """A GRPO group sent as separate requests: admitted together, one prefill row per distinct prompt, whose
+    K/V is copied into the slots of every other sample with that prompt."""
+    group, other = [7, 8, 9, 10, 11, 12], [40, 41, 42]
+    sched = Scheduler(num_slots=8, max_num_batched_tokens=512)
+    for i, (prompt, n) in enumerate([(group, 1), (other, 1), (group, 2), (group, 1), (other, 1)]):
+        sched.add(request(str(i), prompt, n))
+    batch = sched.schedule()
+    assert batch.kind == "prefill" and batch.prompts == [group, other] and batch.slot_lo == 0
+    assert [(s.request_id, s.index) for s in batch.seqs] == [("0", 0), ("1", 0), ("2", 0), ("2", 1), ("3", 0),
+                                                             ("4", 0)]
+    assert batch.row_of == [0, 1, 0, 0, 0, 1] and [s.slot for s in batch.seqs] == list(range(6))
+    assert [(f.src, f.dst, f.length) for f in batch.forks] == [(0, 2, 6), (0, 3, 6), (0, 4, 6), (1, 5, 3)]
+
+
+def test_a_repeated_prompt_adds_nothing_to_the_prefill_budget():
+    sched = Scheduler(num_slots=16, max_num_batched_tokens=100)
+    for i in range(12):  # 12 x 40 tokens, but only two distinct prompts: 80 prefill tokens
+        sched.add(request(str(i), [1 + i % 2] * 40))
+    sched.add(request("new", [9] * 40))  # a third distinct prompt would make 120
+    batch = sched.schedule()
+    assert len(batch.requests) == 12 and len(batch.prompts) == 2 and len(sched.waiting) == 1
+
+
+def test_shared_prefill_rows_give_what_each_request_gets_alone(engine):
+    group, other = rand_prompts(2, seed=11, lo=8)
+    prompts = [group, other, group, group, other]
+    params = [SamplingParams(n=1 + (i == 2), temperature=1.0, seed=100 + i, max_tokens=10, ignore_eos=True)
+              for i in range(len(prompts))]
+    together = engine.generate(prompts, params)
+    for p, sp, got in zip(prompts, params, together, strict=True):
+        [alone] = engine.generate([p], sp)
+        for a, b in zip(alone.outputs, got.outputs, strict=True):
+            assert a.token_ids == b.token_ids
+            torch.testing.assert_close(a.logprobs, b.logprobs, atol=1e-5, rtol=0)
 
 
 def test_eos_stops_unless_ignored(tmp_path):
