@@ -188,18 +188,27 @@ class LLMEngine:
             self.runner.apply_copies(batch.moves)
             return outputs
         strategy = self.strategy.choose(len(batch.seqs)) if batch.kind == "decode" else PLAIN
-        result = self.runner.execute(batch, strategy, self.drafters.get(strategy.drafter))
+        result = self.runner.execute(batch, strategy, self.drafters.get(strategy.drafter),
+                                     lambda: self._fallback(len(batch.seqs), strategy))
         outputs += self._postprocess(result)
         self._record(batch, strategy, result, time.perf_counter() - start)
         return outputs
 
+    def _fallback(self, batch_size: int, chosen: Strategy) -> tuple[Strategy, Drafter | None]:
+        """The arm to run when the chosen drafter proposed nothing for any row (its next best)."""
+        s = self.strategy.choose(batch_size, exclude=chosen.drafter)
+        return s, self.drafters.get(s.drafter)
+
     def _record(self, batch: SchedulerOutput, strategy: Strategy, result: StepResult, seconds: float) -> None:
         """Feedback for the strategy (what this choice cost), counters for the metrics."""
         B = len(result.seqs)
+        if result.fell_back is not None:  # the chosen drafter had nothing: what ran was another arm
+            self.strategy.proposed_nothing(strategy.drafter, B)
+            strategy = result.fell_back
         self.last_strategy = strategy.name
         if batch.kind == "decode":
             cost = None if result.captured else seconds + self.between_steps_s
-            self.strategy.record(strategy, B, cost, result.num_accepted or None)
+            self.strategy.record(strategy, B, cost, result.num_accepted or None, ran_k=result.k)
         if not result.k:
             self.stats.record_step(batch.kind, batch, B, seconds)
             return

@@ -17,14 +17,19 @@ from service.engine.sampler import SampleResult, SamplingBatch, sample
 from service.engine.scheduler import SchedulerOutput, SlotCopy
 from service.engine.sequence import Sequence
 from service.engine.speculative.verify import verify
+from service.engine.strategy import PLAIN
 from service.models import attention
 from service.models.llama import AttnMeta, CausalLM
 from service.models.packed import pack_linears
 from service.models.rope import Rope
 
 if TYPE_CHECKING:
+    from collections.abc import Callable
+
     from service.engine.drafters.base import Drafter
     from service.engine.strategy import Strategy
+
+    Fallback = Callable[[], tuple[Strategy, Drafter | None]]
 
 logger = logging.getLogger(__name__)
 
@@ -42,6 +47,7 @@ class StepResult:
     num_drafted: list[int] = field(default_factory=list)
     draft_seconds: float = 0.0
     captured: bool = False  # the step captured a CUDA graph or compiled a forward: its time measures nothing
+    fell_back: Strategy | None = None  # the arm that ran when the chosen drafter proposed nothing for any row
 
     @classmethod
     def plain(cls, seqs: list[Sequence], results: list[TokenResult]) -> StepResult:
@@ -197,6 +203,7 @@ class ModelRunner:
         self.device = device
         self.cfg = model.config
         self.drafters: list[Drafter] = []  # every drafter that keeps per-slot state follows slot copies
+        self._depths: list[int] = []  # the verify depths captured at start-up (CUDA graphs)
 
     @property
     def model(self) -> CausalLM:
@@ -230,15 +237,22 @@ class ModelRunner:
 
     # -- one engine step --------------------------------------------------------------------------
     @torch.inference_mode()
-    def execute(self, batch: SchedulerOutput, strategy: Strategy, drafter: Drafter | None = None) -> StepResult:
+    def execute(self, batch: SchedulerOutput, strategy: Strategy, drafter: Drafter | None = None,
+                fallback: Fallback | None = None) -> StepResult:
         """Run one scheduled step: prefill, plain decode (k = 0), or draft k tokens with `drafter` and verify
-        them in one target pass."""
+        them in one target pass. When the drafter knows on the host that it proposed nothing for any row (a
+        suffix table without a match), `fallback()` names the arm to run instead (default: plain decoding)."""
         self.apply_copies(batch.moves)
         if batch.kind == "prefill":
             return self._prefill(batch)
         built = self.builds()
         if strategy.k and drafter is not None:
             result = self._speculative(batch.seqs, drafter, strategy.k)
+            if result is None:  # nothing proposed
+                ran, other = fallback() if fallback is not None else (PLAIN, None)
+                result = self._speculative(batch.seqs, other, ran.k) if ran.k and other is not None else None
+                result = result or self._decode(batch.seqs)
+                result.fell_back = ran if result.k else PLAIN
         else:
             result = self._decode(batch.seqs)
         result.captured = self.builds() > built
@@ -260,6 +274,7 @@ class ModelRunner:
         """Before the first request: capture (GPU) or compile (CPU) the decode forwards and the verify forwards
         of k + 1 positions, k in `ks` (drafters' models: one position per row). Returns how many were built."""
         built = self.builds()
+        self._depths = sorted(ks)
         with torch.inference_mode():
             for c in self.cached_models():
                 query_lens = [1] + [k + 1 for k in ks] if c is self.target else [1]
@@ -290,13 +305,24 @@ class ModelRunner:
         sb = SamplingBatch.build(seqs, self.cfg.vocab_size, self.device)
         return StepResult.plain(seqs, to_host(sample(logits, sb), seqs))
 
-    def _speculative(self, seqs: list[Sequence], drafter: Drafter, k: int) -> StepResult:
+    def _speculative(self, seqs: list[Sequence], drafter: Drafter, k: int) -> StepResult | None:
+        """Draft k tokens per row and verify them; None when the drafter proposed nothing for any row."""
         B = len(seqs)
         prev_num_tokens = [s.num_tokens for s in seqs]
         sb = SamplingBatch.build(seqs, self.cfg.vocab_size, self.device)
         t0 = time.perf_counter()
         draft = drafter.propose(seqs, k, sb)
         draft_seconds = time.perf_counter() - t0
+        if draft.longest is not None and draft.longest < k:
+            # No row proposed k drafts (a suffix table without long matches): verify only as many positions
+            # as the longest proposal (with CUDA graphs, rounded up to a captured depth); none at all is a
+            # plain decode step. Lossless and the same tokens: positions past a row's drafts are rejected
+            # anyway, and every random draw is keyed by the row's seed and output position, not the width.
+            depths = self._depths if self.target.graphs is not None else [draft.longest]
+            if not draft.longest:
+                return None
+            k = min((d for d in depths if draft.longest <= d <= k), default=k)
+            draft = draft.cut(k)
         last = torch.tensor([[s.last_token] for s in seqs], dtype=torch.int64, device=self.device)
         ids = torch.cat([last, draft.tokens], dim=1)  # [B, k + 1]
         hidden = self.forward_rows(ids, [s.num_cached for s in seqs])  # [B, k + 1, hidden]

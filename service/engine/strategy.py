@@ -43,6 +43,11 @@ does at a fraction of the price of a wrong guess; and no arm runs more than twic
 drafter has run, since the cost of a deeper one is an extrapolation (a CPU verify of k + 1 positions at
 full batch costs nearly k + 1 decode steps: a k = 6 guess there costs five steps).
 A drafter's first step ever is no measure of anything: it catches up on every token so far.
+
+A drafter that proposes on the host (the suffix table) is cheap to ask first: when it has nothing for any
+row, the step runs `choose(exclude=it)`, the next best arm (the runner's fallback), and the miss counts as
+a first-position failure (`proposed_nothing`); when its longest proposal is shorter than k, the runner
+verifies only that many positions, and the cost is recorded for the depth that ran (`ran_k`).
 """
 
 from __future__ import annotations
@@ -178,9 +183,10 @@ class AdaptiveStrategy:
     def predicted_throughput(self, batch_size: int, s: Strategy) -> float:
         return batch_size * self.expected_tokens(s) / self.predicted_cost(batch_size, s)
 
-    def choose(self, batch_size: int) -> Strategy:
+    def choose(self, batch_size: int, exclude: str | None = None) -> Strategy:
+        """The arm to run for this batch; `exclude`: a drafter that just proposed nothing for any row."""
         if self.fixed is not None:
-            return self.fixed
+            return self.fixed if exclude is None else PLAIN
         if not self.drafters:
             return PLAIN
         if bucket_of(batch_size) not in self._plain_buckets:
@@ -188,6 +194,8 @@ class AdaptiveStrategy:
         alpha = {d: self.accept[d].rates(self.prior_alpha, self.prior_trials, self._rng) for d in self.drafters}
         best, best_value = PLAIN, -1.0
         for s in self.arms:
+            if s.k and s.drafter == exclude:
+                continue
             if s.k > 2 * self._deepest.get(s.drafter, self.ks[0]):
                 continue  # deeper than twice the deepest measured k: its cost is an extrapolation
             corr, n = self._correction(batch_size, s)
@@ -207,15 +215,18 @@ class AdaptiveStrategy:
         return best
 
     def record(self, s: Strategy, batch_size: int, seconds: float | None,
-               num_accepted: list[int] | None = None) -> None:
+               num_accepted: list[int] | None = None, ran_k: int | None = None) -> None:
         """One step's measurement: its wall seconds (None: not a measure of its cost, e.g. it captured a CUDA
-        graph), and num_accepted per row for speculative steps."""
+        graph), num_accepted per row for speculative steps, and `ran_k`, the depth verified when the runner
+        cut the verify pass to the longest proposal (acceptance still counts against s.k: a draft the
+        drafter did not propose is a failure)."""
         drafter = s.drafter if s.k else None
         switched, self._last = drafter is not None and drafter != self._last, drafter
         for d in self.drafters:
             self._away[d] = 0 if d == drafter else self._away.get(d, 0) + 1
         if seconds is not None:
-            self._record_cost(s, drafter, switched, batch_size, seconds)
+            ran = s if ran_k is None or ran_k == s.k else Strategy(s.drafter, ran_k) if ran_k else PLAIN
+            self._record_cost(ran, drafter, switched, batch_size, seconds)
         if drafter is not None:
             self._deepest[drafter] = max(self._deepest.get(drafter, 0), s.k)
         if drafter is None:
@@ -231,8 +242,14 @@ class AdaptiveStrategy:
             trials = [sum(1 for n in num_accepted if n >= j) for j in range(s.k)]
             self._observe(drafter, hits, trials)
 
+    def proposed_nothing(self, drafter: str, batch_size: int) -> None:
+        """`drafter` (one that proposes on the host) had no draft for any of the batch's rows, and the step
+        ran another arm instead: a failure at the first position for each row, and nothing else."""
+        self._observe(drafter, [0], [batch_size])
+
     def _record_cost(self, s: Strategy, drafter: str | None, switched: bool, batch_size: int,
                      seconds: float) -> None:
+        """s: the arm that ran (its k the depth verified); drafter: the one chosen (None: plain)."""
         if switched and drafter not in self._deepest:
             return  # a drafter's first step ever catches up on every token so far: it measures nothing
         if switched and self._steady.get(drafter, 0):
@@ -245,10 +262,11 @@ class AdaptiveStrategy:
             return
         if drafter is not None:
             self._steady[drafter] = self._steady.get(drafter, 0) + 1
+        ran = s.drafter if s.k else None
         if self.model.measured:
-            ratio = seconds / self.model.predict(drafter, s.k, batch_size)
+            ratio = seconds / self.model.predict(ran, s.k, batch_size)
             self.correction.setdefault((bucket_of(batch_size), s), Ewma()).update(ratio, 0.3)
-        self.model.record(drafter, s.k, batch_size, seconds)
+        self.model.record(ran, s.k, batch_size, seconds)
 
     def _missed_steps(self, drafter: str) -> int:
         """Steps a drafter missed, capped: one catch-up pass over many tokens costs far less than as many

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import shutil
 
 import pytest
@@ -12,7 +13,7 @@ from safetensors.torch import load_file, save_file
 
 from service.config import EngineConfig
 from service.engine.llm_engine import LLMEngine
-from service.engine.strategy import PLAIN, Strategy
+from service.engine.strategy import PLAIN, AdaptiveStrategy, Strategy
 from service.params import SamplingParams
 
 
@@ -126,6 +127,50 @@ def test_switching_sd_on_mid_generation_does_not_re_prefill(target, drafters):
     assert engine.stats.prompt_tokens == prompt_tokens  # no request was prefilled again
     for s, want in zip(seqs, base, strict=True):
         assert s.output_token_ids == want.outputs[0].token_ids
+
+
+def test_suffix_verify_is_cut_to_the_longest_proposal(target, drafters, monkeypatch):
+    """A suffix table that proposes fewer than k drafts for every row gets a verify pass of only as many
+    positions (none: a plain step), with the same tokens and logprobs as the full-width pass."""
+    params = SamplingParams(n=4, temperature=1.0, max_tokens=40, seed=11, ignore_eos=True)
+    cut, outs = run(target, PROMPTS, params, drafter="suffix", spec="fixed", spec_k=8)
+    widths = [r.k for r in cut.stats.recent if r.kind != "prefill"]
+    assert any(0 < k < 8 for k in widths) and 0 in widths and 8 in widths, widths
+
+    full = LLMEngine(EngineConfig(model=str(target), max_model_len=256, max_num_seqs=16, drafter="suffix",
+                                  spec="fixed", spec_k=8))
+    propose = full.drafters["suffix"].propose
+    monkeypatch.setattr(full.drafters["suffix"], "propose",
+                        lambda *a: dataclasses.replace(propose(*a), longest=None))  # as if unknown: no cut
+    want = full.generate(PROMPTS, params)
+    assert {r.k for r in full.stats.recent if r.kind != "prefill"} == {8}
+    for a, b in zip(want, outs, strict=True):
+        for x, y in zip(a.outputs, b.outputs, strict=True):
+            assert y.token_ids == x.token_ids
+            torch.testing.assert_close(y.logprobs, x.logprobs, atol=1e-4, rtol=0)
+
+
+def test_a_suffix_table_without_a_match_hands_the_step_to_the_next_best_drafter(target, drafters, monkeypatch):
+    """When the suffix table proposes nothing for any row, the same step drafts with the strategy's next
+    best arm instead (here the draft model); the miss counts against the table's first-position rate."""
+    params = SamplingParams(temperature=0, max_tokens=30, ignore_eos=True)
+    _, base = run(target, PROMPTS, params)
+    engine = LLMEngine(EngineConfig(model=str(target), max_model_len=256, max_num_seqs=16,
+                                    drafter=f"{drafters['llama']},suffix"))
+    asked = []
+
+    def choose(self, batch_size: int, exclude: str | None = None) -> Strategy:
+        asked.append(exclude)
+        return Strategy("suffix", 4) if exclude is None else Strategy("draft", 3)
+
+    monkeypatch.setattr(AdaptiveStrategy, "choose", choose)  # a scripted choice (slotted: patch the class)
+    got = engine.generate(PROMPTS, params)
+    ran = [r.strategy for r in engine.stats.recent if r.kind != "prefill"]
+    assert "suffix" in asked and "draft:k=3" in ran, ran
+    first = engine.strategy.accept["suffix"]
+    assert first.trials[0] > 0 and first.hits[0] < first.trials[0]
+    for a, b in zip(base, got, strict=True):
+        assert b.outputs[0].token_ids == a.outputs[0].token_ids
 
 
 # -- the sampled distribution -------------------------------------------------------------------------

@@ -30,6 +30,12 @@ class DraftProposal:
     tokens: torch.Tensor  # [B, k] long
     lengths: torch.Tensor  # [B] long, valid drafts per row (<= k)
     probs: torch.Tensor | None  # [B, k, V] processed draft distribution; None = deterministic (one-hot)
+    longest: int | None = None  # max(lengths), where the drafter knows it on the host (no device sync)
+
+    def cut(self, k: int) -> DraftProposal:
+        """The first k draft positions: what a verify pass needs when no row proposed more."""
+        probs = None if self.probs is None else self.probs[:, :k]
+        return DraftProposal(self.tokens[:, :k], self.lengths.clamp(max=k), probs, min(self.longest or k, k))
 
 
 @dataclass(slots=True)
