@@ -318,9 +318,9 @@ class ModelRunner:
             # as the longest proposal (with CUDA graphs, rounded up to a captured depth); none at all is a
             # plain decode step. Lossless and the same tokens: positions past a row's drafts are rejected
             # anyway, and every random draw is keyed by the row's seed and output position, not the width.
-            depths = self._depths if self.target.graphs is not None else [draft.longest]
             if not draft.longest:
                 return None
+            depths = self._depths if self.target.graphs is not None else [draft.longest]
             k = min((d for d in depths if draft.longest <= d <= k), default=k)
             draft = draft.cut(k)
         last = torch.tensor([[s.last_token] for s in seqs], dtype=torch.int64, device=self.device)

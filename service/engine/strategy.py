@@ -163,8 +163,8 @@ class AdaptiveStrategy:
         """Expected tokens a row emits with k drafts: 1 + sum over j <= k of P(drafts 1..j accepted), from one
         rate for every position (geometric) or one per position."""
         total = reach = 1.0
-        for j in range(k):
-            reach *= min(max(alpha if isinstance(alpha, float) else alpha[j], 0.0), 1.0)
+        for j in range(k):  # past the positions measured, the deepest one's rate
+            reach *= min(max(alpha if isinstance(alpha, float) else alpha[min(j, len(alpha) - 1)], 0.0), 1.0)
             total += reach
         return total
 
@@ -295,6 +295,9 @@ class AdaptiveStrategy:
     def _add(self, a: Acceptance, hits: list[int], trials: list[int]) -> None:
         # One step counts for at most trials_per_step rows at its first position: rows are not independent.
         scale = min(1.0, self.trials_per_step / max(trials[0], 1))
+        grow = len(hits) - len(a.hits)  # a pinned k deeper than `ks`
+        if grow > 0:
+            a.hits, a.trials = a.hits + [0.0] * grow, a.trials + [0.0] * grow
         for j, (h, t) in enumerate(zip(hits, trials, strict=True)):
             a.hits[j] += h * scale
             a.trials[j] += t * scale

@@ -191,6 +191,17 @@ def test_leaves_a_collapsed_drafter_within_a_few_steps_at_batch_two() -> None:
     assert sum(s.k >= 3 for s in chosen[-100:]) >= 80
 
 
+def test_a_pinned_k_deeper_than_the_arms_is_recorded() -> None:
+    """--spec fixed --spec-k 15 is allowed: its acceptance counts grow to that depth."""
+    s = AdaptiveStrategy(["draft"], fixed=Strategy("draft", 15))
+    s.record(PLAIN, 4, 0.01)
+    for _ in range(3):
+        s.record(Strategy("draft", 15), 4, 0.05, [15, 12, 3, 0], ran_k=15)
+    rates = s.acceptance("draft")
+    assert len(rates) == 15 and rates[0] > 0.6 and rates[3] < rates[2]  # row "3" failed at position 4
+    assert s.choose(4) == Strategy("draft", 15) and s.expected_tokens(Strategy("draft", 15)) > 5
+
+
 def test_fixed_and_no_drafter() -> None:
     assert AdaptiveStrategy([]).choose(3) == PLAIN
     pinned = Strategy("suffix", 5)
