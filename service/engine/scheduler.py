@@ -83,13 +83,12 @@ class Scheduler:
         leaders: list[tuple[Sequence, int]] = []  # (sample, its row): row r's leader goes to slot_lo + r
         followers: list[tuple[Sequence, int]] = []
         for r in admitted:
-            key = tuple(r.prompt_token_ids)
             for s in r.seqs:
-                if key in row:
-                    followers.append((s, row[key]))
+                if r.prompt_key in row:
+                    followers.append((s, row[r.prompt_key]))
                 else:
-                    row[key] = len(row)
-                    leaders.append((s, row[key]))
+                    row[r.prompt_key] = len(row)
+                    leaders.append((s, row[r.prompt_key]))
         slot_lo = len(self.running)
         for s, _ in leaders + followers:
             s.slot = len(self.running)
@@ -108,7 +107,7 @@ class Scheduler:
         while self.waiting:
             req = self.waiting[0]
             need = len(req.seqs)
-            key = tuple(req.prompt_token_ids)
+            key = req.prompt_key
             longest_next = max(longest, len(key))
             over_budget = longest_next * (len(prompts) + (key not in prompts)) > self.max_num_batched_tokens
             if need > free or (admitted and over_budget):

@@ -107,6 +107,10 @@ class Request:
     params: SamplingParams
     seqs: list[Sequence]
     group_id: str | None = None
+    prompt_key: tuple[int, ...] = field(init=False)  # hashable prompt: requests repeating it share a prefill row
+
+    def __post_init__(self) -> None:
+        self.prompt_key = tuple(self.prompt_token_ids)
 
     @property
     def is_finished(self) -> bool:
