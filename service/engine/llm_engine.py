@@ -23,8 +23,9 @@ from service.engine.kv_cache import KVCache, slots_for_budget
 from service.engine.runner import ModelRunner, StepResult, TokenResult
 from service.engine.scheduler import Scheduler, SchedulerOutput
 from service.engine.sequence import Request, RequestOutput, Sequence, StepOutput, completion_of
+from service.engine.speculative.estimates import Ewma
 from service.engine.stats import EngineStats, StepRecord
-from service.engine.strategy import PLAIN, AdaptiveStrategy, Ewma, Strategy
+from service.engine.strategy import PLAIN, AdaptiveStrategy, Strategy
 from service.models.llama import CausalLM
 from service.models.loader import load_model
 from service.params import SamplingError, SamplingParams, sample_seed
@@ -187,28 +188,29 @@ class LLMEngine:
         if batch.kind == "idle":
             self.runner.apply_copies(batch.moves)
             return outputs
-        strategy = self.strategy.choose(len(batch.seqs)) if batch.kind == "decode" else PLAIN
-        result = self.runner.execute(batch, strategy, self.drafters.get(strategy.drafter),
-                                     lambda: self._fallback(len(batch.seqs), strategy))
+        strategy = self._choose(batch.seqs) if batch.kind == "decode" else PLAIN
+        result = self.runner.execute(batch, strategy, self.drafters.get(strategy.drafter))
         outputs += self._postprocess(result)
         self._record(batch, strategy, result, time.perf_counter() - start)
         return outputs
 
-    def _fallback(self, batch_size: int, chosen: Strategy) -> tuple[Strategy, Drafter | None]:
-        """The arm to run when the chosen drafter proposed nothing for any row (its next best)."""
-        s = self.strategy.choose(batch_size, exclude=chosen.drafter)
-        return s, self.drafters.get(s.drafter)
+    def _choose(self, seqs: list[Sequence]) -> Strategy:
+        """The strategy's pick, told beforehand what drafters that propose on the host have for each row."""
+        if self.strategy.fixed is not None or not self.strategy.drafters:
+            return self.strategy.choose(len(seqs))
+        depth = max(self.strategy.depths())
+        proposals = {name: n for name, d in self.drafters.items() if (n := d.lookahead(seqs, depth)) is not None}
+        return self.strategy.choose(len(seqs), proposals)
 
     def _record(self, batch: SchedulerOutput, strategy: Strategy, result: StepResult, seconds: float) -> None:
         """Feedback for the strategy (what this choice cost), counters for the metrics."""
         B = len(result.seqs)
-        if result.fell_back is not None:  # the chosen drafter had nothing: what ran was another arm
-            self.strategy.proposed_nothing(strategy.drafter, B)
-            strategy = result.fell_back
+        if strategy.k and not result.k:  # the drafter proposed nothing for any row: a plain step ran
+            strategy = PLAIN
         self.last_strategy = strategy.name
         if batch.kind == "decode":
             cost = None if result.captured else seconds + self.between_steps_s
-            self.strategy.record(strategy, B, cost, result.num_accepted or None, ran_k=result.k)
+            self.strategy.record(strategy, B, cost, result.num_accepted or None, result.k, result.num_drafted or None)
         if not result.k:
             self.stats.record_step(batch.kind, batch, B, seconds)
             return

@@ -17,19 +17,14 @@ from service.engine.sampler import SampleResult, SamplingBatch, sample
 from service.engine.scheduler import SchedulerOutput, SlotCopy
 from service.engine.sequence import Sequence
 from service.engine.speculative.verify import verify
-from service.engine.strategy import PLAIN
 from service.models import attention
 from service.models.llama import AttnMeta, CausalLM
 from service.models.packed import pack_linears
 from service.models.rope import Rope
 
 if TYPE_CHECKING:
-    from collections.abc import Callable
-
     from service.engine.drafters.base import Drafter
     from service.engine.strategy import Strategy
-
-    Fallback = Callable[[], tuple[Strategy, Drafter | None]]
 
 logger = logging.getLogger(__name__)
 
@@ -47,7 +42,6 @@ class StepResult:
     num_drafted: list[int] = field(default_factory=list)
     draft_seconds: float = 0.0
     captured: bool = False  # the step captured a CUDA graph or compiled a forward: its time measures nothing
-    fell_back: Strategy | None = None  # the arm that ran when the chosen drafter proposed nothing for any row
 
     @classmethod
     def plain(cls, seqs: list[Sequence], results: list[TokenResult]) -> StepResult:
@@ -237,23 +231,17 @@ class ModelRunner:
 
     # -- one engine step --------------------------------------------------------------------------
     @torch.inference_mode()
-    def execute(self, batch: SchedulerOutput, strategy: Strategy, drafter: Drafter | None = None,
-                fallback: Fallback | None = None) -> StepResult:
+    def execute(self, batch: SchedulerOutput, strategy: Strategy, drafter: Drafter | None = None) -> StepResult:
         """Run one scheduled step: prefill, plain decode (k = 0), or draft k tokens with `drafter` and verify
-        them in one target pass. When the drafter knows on the host that it proposed nothing for any row (a
-        suffix table without a match), `fallback()` names the arm to run instead (default: plain decoding)."""
+        them in one target pass (a plain decode when the drafter proposed nothing for any row)."""
         self.apply_copies(batch.moves)
         if batch.kind == "prefill":
             return self._prefill(batch)
         built = self.builds()
+        result = None
         if strategy.k and drafter is not None:
             result = self._speculative(batch.seqs, drafter, strategy.k)
-            if result is None:  # nothing proposed
-                ran, other = fallback() if fallback is not None else (PLAIN, None)
-                result = self._speculative(batch.seqs, other, ran.k) if ran.k and other is not None else None
-                result = result or self._decode(batch.seqs)
-                result.fell_back = ran if result.k else PLAIN
-        else:
+        if result is None:
             result = self._decode(batch.seqs)
         result.captured = self.builds() > built
         return result

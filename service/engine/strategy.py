@@ -12,16 +12,19 @@ is best: arms clearly worse are almost never run, near-ties (where a wrong pick 
 often, and it needs no tuned exploration rate.
 
 What makes it fast to converge is sharing across arms:
-- Cost: one online least-squares model of step cost for all arms and batch sizes (`StepCostModel`: target
-  a + b*B, plus k * (u_d + v_d*B) per drafter). Two measured arms of a drafter in any buckets predict all its
-  ks in every bucket. Per (bucket, arm), a correction factor (measured / predicted, shrunk towards 1 by the
-  number of measurements) absorbs what a line misses; the cost draw's spread shrinks with those measurements.
-  Costs are what the engine measured, including the work between two steps.
+- Cost: one online least-squares model of step cost for all arms and batch sizes (`StepCostModel`: target a +
+  b*B, k * (u + v*B) for a verify pass k positions wider, shared by every drafter, plus k * (u_d + v_d*B) for
+  the drafter's own work). Two measured arms of a drafter in any buckets predict all its ks in every bucket,
+  and one drafter's steps price the verify passes of the others. Per (bucket, arm), a correction factor
+  (the arm's recent seconds there over what the line predicts now for their batch sizes, shrunk towards 1 by
+  the number of measurements) absorbs what a line misses; the cost draw's spread shrinks with those
+  measurements. Costs are what the engine measured, including the work between two steps.
 - Switches: the first step of a draft model after other arms ran pays its catch-up (it feeds itself every
-  token it missed). That is kept out of the arm's cost (one costly catch-up would write the arm off, and
-  the longer it stayed off the costlier the next catch-up: the old strategy sat on plain decoding at full
-  batch for that reason) and learned apart, per row per step missed; it is charged, spread over
-  `switch_horizon` steps, to arms that would switch.
+  token it missed). That is kept out of the arm's cost (one costly catch-up would write the arm off, and the
+  longer it stayed off the costlier the next catch-up: the old strategy sat on plain decoding at full batch
+  for that reason) and learned apart, per row per step missed; it is charged to arms that would switch, spread
+  over the steps the drafter stayed once switched to lately, or has been away if longer (at most
+  `switch_horizon`).
 - Acceptance: per drafter, one Beta posterior per draft position, of the rate at which a row that reached
   that position accepts it (a row that accepted a of k drafts tried positions 1..a+1 and accepted 1..a).
   One rate for every position (a geometric model) is right for a draft model but not for a suffix table,
@@ -36,28 +39,36 @@ What makes it fast to converge is sharing across arms:
   is far outside the posterior, pooled over positions (a policy push made the drafter stale), the
   posterior restarts from those steps, so the strategy leaves a collapsed drafter after one step instead
   of after a slow decay.
-Three rules keep exploration cheap: a new bucket starts with one plain step (a plain step is never a costly
-mistake, and it separates the target's cost from the drafters' in the model); a drafter whose
-acceptance is barely known is probed at the smallest k, which measures its acceptance as well as a deep k
-does at a fraction of the price of a wrong guess; and no arm runs more than twice the deepest k its
-drafter has run, since the cost of a deeper one is an extrapolation (a CPU verify of k + 1 positions at
-full batch costs nearly k + 1 decode steps: a k = 6 guess there costs five steps).
+Three rules keep exploration cheap: a new bucket starts with one plain step until two buckets have had one (a
+plain step is never a costly mistake, and it separates the target's cost from the drafters' in the model;
+after two, the line knows it, and a plain probe in every bucket was a third of the steps of a near-uniform
+rollout's last few); a drafter whose acceptance is barely known (fewer than `probe_trials` trials at its first
+position) is probed at the smallest k, which measures its acceptance as well as a deep k does at a fraction of
+the price of a wrong guess; and no arm runs more than twice the deepest k its drafter has run, since the cost
+of a deeper one is an extrapolation (a CPU verify of k + 1 positions at full batch costs nearly k + 1 decode
+steps: a k = 6 guess there costs five steps).
 A drafter's first step ever is no measure of anything: it catches up on every token so far.
 
-A drafter that proposes on the host (the suffix table) is cheap to ask first: when it has nothing for any
-row, the step runs `choose(exclude=it)`, the next best arm (the runner's fallback), and the miss counts as
-a first-position failure (`proposed_nothing`); when its longest proposal is shorter than k, the runner
-verifies only that many positions, and the cost is recorded for the depth that ran (`ran_k`).
+A drafter that proposes on the host (the suffix table) is asked before the choice: it says how many drafts
+it has for each row (`proposals`). Such an arm is valued on what the step would verify: a row gets
+min(k, its proposal) drafts, and the verify pass is cut to the longest proposal, so its cost is that of
+the shorter depth (the runner cuts it; the cost is recorded for the depth that ran, `ran_k`). Its
+acceptance is the rate at which a proposed draft is accepted: a row the table has nothing for is no
+failure, since the choice already knew it had nothing. Why: a table matches some rows and not others,
+and which ones changes from step to step. Learned as one rate over all rows (what we had), it kept
+choosing the table for a last tail sequence that had stopped matching, or wrote it off while half the
+batch matched.
 """
 
 from __future__ import annotations
 
 import math
 import random
-from collections import deque
+from collections import Counter
 from dataclasses import dataclass, field
 
 from service.engine.speculative.cost_model import StepCostModel
+from service.engine.speculative.estimates import Acceptance, Ewma, Measured
 
 
 @dataclass(frozen=True, slots=True)
@@ -78,44 +89,6 @@ def bucket_of(batch_size: int) -> int:
 
 
 @dataclass(slots=True)
-class Ewma:
-    value: float | None = None
-    n: int = 0
-
-    def update(self, x: float, rate: float) -> None:
-        self.value = x if self.value is None else (1 - rate) * self.value + rate * x
-        self.n += 1
-
-
-@dataclass(slots=True)
-class Acceptance:
-    """Discounted Beta posteriors of one drafter's acceptance, one per draft position: of the `trials[j]`
-    rows whose verification reached draft j + 1, `hits[j]` accepted it (a conditional rate)."""
-
-    hits: list[float]
-    trials: list[float]
-    recent: deque[tuple[list[int], list[int]]] = field(default_factory=lambda: deque(maxlen=4))  # per step
-
-    @classmethod
-    def empty(cls, depth: int) -> Acceptance:
-        return cls([0.0] * depth, [0.0] * depth)
-
-    def rates(self, prior: float, prior_trials: float, draw: random.Random | None = None) -> list[float]:
-        """Per-position rates (posterior means, or one Thompson draw with `draw`). Position 1's prior is
-        `prior`; each deeper position's is the rate found for the one before, so a depth never measured
-        extrapolates from the measured ones."""
-        out, mean = [], prior
-        for h, t in zip(self.hits, self.trials, strict=True):
-            a, b = h + mean * prior_trials, t - h + (1 - mean) * prior_trials
-            mean = draw.betavariate(max(a, 1e-3), max(b, 1e-3)) if draw else a / (a + b)
-            out.append(mean)
-        return out
-
-    def pooled(self) -> tuple[float, float]:
-        return sum(self.hits), sum(self.trials)
-
-
-@dataclass(slots=True)
 class AdaptiveStrategy:
     drafters: list[str]
     ks: tuple[int, ...] = (1, 2, 3, 4, 6, 8)
@@ -123,16 +96,20 @@ class AdaptiveStrategy:
     prior_trials: float = 2.0  # weight of prior_alpha, in trials
     discount: float = 0.995  # per step, on acceptance counts
     trials_per_step: float = 48.0  # one step counts for at most this many trials (rows are not independent)
+    probe_trials: float = 8.0  # a drafter with fewer trials at its first position is barely known: probed
     cost_spread: float = 0.05  # relative spread of an unmeasured arm's cost draw
     seed: int = 0
     fixed: Strategy | None = None  # set to pin one strategy (k = 0 pins plain decoding)
     model: StepCostModel = field(init=False)
     accept: dict[str, Acceptance] = field(init=False)
-    correction: dict[tuple[int, Strategy], Ewma] = field(default_factory=dict)  # measured / predicted cost
-    switch_horizon: float = 32.0  # a switch's catch-up cost is spread over this many steps of the new arm
+    measured: dict[tuple[int, Strategy], Measured] = field(default_factory=dict)  # per (bucket, arm)
+    switch_horizon: float = 32.0  # a switch's catch-up is spread over at most this many steps of the new arm
+    stays: dict[str, Ewma] = field(default_factory=dict)  # steps a drafter ran in a row once switched to
     switch_max_steps: int = 32
     switch_cost: dict[str, Ewma] = field(default_factory=dict)  # catch-up seconds per row per step missed
     _away: dict[str, int] = field(default_factory=dict)  # steps since each drafter last ran
+    _stay_of: str | None = None  # the drafter (None: plain) of the steps run in a row lately
+    _run: int = 0  # how many (a new bucket's plain probe does not end them)
     _plain_buckets: set[int] = field(default_factory=set)
     _steady: dict[str, int] = field(default_factory=dict)  # steps measured without a switch, per drafter
     _deepest: dict[str, int] = field(default_factory=dict)  # deepest k measured, per drafter
@@ -168,34 +145,63 @@ class AdaptiveStrategy:
             total += reach
         return total
 
-    def expected_tokens(self, s: Strategy) -> float:
-        return self.tokens_per_row(self.acceptance(s.drafter), s.k) if s.k else 1.0
+    def expected_tokens(self, s: Strategy, proposals: list[int] | None = None) -> float:
+        """Expected tokens per row; `proposals`: each row's proposal length, where the drafter knows it."""
+        return self._tokens(self.acceptance(s.drafter) if s.k else None, s.k, Counter(proposals) if proposals else None)
+
+    def _tokens(self, alpha: list[float] | None, k: int, rows: Counter[int] | None) -> float:
+        """Expected tokens per row with k drafts; `rows`: how many rows have each proposal length (a row
+        gets at most its proposal's drafts), or None when every row gets k."""
+        if not k:
+            return 1.0
+        if rows is None:
+            return self.tokens_per_row(alpha, k)
+        return sum(c * self.tokens_per_row(alpha, min(k, n)) for n, c in rows.items()) / sum(rows.values())
+
+    @staticmethod
+    def verified(s: Strategy, proposals: list[int] | None) -> Strategy:
+        """The arm the runner runs for s: a verify pass cut to the longest proposal (none: plain)."""
+        if not s.k or proposals is None:
+            return s
+        k = min(s.k, max(proposals, default=0))
+        return Strategy(s.drafter, k) if k else PLAIN
 
     def _correction(self, batch_size: int, s: Strategy) -> tuple[float, int]:
-        c = self.correction.get((bucket_of(batch_size), s))
-        if c is None or c.value is None:
+        """What the line misses for this arm in this bucket (measured / predicted, shrunk towards 1 by the
+        number of measurements), and that number. Against the line as it is now: a ratio taken when a step
+        was recorded would keep the error of the line of that time (while still its prior, it made the first
+        draft k = 2 step look 74% dearer than the line learnt a step later, and k = 2 was never run again)."""
+        m = self.measured.get((bucket_of(batch_size), s))
+        if m is None or m.seconds.value is None:
             return 1.0, 0
-        return 1.0 + (c.value - 1.0) * c.n / (c.n + 2), c.n
+        ratio = m.seconds.value / self.model.predict(s.drafter, s.k, round(m.batch.value))
+        return 1.0 + (ratio - 1.0) * m.seconds.n / (m.seconds.n + 2), m.seconds.n
 
     def predicted_cost(self, batch_size: int, s: Strategy) -> float:
         return self.model.predict(s.drafter, s.k, batch_size) * self._correction(batch_size, s)[0]
 
-    def predicted_throughput(self, batch_size: int, s: Strategy) -> float:
-        return batch_size * self.expected_tokens(s) / self.predicted_cost(batch_size, s)
+    def predicted_throughput(self, batch_size: int, s: Strategy, proposals: list[int] | None = None) -> float:
+        ran = self.verified(s, proposals)
+        return batch_size * self.expected_tokens(ran, proposals) / self.predicted_cost(batch_size, ran)
 
-    def choose(self, batch_size: int, exclude: str | None = None) -> Strategy:
-        """The arm to run for this batch; `exclude`: a drafter that just proposed nothing for any row."""
+    def choose(self, batch_size: int, proposals: dict[str, list[int]] | None = None) -> Strategy:
+        """The arm to run for this batch. `proposals`: for each drafter that proposes on the host, how many
+        drafts it has for each row (see the module docstring); it may name a depth shorter than the arm's."""
         if self.fixed is not None:
-            return self.fixed if exclude is None else PLAIN
+            return self.fixed
         if not self.drafters:
             return PLAIN
-        if bucket_of(batch_size) not in self._plain_buckets:
-            return PLAIN  # measure the baseline of a new bucket first (see the module docstring)
+        if bucket_of(batch_size) not in self._plain_buckets and len(self._plain_buckets) < 2:
+            return PLAIN  # measure the baseline first (see the module docstring)
+        proposals = proposals or {}
+        rows = {d: Counter(n) for d, n in proposals.items() if n}  # proposal length -> rows
         alpha = {d: self.accept[d].rates(self.prior_alpha, self.prior_trials, self._rng) for d in self.drafters}
-        best, best_value = PLAIN, -1.0
-        for s in self.arms:
-            if s.k and s.drafter == exclude:
-                continue
+        best, best_value, seen = PLAIN, -1.0, set()
+        for arm in self.arms:
+            s = self.verified(arm, proposals.get(arm.drafter))
+            if s in seen:
+                continue  # a cut verify: the same step as a shallower arm
+            seen.add(s)
             if s.k > 2 * self._deepest.get(s.drafter, self.ks[0]):
                 continue  # deeper than twice the deepest measured k: its cost is an extrapolation
             corr, n = self._correction(batch_size, s)
@@ -203,24 +209,28 @@ class AdaptiveStrategy:
             cost = self.model.predict(s.drafter, s.k, batch_size) * corr * noise
             if s.k and s.drafter != self._last and s.drafter in self.switch_cost:
                 catch_up = (self.switch_cost[s.drafter].value or 0.0) * batch_size * self._missed_steps(s.drafter)
-                cost += catch_up / self.switch_horizon
-            value = self.tokens_per_row(alpha[s.drafter], s.k) / cost if s.k else 1.0 / cost
+                cost += catch_up / self._horizon(s.drafter)
+            value = self._tokens(alpha.get(s.drafter), s.k, rows.get(s.drafter)) / cost
             if value > best_value:
                 best, best_value = s, value
-        if best.k and self.accept[best.drafter].trials[0] < self.trials_per_step:
+        if best.k and self.accept[best.drafter].trials[0] < self.probe_trials:
             # Its acceptance is barely known (never measured, or not for a long while): a draw picked it
             # because it may be good. Probe it at the smallest k, which measures its acceptance as well and
             # costs least if the draw was wrong.
             return Strategy(best.drafter, min(best.k, self.ks[0]))
         return best
 
-    def record(self, s: Strategy, batch_size: int, seconds: float | None,
-               num_accepted: list[int] | None = None, ran_k: int | None = None) -> None:
+    def record(self, s: Strategy, batch_size: int, seconds: float | None, num_accepted: list[int] | None = None,
+               ran_k: int | None = None, num_drafted: list[int] | None = None) -> None:
         """One step's measurement: its wall seconds (None: not a measure of its cost, e.g. it captured a CUDA
-        graph), num_accepted per row for speculative steps, and `ran_k`, the depth verified when the runner
-        cut the verify pass to the longest proposal (acceptance still counts against s.k: a draft the
-        drafter did not propose is a failure)."""
+        graph), num_accepted and num_drafted (default: k) per row for speculative steps, and `ran_k`, the
+        depth verified when the runner cut the verify pass to the longest proposal."""
         drafter = s.drafter if s.k else None
+        if drafter is not None or bucket_of(batch_size) in self._plain_buckets:  # not a new bucket's plain probe
+            if drafter != self._stay_of and self._stay_of is not None:
+                self.stays.setdefault(self._stay_of, Ewma()).update(self._run, 0.3)
+            self._run = self._run + 1 if drafter == self._stay_of else 1
+            self._stay_of = drafter
         switched, self._last = drafter is not None and drafter != self._last, drafter
         for d in self.drafters:
             self._away[d] = 0 if d == drafter else self._away.get(d, 0) + 1
@@ -235,17 +245,15 @@ class AdaptiveStrategy:
             a.hits = [h * self.discount for h in a.hits]
             a.trials = [t * self.discount for t in a.trials]
         if drafter is not None and num_accepted:
-            # Position j + 1 was tried by the rows that accepted the j drafts before it, and accepted by
-            # those that accepted more than j. A row whose drafter proposed fewer than k drafts fails at
-            # the first one it did not propose.
-            hits = [sum(1 for n in num_accepted if n > j) for j in range(s.k)]
-            trials = [sum(1 for n in num_accepted if n >= j) for j in range(s.k)]
-            self._observe(drafter, hits, trials)
-
-    def proposed_nothing(self, drafter: str, batch_size: int) -> None:
-        """`drafter` (one that proposes on the host) had no draft for any of the batch's rows, and the step
-        ran another arm instead: a failure at the first position for each row, and nothing else."""
-        self._observe(drafter, [0], [batch_size])
+            # Draft j + 1 was tried by the rows that accepted the j drafts before it and proposed it, and
+            # accepted by those that accepted more than j. A draft a row's drafter did not propose is no
+            # trial: the choice knew the row had none (see `proposals` in `choose`).
+            drafted = num_drafted or [s.k] * len(num_accepted)
+            rows = list(zip(num_accepted, drafted, strict=True))
+            hits = [sum(1 for n, _ in rows if n > j) for j in range(s.k)]
+            trials = [sum(1 for n, d in rows if n >= j and d > j) for j in range(s.k)]
+            if trials[0]:
+                self._observe(drafter, hits, trials)
 
     def _record_cost(self, s: Strategy, drafter: str | None, switched: bool, batch_size: int,
                      seconds: float) -> None:
@@ -262,11 +270,20 @@ class AdaptiveStrategy:
             return
         if drafter is not None:
             self._steady[drafter] = self._steady.get(drafter, 0) + 1
-        ran = s.drafter if s.k else None
-        if self.model.measured:
-            ratio = seconds / self.model.predict(ran, s.k, batch_size)
-            self.correction.setdefault((bucket_of(batch_size), s), Ewma()).update(ratio, 0.3)
-        self.model.record(ran, s.k, batch_size, seconds)
+        self.measured.setdefault((bucket_of(batch_size), s), Measured()).update(batch_size, seconds)
+        self.model.record(s.drafter if s.k else None, s.k, batch_size, seconds)
+
+    def _horizon(self, drafter: str) -> float:
+        """Steps a switch's catch-up is spread over: how long the drafter stayed once switched to, lately, or
+        how long it has been away if longer. A switch pays only if the stay pays it back. Spread over a fixed
+        32 steps, it looked cheap to Thompson draws among near-tied arms, which switched every few steps and
+        paid a catch-up each time (5% of a near-uniform rollout). A drafter away for long is charged as
+        before: it lost to other arms for a while, and if it wins now, conditions changed (the batch
+        drained) and it is likely to stay; charging it by its old short stays would lock it out."""
+        stay = self.stays.get(drafter)
+        longest = max(stay.value if stay is not None and stay.value is not None else self.switch_horizon,
+                      self._away.get(drafter, 0), 1.0)
+        return min(longest, self.switch_horizon)
 
     def _missed_steps(self, drafter: str) -> int:
         """Steps a drafter missed, capped: one catch-up pass over many tokens costs far less than as many

@@ -150,25 +150,33 @@ def test_suffix_verify_is_cut_to_the_longest_proposal(target, drafters, monkeypa
             torch.testing.assert_close(y.logprobs, x.logprobs, atol=1e-4, rtol=0)
 
 
-def test_a_suffix_table_without_a_match_hands_the_step_to_the_next_best_drafter(target, drafters, monkeypatch):
-    """When the suffix table proposes nothing for any row, the same step drafts with the strategy's next
-    best arm instead (here the draft model); the miss counts against the table's first-position rate."""
+def test_the_strategy_knows_what_the_suffix_table_has_for_each_row_before_it_chooses(target, drafters, monkeypatch):
+    """Before each step the suffix table says how many drafts it has for each row: the strategy never runs
+    it for a batch it has nothing for, never deeper than its longest proposal, and output is unchanged."""
     params = SamplingParams(temperature=0, max_tokens=30, ignore_eos=True)
     _, base = run(target, PROMPTS, params)
     engine = LLMEngine(EngineConfig(model=str(target), max_model_len=256, max_num_seqs=16,
                                     drafter=f"{drafters['llama']},suffix"))
-    asked = []
+    choose, seen = AdaptiveStrategy.choose, []
 
-    def choose(self, batch_size: int, exclude: str | None = None) -> Strategy:
-        asked.append(exclude)
-        return Strategy("suffix", 4) if exclude is None else Strategy("draft", 3)
+    def recorded(self, batch_size, proposals=None):
+        s = choose(self, batch_size, proposals)
+        seen.append((batch_size, proposals, s))
+        return s
 
-    monkeypatch.setattr(AdaptiveStrategy, "choose", choose)  # a scripted choice (slotted: patch the class)
+    monkeypatch.setattr(AdaptiveStrategy, "choose", recorded)  # slotted: patch the class
+    table = engine.strategy.accept["suffix"]
+    table.hits, table.trials = [1e4] * len(table.hits), [1e4] * len(table.trials)  # its drafts are right
     got = engine.generate(PROMPTS, params)
-    ran = [r.strategy for r in engine.stats.recent if r.kind != "prefill"]
-    assert "suffix" in asked and "draft:k=3" in ran, ran
-    first = engine.strategy.accept["suffix"]
-    assert first.trials[0] > 0 and first.hits[0] < first.trials[0]
+    decode = [r for r in engine.stats.recent if r.kind != "prefill"]
+    assert len(seen) == len(decode)
+    for (batch_size, proposals, s), r in zip(seen, decode, strict=True):
+        assert len(proposals["suffix"]) == batch_size and "draft" not in proposals  # a draft model cannot tell
+        if s.drafter == "suffix":
+            assert 0 < s.k <= max(proposals["suffix"]) and r.k == s.k, (proposals, s, r.k)
+    ran = {s.drafter for _, _, s in seen}
+    assert "suffix" in ran, ran
+    assert any(max(p["suffix"]) == 0 for _, p, _ in seen)
     for a, b in zip(base, got, strict=True):
         assert b.outputs[0].token_ids == a.outputs[0].token_ids
 

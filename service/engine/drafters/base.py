@@ -23,6 +23,11 @@ class Drafter(ABC):
     def propose(self, seqs: list[Sequence], k: int, sb: SamplingBatch) -> DraftProposal:
         """Draft tokens [B, k] for sequences in slot order, with their distributions (None = one-hot)."""
 
+    def lookahead(self, seqs: list[Sequence], k: int) -> list[int] | None:
+        """How many drafts (up to k) `propose` would give each row, where the drafter knows that on the host
+        before the step (a suffix table); None where only proposing tells (a draft model)."""
+        return None
+
     def after_step(self, seqs: list[Sequence], prev_num_tokens: list[int], num_accepted: list[int], k: int) -> None:
         """Called after a speculative step with each row's accepted draft count."""
 

@@ -66,6 +66,8 @@ class SuffixDrafter(Drafter):
         self.history: OrderedDict[tuple[int, ...], deque[list[int]]] = OrderedDict()
         self.history_prompts, self.history_per_prompt = history_prompts, history_per_prompt
         self._next_doc = -1  # history docs get negative ids
+        # The continuations found by the last `lookahead`, for (seq id, length) per row, at a depth.
+        self._ahead: tuple[list[tuple[int, int]], int, list[list[int]]] | None = None
 
     def _group_of(self, seq: Sequence) -> _Group:
         key = seq.group_id or seq.request_id
@@ -83,6 +85,7 @@ class SuffixDrafter(Drafter):
         return group
 
     def observe(self, seq: Sequence) -> None:
+        self._ahead = None  # the table changes: continuations found before may not hold
         group = self._group_of(seq)
         doc = group.docs[seq.seq_id]
         missing = seq.num_tokens - len(doc)
@@ -105,12 +108,23 @@ class SuffixDrafter(Drafter):
         if group.live <= 0:
             del self.groups[key]
 
-    def propose(self, seqs: list[Sequence], k: int, sb: SamplingBatch) -> DraftProposal:
-        rows, lengths = [], []
+    def _continuations(self, seqs: list[Sequence], k: int) -> list[list[int]]:
+        key = [(s.seq_id, s.num_tokens) for s in seqs]
+        if self._ahead is not None and self._ahead[0] == key and self._ahead[1] >= k:
+            return [c[:k] for c in self._ahead[2]]  # a continuation's first k tokens are its k-continuation
+        conts = []
         for seq in seqs:
             group = self._group_of(seq)
-            doc = group.docs[seq.seq_id]
-            cont = group.continuation(doc, k, self.max_ngram)
+            conts.append(group.continuation(group.docs[seq.seq_id], k, self.max_ngram))
+        self._ahead = (key, k, conts)
+        return conts
+
+    def lookahead(self, seqs: list[Sequence], k: int) -> list[int]:
+        return [len(c) for c in self._continuations(seqs, k)]
+
+    def propose(self, seqs: list[Sequence], k: int, sb: SamplingBatch) -> DraftProposal:
+        rows, lengths = [], []
+        for cont in self._continuations(seqs, k):
             lengths.append(len(cont))
             rows.append(cont + [0] * (k - len(cont)))
         return DraftProposal(

@@ -1,15 +1,20 @@
 """Online step-cost model for the adaptive strategy: one small weighted least-squares fit, torch-free.
 
     plain step of B rows:            cost = a + b * B
-    speculative step, drafter d, k:  cost = a + b * B + k * (u_d + v_d * B)
+    speculative step, drafter d, k:  cost = a + b * B + k * (u + v * B) + k * (u_d + v_d * B)
 
-(a, b) are the target's fixed and per-row cost; k * (u_d + v_d * B) is what k draft positions add: a wider
-verify pass plus the drafter's own work (nothing for a suffix table, k small forwards for a draft model).
-All parameters are fit jointly from every measured step, whatever its batch size, so a measurement in one
-batch bucket informs the others. Each step is weighted by 1 / cost^2 (relative error: costs span 10x and
-more across batch sizes) and older steps fade by `forget`, which keeps the fit local to the batch sizes and
-context lengths of the last few dozen steps (a rollout drains slowly). A weak ridge prior ties each drafter's
-(u_d, v_d) to `prior_marginal` x (a, b) and b to a / `prior_rows`, so the fit is defined from the first step.
+(a, b) are the target's fixed and per-row cost; k * (u + v * B) is what k more positions cost the verify pass,
+the same whichever drafter proposed them; k * (u_d + v_d * B) is the drafter's own work (about nothing for a
+suffix table, k small forwards for a draft model). The verify term is shared so that one drafter's steps price
+another's: before, each drafter had one term for both, and a suffix table, unmeasured, was priced at the prior
+(a position for 0.3 of a plain step; 0.6-0.9 measured at full batch on a CPU), so it looked cheap and ran
+where it did not pay. All parameters are fit jointly from every measured step, whatever its batch size, so a
+measurement in one batch bucket informs the others. Each step is weighted by 1 / cost^2 (relative error: costs
+span 10x and more across batch sizes) and older steps fade by `forget`, which keeps the fit local to the batch
+sizes and context lengths of the last few dozen steps (a rollout drains slowly). A weak ridge prior ties
+(u, v) to `prior_marginal` x (a, b), each drafter's (u_d, v_d) to 0 and b to a / `prior_rows`, so the fit is
+defined from the first step; it splits what a drafter's steps measure between the shared and its own term
+until a second drafter's steps tell them apart.
 """
 
 from __future__ import annotations
@@ -52,15 +57,15 @@ class StepCostModel:
     _scale: float | None = field(init=False, default=None)  # typical step cost, for scale-free priors
 
     def __post_init__(self) -> None:
-        n = 2 + 2 * len(self.drafters)
+        n = 4 + 2 * len(self.drafters)
         self._ata = [[0.0] * n for _ in range(n)]
         self._aty = [0.0] * n
 
     def _features(self, drafter: str | None, k: int, batch: int) -> list[float]:
-        phi = [1.0, float(batch)] + [0.0] * (2 * len(self.drafters))
+        phi = [1.0, float(batch)] + [0.0] * (2 + 2 * len(self.drafters))
         if drafter is not None and k:
-            i = 2 + 2 * self.drafters.index(drafter)
-            phi[i], phi[i + 1] = float(k), float(k * batch)
+            i = 4 + 2 * self.drafters.index(drafter)
+            phi[2], phi[3] = phi[i], phi[i + 1] = float(k), float(k * batch)
         return phi
 
     def record(self, drafter: str | None, k: int, batch: int, seconds: float) -> None:
@@ -93,9 +98,11 @@ class StepCostModel:
                         ata[i][j] += lam * ri * rj
 
             penalise({1: self.prior_rows, 0: -1.0})
+            penalise({2: 1.0, 0: -self.prior_marginal})
+            penalise({3: self.prior_rows, 1: -self.prior_marginal * self.prior_rows})
             for d in range(len(self.drafters)):
-                penalise({2 + 2 * d: 1.0, 0: -self.prior_marginal})
-                penalise({3 + 2 * d: self.prior_rows, 1: -self.prior_marginal * self.prior_rows})
+                penalise({4 + 2 * d: 1.0})
+                penalise({5 + 2 * d: self.prior_rows})
             for i in range(n):
                 ata[i][i] += 1e-9 * lam  # keeps unseen drafters' parameters defined
             self._theta = solve(ata, self._aty)
