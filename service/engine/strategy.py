@@ -191,7 +191,7 @@ class AdaptiveStrategy:
             return self.fixed
         if not self.drafters:
             return PLAIN
-        if bucket_of(batch_size) not in self._plain_buckets and len(self._plain_buckets) < 2:
+        if self._probes_plain(batch_size):
             return PLAIN  # measure the baseline first (see the module docstring)
         proposals = proposals or {}
         rows = {d: Counter(n) for d, n in proposals.items() if n}  # proposal length -> rows
@@ -220,13 +220,16 @@ class AdaptiveStrategy:
             return Strategy(best.drafter, min(best.k, self.ks[0]))
         return best
 
+    def _probes_plain(self, batch_size: int) -> bool:
+        return bucket_of(batch_size) not in self._plain_buckets and len(self._plain_buckets) < 2
+
     def record(self, s: Strategy, batch_size: int, seconds: float | None, num_accepted: list[int] | None = None,
                ran_k: int | None = None, num_drafted: list[int] | None = None) -> None:
         """One step's measurement: its wall seconds (None: not a measure of its cost, e.g. it captured a CUDA
         graph), num_accepted and num_drafted (default: k) per row for speculative steps, and `ran_k`, the
         depth verified when the runner cut the verify pass to the longest proposal."""
         drafter = s.drafter if s.k else None
-        if drafter is not None or bucket_of(batch_size) in self._plain_buckets:  # not a new bucket's plain probe
+        if drafter is not None or not self._probes_plain(batch_size):  # a plain probe does not end a stay
             if drafter != self._stay_of and self._stay_of is not None:
                 self.stays.setdefault(self._stay_of, Ewma()).update(self._run, 0.3)
             self._run = self._run + 1 if drafter == self._stay_of else 1
