@@ -208,7 +208,8 @@ class AdaptiveStrategy:
             noise = math.exp(self._rng.gauss(0.0, self.cost_spread / math.sqrt(1 + n)))
             cost = self.model.predict(s.drafter, s.k, batch_size) * corr * noise
             if s.k and s.drafter != self._last and s.drafter in self.switch_cost:
-                catch_up = (self.switch_cost[s.drafter].value or 0.0) * batch_size * self._missed_steps(s.drafter)
+                per_row = max(self.switch_cost[s.drafter].value or 0.0, 0.0)
+                catch_up = per_row * batch_size * self._missed_steps(s.drafter)
                 cost += catch_up / self._horizon(s.drafter)
             value = self._tokens(alpha.get(s.drafter), s.k, rows.get(s.drafter)) / cost
             if value > best_value:
@@ -267,7 +268,9 @@ class AdaptiveStrategy:
             # The first step after a switch pays the drafter's catch-up (a draft model feeds itself every
             # token it missed). That is the price of switching, not of the arm: kept apart, or one costly
             # catch-up would write the arm off, and the longer it stays off the costlier the next catch-up.
-            excess = max(0.0, seconds - self.predicted_cost(batch_size, s))
+            # Not clipped at 0 step by step: for a drafter with no catch-up (a suffix table) that would turn
+            # noise into a switch cost; the mean is clipped where it is used.
+            excess = seconds - self.predicted_cost(batch_size, s)
             missed = batch_size * self._missed_steps(drafter)
             self.switch_cost.setdefault(drafter, Ewma()).update(excess / missed, 0.3)
             return
