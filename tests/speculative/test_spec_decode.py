@@ -165,8 +165,9 @@ def test_the_strategy_knows_what_the_suffix_table_has_for_each_row_before_it_cho
         return s
 
     monkeypatch.setattr(AdaptiveStrategy, "choose", recorded)  # slotted: patch the class
-    table = engine.strategy.accept["suffix"]
+    table, model = engine.strategy.accept["suffix"], engine.strategy.accept["draft"]
     table.hits, table.trials = [1e4] * len(table.hits), [1e4] * len(table.trials)  # its drafts are right
+    model.hits, model.trials = [0.0] * len(model.hits), [1e4] * len(model.trials)  # the draft model's are not
     got = engine.generate(PROMPTS, params)
     decode = [r for r in engine.stats.recent if r.kind != "prefill"]
     assert len(seen) == len(decode)
