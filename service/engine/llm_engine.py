@@ -76,7 +76,11 @@ class LLMEngine:
             fixed = PLAIN
         elif config.spec == "fixed":
             fixed = Strategy(next(iter(self.drafters)), config.spec_k)
-        self.strategy = AdaptiveStrategy(list(self.drafters), fixed=fixed, seed=config.seed)
+        on_host = frozenset(n for n, d in self.drafters.items() if d.on_host)
+        self.strategy = AdaptiveStrategy(list(self.drafters), on_host, fixed=fixed, seed=config.seed,
+                                         rounds_to_ks=self.runner.target.graphs is not None)
+        may_run = set(self.drafters) if fixed is None else {fixed.drafter} if fixed.k else set()
+        self.runner.prefill_drafters = [d for name, d in self.drafters.items() if name in may_run]
         t0 = time.perf_counter()  # CUDA graphs (GPU) or compiled forwards (CPU) before the first step
         if n := self.runner.prepare(self.strategy.depths()):
             how = "captured" if self.runner.target.graphs is not None else "compiled"
@@ -189,15 +193,16 @@ class LLMEngine:
             self.runner.apply_copies(batch.moves)
             return outputs
         strategy = self._choose(batch.seqs) if batch.kind == "decode" else PLAIN
-        result = self.runner.execute(batch, strategy, self.drafters.get(strategy.drafter))
+        host = self.drafters.get(strategy.assist[0]) if strategy.assist else None
+        result = self.runner.execute(batch, strategy, self.drafters.get(strategy.drafter), host)
         outputs += self._postprocess(result)
         self._record(batch, strategy, result, time.perf_counter() - start)
         return outputs
 
     def _choose(self, seqs: list[Sequence]) -> Strategy:
         """The strategy's pick, told beforehand what drafters that propose on the host have for each row."""
-        if self.strategy.fixed is not None or not self.strategy.drafters:
-            return self.strategy.choose(len(seqs))
+        if self.strategy.fixed is not None or not self.strategy.drafters or self.strategy.probes_plain(len(seqs)):
+            return self.strategy.choose(len(seqs))  # no proposals needed: nothing to ask the drafters
         depth = max(self.strategy.depths())
         proposals = {name: n for name, d in self.drafters.items() if (n := d.lookahead(seqs, depth)) is not None}
         return self.strategy.choose(len(seqs), proposals)
@@ -210,7 +215,8 @@ class LLMEngine:
         self.last_strategy = strategy.name
         if batch.kind == "decode":
             cost = None if result.captured else seconds + self.between_steps_s
-            self.strategy.record(strategy, B, cost, result.num_accepted or None, result.k, result.num_drafted or None)
+            self.strategy.record(strategy, B, cost, result.num_accepted or None, result.k, result.num_drafted or None,
+                                 result.assisted or None)
         if not result.k:
             self.stats.record_step(batch.kind, batch, B, seconds)
             return

@@ -40,6 +40,7 @@ class StepResult:
     k: int = 0  # draft depth (0: plain)
     num_accepted: list[int] = field(default_factory=list)
     num_drafted: list[int] = field(default_factory=list)
+    assisted: list[bool] = field(default_factory=list)  # rows whose drafts came from the assisting host drafter
     draft_seconds: float = 0.0
     captured: bool = False  # the step captured a CUDA graph or compiled a forward: its time measures nothing
 
@@ -197,6 +198,7 @@ class ModelRunner:
         self.device = device
         self.cfg = model.config
         self.drafters: list[Drafter] = []  # every drafter that keeps per-slot state follows slot copies
+        self.prefill_drafters: list[Drafter] = []  # the drafters that may run see the prompts with the target
         self._depths: list[int] = []  # the verify depths captured at start-up (CUDA graphs)
 
     @property
@@ -231,16 +233,19 @@ class ModelRunner:
 
     # -- one engine step --------------------------------------------------------------------------
     @torch.inference_mode()
-    def execute(self, batch: SchedulerOutput, strategy: Strategy, drafter: Drafter | None = None) -> StepResult:
+    def execute(self, batch: SchedulerOutput, strategy: Strategy, drafter: Drafter | None = None,
+                host: Drafter | None = None) -> StepResult:
         """Run one scheduled step: prefill, plain decode (k = 0), or draft k tokens with `drafter` and verify
-        them in one target pass (a plain decode when the drafter proposed nothing for any row)."""
+        them in one target pass (a plain decode when the drafter proposed nothing for any row). With
+        `strategy.assist` = (name, n), `host` is that drafter: rows it has at least n drafts for take its."""
         self.apply_copies(batch.moves)
         if batch.kind == "prefill":
             return self._prefill(batch)
         built = self.builds()
         result = None
         if strategy.k and drafter is not None:
-            result = self._speculative(batch.seqs, drafter, strategy.k)
+            assist = (host, strategy.assist[1]) if host is not None and strategy.assist else None
+            result = self._speculative(batch.seqs, drafter, strategy.k, assist)
         if result is None:
             result = self._decode(batch.seqs)
         result.captured = self.builds() > built
@@ -281,8 +286,10 @@ class ModelRunner:
         hidden = self.forward(ids, meta)  # [P, Q, hidden]
         last = torch.tensor([n - 1 for n in q_lens], device=self.device)
         logits = self.model.logits(hidden[torch.arange(len(prompts), device=self.device), last])  # [P, V]
-        self.apply_copies(out.forks)
         seqs = out.seqs
+        for d in self.prefill_drafters:
+            d.prefill(out.slot_lo, prompts, seqs)
+        self.apply_copies(out.forks)
         row_of = torch.tensor(out.row_of, device=self.device)
         sb = SamplingBatch.build(seqs, self.cfg.vocab_size, self.device)
         return StepResult.plain(seqs, to_host(sample(logits[row_of], sb), seqs))
@@ -293,13 +300,20 @@ class ModelRunner:
         sb = SamplingBatch.build(seqs, self.cfg.vocab_size, self.device)
         return StepResult.plain(seqs, to_host(sample(logits, sb), seqs))
 
-    def _speculative(self, seqs: list[Sequence], drafter: Drafter, k: int) -> StepResult | None:
-        """Draft k tokens per row and verify them; None when the drafter proposed nothing for any row."""
+    def _speculative(self, seqs: list[Sequence], drafter: Drafter, k: int,
+                     assist: tuple[Drafter, int] | None = None) -> StepResult | None:
+        """Draft k tokens per row and verify them; None when the drafter proposed nothing for any row.
+        `assist` = (host drafter, n): rows the host drafter has at least n drafts for verify its drafts."""
         B = len(seqs)
         prev_num_tokens = [s.num_tokens for s in seqs]
         sb = SamplingBatch.build(seqs, self.cfg.vocab_size, self.device)
         t0 = time.perf_counter()
         draft = drafter.propose(seqs, k, sb)
+        use = None
+        if assist is not None:
+            host = assist[0].propose(seqs, k, sb)
+            use = host.lengths >= assist[1]  # [B]
+            draft = draft.take_rows(host, use)
         draft_seconds = time.perf_counter() - t0
         if draft.longest is not None and draft.longest < k:
             # No row proposed k drafts (a suffix table without long matches): verify only as many positions
@@ -315,10 +329,15 @@ class ModelRunner:
         ids = torch.cat([last, draft.tokens], dim=1)  # [B, k + 1]
         hidden = self.forward_rows(ids, [s.num_cached for s in seqs])  # [B, k + 1, hidden]
         res = verify(self.model.logits(hidden), draft, sb)
-        # One host transfer: [B, k + 1] sampled columns plus num_accepted and the draft lengths.
+        # One host transfer: [B, k + 1] sampled columns plus num_accepted, the draft lengths and the assisted rows.
         flat_seqs = [s for s in seqs for _ in range(k + 1)]
-        rows, extra = to_host(res.sample, flat_seqs, extra=torch.stack([res.num_accepted, draft.lengths], 1))
+        cols = [res.num_accepted, draft.lengths] + ([] if use is None else [use.to(torch.int64)])
+        rows, extra = to_host(res.sample, flat_seqs, extra=torch.stack(cols, 1))
         num_accepted = [e[0] for e in extra]
-        drafter.after_step(seqs, prev_num_tokens, num_accepted, k)
+        assisted = [bool(e[2]) for e in extra] if use is not None else []
+        # An assisted row accepted none of the drafter's own drafts (what its cache holds past the last token).
+        own = [0 if assisted and assisted[b] else a for b, a in enumerate(num_accepted)]
+        drafter.after_step(seqs, prev_num_tokens, own, k)
         tokens = [rows[b * (k + 1) : b * (k + 1) + num_accepted[b] + 1] for b in range(B)]
-        return StepResult(seqs, tokens, prev_num_tokens, k, num_accepted, [e[1] for e in extra], draft_seconds)
+        return StepResult(seqs, tokens, prev_num_tokens, k, num_accepted, [e[1] for e in extra],
+                          assisted=assisted, draft_seconds=draft_seconds)

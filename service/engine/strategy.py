@@ -58,6 +58,14 @@ failure, since the choice already knew it had nothing. Why: a table matches some
 and which ones changes from step to step. Learned as one rate over all rows (what we had), it kept
 choosing the table for a last tail sequence that had stopped matching, or wrote it off while half the
 batch matched.
+
+A draft model's arm is also valued assisted by such a drafter (`Strategy.assist`): the draft model drafts k for
+every row, and each row the table has enough drafts for (n or more, where min(k, n) of the table's drafts are
+expected to yield more than the model's k) verifies the table's drafts instead. The table's drafts cost nothing
+once the model's step runs, and the model keeps its cache current on every row. Why: a table covers some rows
+well (repeats across a prompt's samples) and a draft model the rest; as separate arms the strategy had to pick
+one of them for the whole batch, and each switch back to the model paid its catch-up. Each row's acceptance
+goes to the drafter whose drafts it verified.
 """
 
 from __future__ import annotations
@@ -65,20 +73,26 @@ from __future__ import annotations
 import math
 import random
 from collections import Counter
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 from service.engine.speculative.cost_model import StepCostModel
 from service.engine.speculative.estimates import Acceptance, Ewma, Measured
+from service.engine.speculative.tokens import assisted_tokens, mean_tokens, tokens_per_row
 
 
 @dataclass(frozen=True, slots=True)
 class Strategy:
     drafter: str | None  # None = plain decoding
     k: int = 0
+    # (host drafter, n): rows it has n or more drafts for take its drafts (see the module docstring). The same
+    # arm as without: it costs the same step.
+    assist: tuple[str, int] | None = field(default=None, compare=False)
 
     @property
     def name(self) -> str:
-        return "plain" if self.drafter is None or self.k == 0 else f"{self.drafter}:k={self.k}"
+        if self.drafter is None or self.k == 0:
+            return "plain"
+        return f"{self.drafter}:k={self.k}" + (f"+{self.assist[0]}" if self.assist else "")
 
 
 PLAIN = Strategy(None, 0)
@@ -91,6 +105,7 @@ def bucket_of(batch_size: int) -> int:
 @dataclass(slots=True)
 class AdaptiveStrategy:
     drafters: list[str]
+    host: frozenset[str] = frozenset()  # drafters that propose on the host from a table: no catch-up, no switch cost
     ks: tuple[int, ...] = (1, 2, 3, 4, 6, 8)
     prior_alpha: float = 0.6
     prior_trials: float = 2.0  # weight of prior_alpha, in trials
@@ -100,6 +115,7 @@ class AdaptiveStrategy:
     cost_spread: float = 0.05  # relative spread of an unmeasured arm's cost draw
     seed: int = 0
     fixed: Strategy | None = None  # set to pin one strategy (k = 0 pins plain decoding)
+    rounds_to_ks: bool = False  # the runner verifies a cut pass at the next depth in `ks` (CUDA graphs)
     model: StepCostModel = field(init=False)
     accept: dict[str, Acceptance] = field(init=False)
     measured: dict[tuple[int, Strategy], Measured] = field(default_factory=dict)  # per (bucket, arm)
@@ -135,35 +151,20 @@ class AdaptiveStrategy:
         """Posterior mean acceptance per draft position (conditional on reaching it)."""
         return self.accept[drafter].rates(self.prior_alpha, self.prior_trials)
 
-    @staticmethod
-    def tokens_per_row(alpha: float | list[float], k: int) -> float:
-        """Expected tokens a row emits with k drafts: 1 + sum over j <= k of P(drafts 1..j accepted), from one
-        rate for every position (geometric) or one per position."""
-        total = reach = 1.0
-        for j in range(k):  # past the positions measured, the deepest one's rate
-            reach *= min(max(alpha if isinstance(alpha, float) else alpha[min(j, len(alpha) - 1)], 0.0), 1.0)
-            total += reach
-        return total
+    tokens_per_row = staticmethod(tokens_per_row)
 
     def expected_tokens(self, s: Strategy, proposals: list[int] | None = None) -> float:
         """Expected tokens per row; `proposals`: each row's proposal length, where the drafter knows it."""
-        return self._tokens(self.acceptance(s.drafter) if s.k else None, s.k, Counter(proposals) if proposals else None)
+        return mean_tokens(self.acceptance(s.drafter) if s.k else None, s.k, Counter(proposals) if proposals else None)
 
-    def _tokens(self, alpha: list[float] | None, k: int, rows: Counter[int] | None) -> float:
-        """Expected tokens per row with k drafts; `rows`: how many rows have each proposal length (a row
-        gets at most its proposal's drafts), or None when every row gets k."""
-        if not k:
-            return 1.0
-        if rows is None:
-            return self.tokens_per_row(alpha, k)
-        return sum(c * self.tokens_per_row(alpha, min(k, n)) for n, c in rows.items()) / sum(rows.values())
-
-    @staticmethod
-    def verified(s: Strategy, proposals: list[int] | None) -> Strategy:
-        """The arm the runner runs for s: a verify pass cut to the longest proposal (none: plain)."""
+    def verified(self, s: Strategy, proposals: list[int] | None) -> Strategy:
+        """The arm the runner runs for s: a verify pass cut to the longest proposal (none: plain), rounded up
+        to a depth in `ks` where the runner replays captured CUDA graphs (`rounds_to_ks`)."""
         if not s.k or proposals is None:
             return s
         k = min(s.k, max(proposals, default=0))
+        if k and self.rounds_to_ks:
+            k = min((d for d in self.ks if k <= d <= s.k), default=s.k)
         return Strategy(s.drafter, k) if k else PLAIN
 
     def _correction(self, batch_size: int, s: Strategy) -> tuple[float, int]:
@@ -191,12 +192,13 @@ class AdaptiveStrategy:
             return self.fixed
         if not self.drafters:
             return PLAIN
-        if self._probes_plain(batch_size):
+        if self.probes_plain(batch_size):
             return PLAIN  # measure the baseline first (see the module docstring)
         proposals = proposals or {}
         rows = {d: Counter(n) for d, n in proposals.items() if n}  # proposal length -> rows
         alpha = {d: self.accept[d].rates(self.prior_alpha, self.prior_trials, self._rng) for d in self.drafters}
         best, best_value, seen = PLAIN, -1.0, set()
+        hosts = [d for d in rows if d in alpha]
         for arm in self.arms:
             s = self.verified(arm, proposals.get(arm.drafter))
             if s in seen:
@@ -211,9 +213,14 @@ class AdaptiveStrategy:
                 per_row = max(self.switch_cost[s.drafter].value or 0.0, 0.0)
                 catch_up = per_row * batch_size * self._missed_steps(s.drafter)
                 cost += catch_up / self._horizon(s.drafter)
-            value = self._tokens(alpha.get(s.drafter), s.k, rows.get(s.drafter)) / cost
-            if value > best_value:
-                best, best_value = s, value
+            tokens = mean_tokens(alpha.get(s.drafter), s.k, rows.get(s.drafter))
+            if s.k and s.drafter not in proposals:  # a draft model: assisted by a host drafter where it pays
+                for host in hosts:
+                    more, n = assisted_tokens(alpha[s.drafter], s.k, alpha[host], rows[host])
+                    if n is not None and more > tokens:
+                        tokens, s = more, replace(s, assist=(host, n))
+            if tokens / cost > best_value:
+                best, best_value = s, tokens / cost
         if best.k and self.accept[best.drafter].trials[0] < self.probe_trials:
             # Its acceptance is barely known (never measured, or not for a long while): a draw picked it
             # because it may be good. Probe it at the smallest k, which measures its acceptance as well and
@@ -221,16 +228,18 @@ class AdaptiveStrategy:
             return Strategy(best.drafter, min(best.k, self.ks[0]))
         return best
 
-    def _probes_plain(self, batch_size: int) -> bool:
+    def probes_plain(self, batch_size: int) -> bool:
         return bucket_of(batch_size) not in self._plain_buckets and len(self._plain_buckets) < 2
 
     def record(self, s: Strategy, batch_size: int, seconds: float | None, num_accepted: list[int] | None = None,
-               ran_k: int | None = None, num_drafted: list[int] | None = None) -> None:
+               ran_k: int | None = None, num_drafted: list[int] | None = None,
+               assisted: list[bool] | None = None) -> None:
         """One step's measurement: its wall seconds (None: not a measure of its cost, e.g. it captured a CUDA
-        graph), num_accepted and num_drafted (default: k) per row for speculative steps, and `ran_k`, the
-        depth verified when the runner cut the verify pass to the longest proposal."""
+        graph), num_accepted and num_drafted (default: k) per row for speculative steps, `ran_k`, the depth
+        verified when the runner cut the verify pass to the longest proposal, and `assisted`, the rows that
+        verified the drafts of `s.assist`'s host drafter."""
         drafter = s.drafter if s.k else None
-        if drafter is not None or not self._probes_plain(batch_size):  # a plain probe does not end a stay
+        if drafter is not None or not self.probes_plain(batch_size):  # a plain probe does not end a stay
             if drafter != self._stay_of and self._stay_of is not None:
                 self.stays.setdefault(self._stay_of, Ewma()).update(self._run, 0.3)
             self._run = self._run + 1 if drafter == self._stay_of else 1
@@ -242,26 +251,33 @@ class AdaptiveStrategy:
             ran = s if ran_k is None or ran_k == s.k else Strategy(s.drafter, ran_k) if ran_k else PLAIN
             self._record_cost(ran, drafter, switched, batch_size, seconds)
         if drafter is not None:
-            self._deepest[drafter] = max(self._deepest.get(drafter, 0), s.k)
+            ran_with = [drafter] + ([s.assist[0]] if s.assist and assisted and any(assisted) else [])
+            for d in ran_with:  # an assisting host's drafts were verified at k too
+                self._deepest[d] = max(self._deepest.get(d, 0), s.k)
         if drafter is None:
             self._plain_buckets.add(bucket_of(batch_size))
         for a in self.accept.values():
             a.hits = [h * self.discount for h in a.hits]
             a.trials = [t * self.discount for t in a.trials]
         if drafter is not None and num_accepted:
-            # Draft j + 1 was tried by the rows that accepted the j drafts before it and proposed it, and
-            # accepted by those that accepted more than j. A draft a row's drafter did not propose is no
-            # trial: the choice knew the row had none (see `proposals` in `choose`).
             drafted = num_drafted or [s.k] * len(num_accepted)
-            rows = list(zip(num_accepted, drafted, strict=True))
-            hits = [sum(1 for n, _ in rows if n > j) for j in range(s.k)]
-            trials = [sum(1 for n, d in rows if n >= j and d > j) for j in range(s.k)]
-            if trials[0]:
-                self._observe(drafter, hits, trials)
+            host = s.assist[0] if s.assist and assisted else None
+            by_drafter: dict[str, list[tuple[int, int]]] = {}
+            for i, row in enumerate(zip(num_accepted, drafted, strict=True)):
+                by_drafter.setdefault(host if host is not None and assisted[i] else drafter, []).append(row)
+            for d, rows in by_drafter.items():
+                # Draft j + 1 was tried by the rows that accepted the j drafts before it and proposed it, and
+                # accepted by those that accepted more than j. A draft a row's drafter did not propose is no
+                # trial: the choice knew the row had none (see `proposals` in `choose`).
+                hits = [sum(1 for n, _ in rows if n > j) for j in range(s.k)]
+                trials = [sum(1 for n, m in rows if n >= j and m > j) for j in range(s.k)]
+                if trials[0]:
+                    self._observe(d, hits, trials)
 
     def _record_cost(self, s: Strategy, drafter: str | None, switched: bool, batch_size: int,
                      seconds: float) -> None:
         """s: the arm that ran (its k the depth verified); drafter: the one chosen (None: plain)."""
+        switched = switched and drafter not in self.host  # a table keeps up with every step: it catches up nothing
         if switched and drafter not in self._deepest:
             return  # a drafter's first step ever catches up on every token so far: it measures nothing
         if switched and self._steady.get(drafter, 0):

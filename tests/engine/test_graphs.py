@@ -15,7 +15,7 @@ from service.config import EngineConfig
 from service.engine import graphs as graphs_mod
 from service.engine.graphs import StepGraphs, key_buckets
 from service.engine.llm_engine import LLMEngine
-from service.engine.strategy import AdaptiveStrategy
+from service.engine.strategy import AdaptiveStrategy, Strategy
 from service.models.loader import load_model
 from service.params import SamplingParams
 
@@ -96,7 +96,48 @@ def test_graphs_are_kept_per_model_across_pushes(target):
     assert graphs.built == built  # the first model's graphs again
 
 
+def run_suffix_steps(engine: LLMEngine, monkeypatch) -> list[tuple[list[int], object, int]]:
+    """Generate choosing the suffix table at k = 8 on every step it has drafts for, as the strategy values it
+    (`verified`: the verify pass the runner will run); per decode step (its proposals, that arm, the depth the
+    runner verified)."""
+    choose, seen = AdaptiveStrategy.choose, []
+
+    def recorded(self, batch_size, proposals=None):
+        s = choose(self, batch_size, proposals)
+        if proposals:
+            s = self.verified(Strategy("suffix", 8), proposals["suffix"])
+        seen.append(((proposals or {}).get("suffix"), s))
+        return s
+
+    monkeypatch.setattr(AdaptiveStrategy, "choose", recorded)  # slotted: patch the class
+    params = SamplingParams(n=4, temperature=1.0, max_tokens=40, seed=3, ignore_eos=True)
+    engine.generate(PROMPTS, params)
+    decode = [r for r in engine.stats.recent if r.kind != "prefill"]
+    assert len(seen) == len(decode)
+    return [(p, s, r.k) for (p, s), r in zip(seen, decode, strict=True)]
+
+
+def test_the_strategy_prices_the_depth_a_graphed_runner_verifies(target, monkeypatch):
+    """With graphs, a verify pass cut to the longest proposal runs at the next captured depth: the strategy
+    values an arm at that depth too (`verified`), so the step it values is the step that runs and is recorded."""
+    engine = engine_on("cpu", target, True, drafter="suffix")
+    uncaptured(engine)
+    engine.strategy.rounds_to_ks = True  # what the engine sets when it captures CUDA graphs (the cuda test)
+    steps = [(p, s, k) for p, s, k in run_suffix_steps(engine, monkeypatch) if s.k]
+    for proposals, s, ran in steps:
+        assert ran == s.k and s.k in engine.strategy.ks, (proposals, s, ran)
+    assert any(s.k > max(p) for p, s, _ in steps), steps  # rounded up (5 -> 6, 7 -> 8) at least once
+
+
 # -- on a GPU -----------------------------------------------------------------------------------------------
+@pytest.mark.cuda
+def test_cuda_the_strategy_prices_the_depth_the_graphs_verify(target, monkeypatch):
+    engine = engine_on("cuda", target, False, drafter="suffix")
+    assert engine.strategy.rounds_to_ks
+    for proposals, s, ran in run_suffix_steps(engine, monkeypatch):
+        assert ran == s.k and (not s.k or s.k in engine.strategy.ks), (proposals, s, ran)
+
+
 @pytest.mark.cuda
 @pytest.mark.parametrize("spec", [dict(), dict(drafter="draft", spec="fixed", spec_k=4),
                                   dict(drafter="draft,suffix")], ids=["plain", "draft-k4", "adaptive"])

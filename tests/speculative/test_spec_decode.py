@@ -51,6 +51,17 @@ def run(target, prompts, params, **kw):
     return engine, engine.generate(prompts, params)
 
 
+def assisted(engine: LLMEngine, k: int, n: int = 1) -> LLMEngine:
+    """Pin the draft model at k, assisted by the suffix table: rows it has n or more drafts for verify its."""
+    engine.strategy.fixed = Strategy("draft", k, assist=("suffix", n))
+    return engine
+
+
+def assisted_rows(engine: LLMEngine) -> tuple[float, float]:
+    """Rows verified with the draft model's drafts and with the table's, at the first position (discounted)."""
+    return engine.strategy.accept["draft"].trials[0], engine.strategy.accept["suffix"].trials[0]
+
+
 PROMPTS = [[5, 6, 7], [9, 8, 7, 6, 5, 4, 3, 2, 1, 11, 12], [300], [17, 17, 17, 17, 2], list(range(40, 70))]
 
 
@@ -105,6 +116,60 @@ def test_sampled_logprobs_equal_a_recompute(target, drafters, name):
             want = processed_probs(logits[t], **kw)[tok].log().item()
             assert abs(comp.logprobs[t] - want) < 1e-4
             assert abs(comp.raw_logprobs[t] - logits[t].log_softmax(-1)[tok].item()) < 1e-4
+
+
+def test_the_draft_model_sees_the_prompts_with_the_targets_prefill(target, drafters, monkeypatch):
+    """The prompts enter the draft cache with the target's prefill (one row per distinct prompt, forked to its
+    samples like the target's), so the first proposal feeds each sample only its first output token; with SD
+    off the draft model does no work at all."""
+    params = SamplingParams(n=3, temperature=0, max_tokens=12, ignore_eos=True)
+    _, base = run(target, PROMPTS, params)
+    for spec in ("fixed", "off"):
+        engine = LLMEngine(EngineConfig(model=str(target), max_model_len=256, max_num_seqs=16,
+                                        drafter=drafters["llama"], spec=spec, spec_k=3))
+        cached, fed = engine.drafters["draft"].cached, []
+        extend = cached.extend
+        monkeypatch.setattr(cached, "extend", lambda lo, starts, rows, extend=extend, fed=fed: (
+            fed.append([len(r) for r in rows]), extend(lo, starts, rows))[1])
+        got = engine.generate(PROMPTS, params)
+        if spec == "off":
+            assert fed == []
+            continue
+        assert sorted(fed[0]) == sorted(len(p) for p in PROMPTS), fed[:2]  # all admitted in one prefill
+        assert fed[1] == [1] * len(PROMPTS) * 3, fed[:2]
+        for a, b in zip(base, got, strict=True):
+            assert [c.token_ids for c in b.outputs] == [c.token_ids for c in a.outputs]
+
+
+def test_after_a_drafter_push_running_samples_catch_up_and_new_ones_do_not(target, drafters, monkeypatch):
+    """A pushed draft model serves the next proposal: samples running at the push catch up on all their tokens
+    with the new weights; samples admitted after it were prefilled with them and feed only their output."""
+    from service.models.loader import load_model
+
+    engine = LLMEngine(EngineConfig(model=str(target), max_model_len=256, max_num_seqs=16,
+                                    drafter=drafters["llama"], spec="fixed", spec_k=3))
+    cached, fed = engine.drafters["draft"].cached, []
+    extend = cached.extend
+    monkeypatch.setattr(cached, "extend", lambda lo, starts, rows: (fed.append([len(r) for r in rows]),
+                                                                     extend(lo, starts, rows))[1])
+    params = SamplingParams(n=2, temperature=0, max_tokens=12, ignore_eos=True)
+    _, base = run(target, PROMPTS, params)
+    for p in PROMPTS:
+        engine.add_request(p, params)
+    for _ in range(3):  # the prefill and two speculative steps
+        engine.step()
+    before = [s.num_tokens for s in engine.scheduler.running]
+    engine.swap_drafter(load_model(drafters["llama"], engine.dtype, engine.device), "1")
+    engine.step()
+    assert fed[-1] == before  # every token of every running sample, again
+    while engine.has_unfinished():
+        engine.step()
+    engine.swap_drafter(load_model(drafters["llama"], engine.dtype, engine.device), "2")
+    fed.clear()
+    got = engine.generate(PROMPTS, params)
+    assert fed[1] == [1] * len(PROMPTS) * 2, fed[:2]  # the first proposal after the prefill
+    for a, b in zip(base, got, strict=True):
+        assert [c.token_ids for c in b.outputs] == [c.token_ids for c in a.outputs]
 
 
 def test_switching_sd_on_mid_generation_does_not_re_prefill(target, drafters):
@@ -172,14 +237,65 @@ def test_the_strategy_knows_what_the_suffix_table_has_for_each_row_before_it_cho
     decode = [r for r in engine.stats.recent if r.kind != "prefill"]
     assert len(seen) == len(decode)
     for (batch_size, proposals, s), r in zip(seen, decode, strict=True):
+        if proposals is None:  # a new bucket's plain probe: the table is not asked
+            assert s == PLAIN
+            continue
         assert len(proposals["suffix"]) == batch_size and "draft" not in proposals  # a draft model cannot tell
         if s.drafter == "suffix":
             assert 0 < s.k <= max(proposals["suffix"]) and r.k == s.k, (proposals, s, r.k)
     ran = {s.drafter for _, _, s in seen}
     assert "suffix" in ran, ran
-    assert any(max(p["suffix"]) == 0 for _, p, _ in seen)
+    assert any(p is not None and max(p["suffix"]) == 0 for _, p, _ in seen)
     for a, b in zip(base, got, strict=True):
         assert b.outputs[0].token_ids == a.outputs[0].token_ids
+
+
+def test_a_draft_model_assisted_by_the_suffix_table_is_lossless(target, drafters, monkeypatch):
+    """Rows the table has drafts for verify the table's, the others the draft model's, in one step: greedy
+    output and logprobs are plain decoding's, sampled logprobs match a recompute, and the draft model's cache
+    stays right for rows whose accepted tokens it did not draft: its first draft is always its own greedy
+    token after the sequence so far (recomputed by transformers from scratch)."""
+    from transformers import AutoModelForCausalLM
+
+    params = SamplingParams(n=3, temperature=0, max_tokens=37, ignore_eos=True)
+    _, base = run(target, PROMPTS, params)
+    engine = LLMEngine(EngineConfig(model=str(target), max_model_len=256, max_num_seqs=16,
+                                    drafter=f"{drafters['llama']},suffix"))
+    draft_ref = AutoModelForCausalLM.from_pretrained(drafters["llama"], dtype=torch.float32).eval()
+    model = engine.drafters["draft"]
+    propose, checked = model.propose, []
+
+    def checked_propose(seqs, k, sb):
+        draft = propose(seqs, k, sb)
+        for seq, first in zip(seqs, draft.tokens[:, 0].tolist(), strict=True):
+            with torch.no_grad():
+                logits = draft_ref(torch.tensor([seq.prompt_token_ids + seq.output_token_ids])).logits[0, -1]
+            checked.append(first == logits.argmax().item())
+        return draft
+
+    monkeypatch.setattr(model, "propose", checked_propose)
+    got = assisted(engine, 4).generate(PROMPTS, params)
+    model_rows, table_rows = assisted_rows(engine)
+    assert model_rows > 0 and table_rows > 0, (model_rows, table_rows)
+    assert len(checked) > 100 and all(checked), checked.count(False)
+    for a, b in zip(base, got, strict=True):
+        for x, y in zip(a.outputs, b.outputs, strict=True):
+            assert y.token_ids == x.token_ids
+            torch.testing.assert_close(y.logprobs, x.logprobs, atol=1e-4, rtol=0)
+
+    ref = AutoModelForCausalLM.from_pretrained(target, dtype=torch.float32).eval()
+    kw = dict(temperature=0.8, top_p=0.9, top_k=40)
+    params = SamplingParams(n=3, max_tokens=30, seed=7, ignore_eos=True, **kw)
+    engine = LLMEngine(EngineConfig(model=str(target), max_model_len=256, max_num_seqs=16,
+                                    drafter=f"{drafters['near']},suffix"))
+    outs = assisted(engine, 3).generate(PROMPTS[:3], params)
+    assert min(assisted_rows(engine)) > 0
+    for prompt, out in zip(PROMPTS[:3], outs, strict=True):
+        for comp in out.outputs:
+            with torch.no_grad():
+                logits = ref(torch.tensor([prompt + comp.token_ids])).logits[0, len(prompt) - 1 : -1]
+            for t, tok in enumerate(comp.token_ids):
+                assert abs(comp.logprobs[t] - processed_probs(logits[t], **kw)[tok].log().item()) < 1e-4
 
 
 # -- the sampled distribution -------------------------------------------------------------------------
@@ -199,14 +315,22 @@ def tiny_drafters(tiny_vocab_model, tmp_path_factory):
 
 @pytest.mark.slow
 @pytest.mark.parametrize("setting", list(SETTINGS))
-@pytest.mark.parametrize(("name", "k"), [("suffix", 3), ("agree", 1), ("agree", 3), ("disagree", 2), ("eagle", 2)])
+@pytest.mark.parametrize(("name", "k"), [("suffix", 3), ("agree", 1), ("agree", 3), ("disagree", 2), ("eagle", 2),
+                                         ("agree+suffix", 3), ("disagree+suffix", 2)])
 def test_joint_distribution_of_three_tokens_matches(tiny_vocab_model, tiny_drafters, setting, name, k):
+    """"X+suffix": the draft model X assisted by the suffix table (rows it has drafts for verify the table's)."""
     prompt = [1, 2, 3]
     kw = SETTINGS[setting]
+    model, _, host = name.partition("+")
+    drafter = f"{tiny_drafters[model]},{host}" if host else tiny_drafters[name]
     engine = LLMEngine(EngineConfig(model=str(tiny_vocab_model), max_model_len=32, max_num_seqs=400,
-                                    drafter=tiny_drafters[name], spec="fixed", spec_k=k))
+                                    drafter=drafter, spec="fixed", spec_k=k))
+    if host:
+        assisted(engine, k)
     params = [SamplingParams(n=200, max_tokens=3, seed=5000 + i, ignore_eos=True, **kw) for i in range(100)]
     outs = engine.generate([prompt] * 100, params)
+    if host:
+        assert min(assisted_rows(engine)) > 0  # both kinds of row ran
     triples = [c.token_ids for o in outs for c in o.outputs]
     assert len(triples) == 20_000 and all(len(t) == 3 for t in triples)
     assert engine.stats.spec_draft_tokens > 0

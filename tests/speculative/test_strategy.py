@@ -4,10 +4,12 @@ from __future__ import annotations
 
 import math
 import random
+from collections import Counter
 from collections.abc import Callable
 
 import pytest
 
+from service.engine.speculative.tokens import assisted_tokens, tokens_per_row
 from service.engine.strategy import PLAIN, AdaptiveStrategy, Strategy, bucket_of
 
 CostFn = Callable[[int, str | None, int], float]
@@ -251,18 +253,19 @@ def test_a_host_drafter_runs_for_the_rows_it_has_drafts_for() -> None:
     it has nothing for, it is not run (the draft model is); on one it has 8 right drafts for, it runs at that
     depth; and the steps it had nothing for are no failures of its acceptance. Learned as one rate over
     every step (what we had), half of them misses, it looked like a 50% drafter for every row."""
-    strategy = AdaptiveStrategy(["draft", "suffix"], seed=0)
+    strategy = AdaptiveStrategy(["draft", "suffix"], frozenset({"suffix"}), seed=0)
     rng = random.Random(0)
     chosen = []
     for step in range(160):
         covered = step % 2 == 0  # the table matches the one running row on every other step
         proposals = {"suffix": [8 if covered else 0]}
         s = strategy.choose(1, proposals)
-        if s.drafter == "suffix":
+        assisted = [bool(s.assist) and covered]  # the draft model's step verifying the table's drafts
+        if s.drafter == "suffix" or assisted[0]:
             acc, drafted = accepted_counts(1, s.k, 0.97, rng), [min(s.k, 8)]
         else:
             acc, drafted = (accepted_counts(1, s.k, 0.6, rng), [s.k]) if s.k else (None, None)
-        strategy.record(s, 1, roofline_cost(1, s.drafter, s.k), acc, s.k, drafted)
+        strategy.record(s, 1, roofline_cost(1, s.drafter, s.k), acc, s.k, drafted, assisted)
         chosen.append((covered, s))
     last = chosen[-60:]
     assert not [s for covered, s in chosen if not covered and s.drafter == "suffix"]
@@ -285,3 +288,43 @@ def test_a_host_drafter_is_valued_on_the_verify_it_would_run() -> None:
         s.record(PLAIN, 4, 1.0)
     assert s.choose(4, {"suffix": [0, 0, 0, 0]}) == PLAIN
     assert s.choose(4, {"suffix": proposals}).k <= 3
+
+
+def test_a_draft_model_is_assisted_by_the_table_on_the_rows_it_covers() -> None:
+    """Half the batch repeats text the suffix table has (8 right drafts), half does not (the draft model's
+    drafts are right at 0.8). One step verifies the table's drafts for the first half and the draft model's for
+    the rest: it beats both drafters alone, and each drafter's acceptance is learned from its own rows."""
+    strategy = AdaptiveStrategy(["draft", "suffix"], frozenset({"suffix"}), seed=0)
+    rng = random.Random(0)
+    batch, proposals = 16, {"suffix": [8] * 8 + [0] * 8}
+    chosen = []
+    for _ in range(150):
+        s = strategy.choose(batch, proposals)
+        assisted = [bool(s.assist) and n >= s.assist[1] for n in proposals["suffix"]]
+        acc, drafted = None, None
+        if s.k:
+            table = [s.drafter == "suffix" or a for a in assisted]
+            acc = [accepted_counts(1, min(s.k, n) if t else s.k, 0.98 if t else 0.8, rng)[0]
+                   for t, n in zip(table, proposals["suffix"], strict=True)]
+            drafted = [min(s.k, n) if t else s.k for t, n in zip(table, proposals["suffix"], strict=True)]
+        seconds = (0.01 + 0.001 * s.k + (0.0002 * s.k if s.drafter == "draft" else 0.0)) * math.exp(rng.gauss(0, 0.05))
+        strategy.record(s, batch, seconds, acc, s.k, drafted, assisted)
+        chosen.append(s)
+    assisted_steps = [s for s in chosen[-50:] if s.drafter == "draft" and s.assist == ("suffix", s.assist[1])]
+    assert len(assisted_steps) >= 40, [s.name for s in chosen[-50:]]
+    assert all(s.k >= 4 for s in assisted_steps)
+    assert strategy.acceptance("draft")[0] == pytest.approx(0.8, abs=0.1)
+    assert strategy.acceptance("suffix")[0] > 0.9
+
+
+def test_assisted_rows_take_the_table_where_its_drafts_yield_more() -> None:
+    own, table = [0.5] * 8, [0.95] * 8
+    rows = Counter({8: 2, 1: 1, 0: 1})  # proposal length -> rows
+    # A row with one table draft: 1.95 expected tokens against the draft model's 1.94 at k = 4; at k = 8 the
+    # model's 1.996 needs two table drafts.
+    tokens, n = assisted_tokens(own, 4, table, rows)
+    assert n == 1
+    want = 2 * tokens_per_row(table, 4) + tokens_per_row(table, 1) + tokens_per_row(own, 4)
+    assert tokens == pytest.approx(want / 4)
+    assert assisted_tokens(own, 8, table, rows)[1] == 2
+    assert assisted_tokens(own, 4, [0.1] * 8, rows) == (pytest.approx(tokens_per_row(own, 4)), None)

@@ -18,6 +18,7 @@ class Drafter(ABC):
 
     name: str = "drafter"
     version: str = "0"
+    on_host: bool = False  # proposes from host tables (`lookahead` answers): keeps up with every step, no catch-up
 
     @abstractmethod
     def propose(self, seqs: list[Sequence], k: int, sb: SamplingBatch) -> DraftProposal:
@@ -27,6 +28,10 @@ class Drafter(ABC):
         """How many drafts (up to k) `propose` would give each row, where the drafter knows that on the host
         before the step (a suffix table); None where only proposing tells (a draft model)."""
         return None
+
+    def prefill(self, slot_lo: int, prompts: list[list[int]], seqs: list[Sequence]) -> None:
+        """Called with the target's prefill: rows slot_lo.. hold the distinct prompts (`seqs`: every admitted
+        sample; the target's fork copies then reach the drafter through `apply_copies`)."""
 
     def after_step(self, seqs: list[Sequence], prev_num_tokens: list[int], num_accepted: list[int], k: int) -> None:
         """Called after a speculative step with each row's accepted draft count."""

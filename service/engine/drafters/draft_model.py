@@ -33,13 +33,15 @@ class DraftModelDrafter(Drafter):
         self.device = device
         self.version = version
         self.target_vocab = target_vocab
-        self._stale = False
+        self._stale = False  # the weights changed since the last proposal
+        self._current: set[int] = set()  # sequences prefilled since then: their cache is the new weights'
 
     def swap_model(self, model: CausalLM, version: str) -> None:
-        """Serve a new drafter from the next proposal on; every sequence catches up again."""
+        """Serve a new drafter from the next proposal on; every sequence admitted before catches up again."""
         self.cached.model = model
         self.version = version
-        self._stale = True  # every sequence catches up on the new weights
+        self._stale = True
+        self._current.clear()
 
     def _logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """Draft logits over the target's vocabulary (checkpoints often pad vocabularies differently)."""
@@ -49,11 +51,23 @@ class DraftModelDrafter(Drafter):
             return logits[..., :V]
         return torch.nn.functional.pad(logits, (0, V - Vd), value=float("-inf"))
 
+    def prefill(self, slot_lo: int, prompts: list[list[int]], seqs: list[Sequence]) -> None:
+        # The prompts enter the draft cache with the target's prefill, one row per distinct prompt (the forks
+        # copy them like the target's): the first proposal then catches up on the output alone, not on every
+        # sample's whole prompt (0.15 s of a 0.8 s GRPO rollout on a CPU).
+        self.cached.extend(slot_lo, [0] * len(prompts), prompts)
+        for s in seqs:
+            s.draft_cached = len(s.prompt_token_ids)
+            if self._stale:
+                self._current.add(s.seq_id)
+
     def propose(self, seqs: list[Sequence], k: int, sb: SamplingBatch) -> DraftProposal:
-        if self._stale:
+        if self._stale:  # every sequence catches up on the new weights, but those prefilled with them
             for s in seqs:
-                s.draft_cached = 0
+                if s.seq_id not in self._current:
+                    s.draft_cached = 0
             self._stale = False
+            self._current.clear()
         B = len(seqs)
         # Catch up: feed every token the draft cache lacks, ending with the sequence's last token.
         starts = [min(s.draft_cached, s.num_tokens - 1) for s in seqs]

@@ -105,7 +105,19 @@ class StepCostModel:
                 penalise({5 + 2 * d: self.prior_rows})
             for i in range(n):
                 ata[i][i] += 1e-9 * lam  # keeps unseen drafters' parameters defined
-            self._theta = solve(ata, self._aty)
+            theta = solve(ata, self._aty)
+            # A drafter's own work costs nothing or more. Fit freely, a draft model's own term went below 0
+            # whenever its steps were all that measured the verify term, which then priced the verify passes of
+            # a drafter never run (a suffix table) above the draft model's whole step: it was never tried.
+            # Pinned at 0, the draft model's step is all verify until another drafter's steps tell them apart.
+            for _ in range(2 * len(self.drafters)):
+                negative = [i for i in range(4, n) if theta[i] < 0]
+                if not negative:
+                    break
+                for i in negative:
+                    ata[i][i] += 1e6 * lam
+                theta = solve(ata, self._aty)
+            self._theta = theta
         return self._theta
 
     def predict(self, drafter: str | None, k: int, batch: int) -> float:

@@ -31,11 +31,22 @@ class DraftProposal:
     lengths: torch.Tensor  # [B] long, valid drafts per row (<= k)
     probs: torch.Tensor | None  # [B, k, V] processed draft distribution; None = deterministic (one-hot)
     longest: int | None = None  # max(lengths), where the drafter knows it on the host (no device sync)
+    one_hot_rows: torch.Tensor | None = None  # [B] bool: rows drafted deterministically though probs is given
 
     def cut(self, k: int) -> DraftProposal:
         """The first k draft positions: what a verify pass needs when no row proposed more."""
         probs = None if self.probs is None else self.probs[:, :k]
-        return DraftProposal(self.tokens[:, :k], self.lengths.clamp(max=k), probs, min(self.longest or k, k))
+        return DraftProposal(self.tokens[:, :k], self.lengths.clamp(max=k), probs, min(self.longest or k, k),
+                             self.one_hot_rows)
+
+    def take_rows(self, host: DraftProposal, use: torch.Tensor) -> DraftProposal:
+        """Rows where `use` ([B] bool) take the drafts of a deterministic drafter (`host`, same k, probs None);
+        the others keep these. Lossless: each row's drafts come from one proposal, chosen before the step."""
+        if host.probs is not None or host.tokens.shape != self.tokens.shape:
+            raise ValueError("a host drafter's proposal must be deterministic and as deep as the one it joins")
+        one_hot = use if self.one_hot_rows is None else use | self.one_hot_rows
+        return DraftProposal(torch.where(use[:, None], host.tokens, self.tokens),
+                             torch.where(use, host.lengths, self.lengths), self.probs, None, one_hot)
 
 
 @dataclass(slots=True)
@@ -57,7 +68,14 @@ def verify(target_logits: torch.Tensor, draft: DraftProposal, sb: SamplingBatch)
     in_draft = positions[None, :] < draft.lengths[:, None]  # [B, k]
     x = draft.tokens
     p_x = target_probs[:, :k].gather(-1, x[..., None]).squeeze(-1)  # [B, k]
-    q_x = torch.ones_like(p_x) if draft.probs is None else draft.probs.gather(-1, x[..., None]).squeeze(-1)
+    # Rows drafted deterministically: all of them without probs, else those marked one-hot.
+    one_hot = torch.ones(B, dtype=torch.bool, device=dev) if draft.probs is None else draft.one_hot_rows
+    if draft.probs is None:
+        q_x = torch.ones_like(p_x)
+    else:
+        q_x = draft.probs.gather(-1, x[..., None]).squeeze(-1)
+        if one_hot is not None:
+            q_x = torch.where(one_hot[:, None], 1.0, q_x)
     u = uniforms(sb.seeds, sb.counters[:, None] + positions[None, :], STREAM_ACCEPT)  # [B, k]
     accepted = (u * q_x <= p_x) & in_draft  # u <= p/q without dividing by q
     target_argmax = target_logits.argmax(-1)  # [B, k + 1]
@@ -71,11 +89,12 @@ def verify(target_logits: torch.Tensor, draft: DraftProposal, sb: SamplingBatch)
     at = num_accepted.clamp(max=k - 1)
     if draft.probs is None:
         residual = p_row.clone()
-        hit = x[rows, at]
-        residual[rows, hit] = torch.where(rejected_draft, 0.0, residual[rows, hit])
     else:
-        q_row = draft.probs[rows, at] * rejected_draft[:, None]
-        residual = (p_row - q_row).clamp_(min=0)
+        drawn = rejected_draft if one_hot is None else rejected_draft & ~one_hot
+        residual = (p_row - draft.probs[rows, at] * drawn[:, None]).clamp_(min=0)
+    if one_hot is not None:  # a deterministic draft's q is one-hot: the residual is p without the rejected token
+        hit = x[rows, at]
+        residual[rows, hit] = torch.where(rejected_draft & one_hot, 0.0, residual[rows, hit])
     # p == q exactly leaves no residual mass; rejection then had probability 0, any fallback is fine.
     empty = residual.sum(-1, keepdim=True) <= 0
     residual = torch.where(empty, p_row, residual)

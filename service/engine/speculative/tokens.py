@@ -1,0 +1,43 @@
+"""Expected tokens a speculative step emits per row, from per-position acceptance rates. Torch-free.
+
+A row with k drafts emits 1 + sum_{j<=k} alpha_1 * ... * alpha_j tokens on average, where alpha_j is the rate
+at which draft j is accepted once drafts 1..j-1 were. A host drafter (a suffix table) knows before the step how
+many drafts it has for each row; `rows` counts the rows per proposal length.
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+
+
+def tokens_per_row(alpha: float | list[float], k: int) -> float:
+    """Expected tokens a row emits with k drafts, from one rate for every position (geometric) or one per
+    position (past the positions given, the deepest one's rate)."""
+    total = reach = 1.0
+    for j in range(k):
+        reach *= min(max(alpha if isinstance(alpha, float) else alpha[min(j, len(alpha) - 1)], 0.0), 1.0)
+        total += reach
+    return total
+
+
+def mean_tokens(alpha: list[float] | None, k: int, rows: Counter[int] | None) -> float:
+    """Expected tokens per row with k drafts; `rows`: how many rows have each proposal length (a row gets at most
+    its proposal's drafts), or None when every row gets k."""
+    if not k:
+        return 1.0
+    if rows is None:
+        return tokens_per_row(alpha, k)
+    return sum(c * tokens_per_row(alpha, min(k, n)) for n, c in rows.items()) / sum(rows.values())
+
+
+def assisted_tokens(alpha: list[float], k: int, host_alpha: list[float],
+                    host_rows: Counter[int]) -> tuple[float, int | None]:
+    """A drafter that drafts k for every row, assisted by a host drafter: a row takes the host's drafts where
+    they are worth more than the drafter's k, which holds for proposals of at least `n` drafts (expected tokens
+    grow with the proposal's length). Returns the expected tokens per row and that `n` (None: no row gains)."""
+    own = tokens_per_row(alpha, k)
+    n = next((n for n in range(1, k + 1) if tokens_per_row(host_alpha, n) > own), None)
+    if n is None:
+        return own, None
+    total = sum(c * (tokens_per_row(host_alpha, min(k, m)) if m >= n else own) for m, c in host_rows.items())
+    return total / sum(host_rows.values()), n
