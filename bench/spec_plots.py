@@ -14,7 +14,13 @@ COLORS = {"off": "#7f7f7f", "adaptive": "#d62728"}
 
 
 def _k_of(strategy: str) -> int:
-    return int(strategy.split("k=")[1]) if "k=" in strategy else 0
+    """"draft:k=4" and "draft:k=4+suffix" (assisted by the suffix table) -> 4; "plain" -> 0."""
+    return int(strategy.split("k=")[1].split("+")[0]) if "k=" in strategy else 0
+
+
+def _kind_of(strategy: str) -> str:
+    """plain | draft | suffix | draft+suffix: the drafter of a step's strategy, and the one assisting it."""
+    return strategy.split(":")[0] + ("+" + strategy.split("+")[1] if "+" in strategy else "")
 
 
 def strategy_plot(shape: str, results: dict[str, dict], path: Path) -> Path:
@@ -32,11 +38,11 @@ def strategy_plot(shape: str, results: dict[str, dict], path: Path) -> Path:
     if ada:
         trace = ada["trace"]
         steps = range(len(trace))
-        for drafter, color in (("draft", "#1f77b4"), ("suffix", "#2ca02c"), ("plain", "#7f7f7f")):
-            pts = [(i, _k_of(s)) for i, (_, s, _, _) in zip(steps, trace, strict=True)
-                   if (s == "plain") == (drafter == "plain") and (drafter == "plain" or s.startswith(drafter))]
+        kinds = (("draft", "#1f77b4"), ("draft+suffix", "#9467bd"), ("suffix", "#2ca02c"), ("plain", "#7f7f7f"))
+        for kind, color in kinds:
+            pts = [(i, _k_of(s)) for i, (_, s, _, _) in zip(steps, trace, strict=True) if _kind_of(s) == kind]
             if pts:
-                right.scatter([p[0] for p in pts], [p[1] for p in pts], s=9, color=color, label=drafter)
+                right.scatter([p[0] for p in pts], [p[1] for p in pts], s=9, color=color, label=kind)
         right.set_xlabel("decode step of the adaptive run")
         right.set_ylabel("k chosen (0 = plain)")
         twin = right.twinx()

@@ -32,3 +32,14 @@ def test_quick_run_reports_median_runs_ratios_and_a_plot(tmp_path, capsys) -> No
 def test_repeats_must_be_positive() -> None:
     with pytest.raises(SystemExit):
         spec_decode.main(["--quick", "--repeats", "0"])
+
+
+def test_the_plot_tells_assisted_steps_apart(tmp_path) -> None:
+    from bench.spec_plots import _k_of, _kind_of, strategy_plot
+
+    names = ["plain", "draft:k=4", "draft:k=6+suffix", "suffix:k=8"]
+    assert [(_kind_of(n), _k_of(n)) for n in names] == [("plain", 0), ("draft", 4), ("draft+suffix", 6),
+                                                        ("suffix", 8)]
+    trace = [[64 - i, n, 0.1, 64] for i, n in enumerate(names)]
+    results = {"adaptive": {"per_bucket": {"64": 700.0}, "trace": trace}}
+    assert strategy_plot("long_tail", results, tmp_path / "p.png").stat().st_size > 0
