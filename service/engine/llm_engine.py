@@ -205,7 +205,9 @@ class LLMEngine:
             return self.strategy.choose(len(seqs))  # no proposals needed: nothing to ask the drafters
         depth = max(self.strategy.depths())
         proposals = {name: n for name, d in self.drafters.items() if (n := d.lookahead(seqs, depth)) is not None}
-        return self.strategy.choose(len(seqs), proposals)
+        max_len = self.config.max_model_len
+        steps_left = max(min(s.params.max_tokens - len(s.output_token_ids), max_len - s.num_tokens) for s in seqs)
+        return self.strategy.choose(len(seqs), proposals, steps_left)
 
     def _record(self, batch: SchedulerOutput, strategy: Strategy, result: StepResult, seconds: float) -> None:
         """Feedback for the strategy (what this choice cost), counters for the metrics."""

@@ -24,7 +24,8 @@ What makes it fast to converge is sharing across arms:
   longer it stayed off the costlier the next catch-up: the old strategy sat on plain decoding at full batch
   for that reason) and learned apart, per row per step missed; it is charged to arms that would switch, spread
   over the steps the drafter stayed once switched to lately, or has been away if longer (at most
-  `switch_horizon`).
+  `switch_horizon`), and never over more steps than the batch has left (`steps_left`: a near-uniform rollout
+  switched to the draft model as its last rows finished and paid a whole catch-up for a few steps).
 - Acceptance: per drafter, one Beta posterior per draft position, of the rate at which a row that reached
   that position accepts it (a row that accepted a of k drafts tried positions 1..a+1 and accepted 1..a).
   One rate for every position (a geometric model) is right for a draft model but not for a suffix table,
@@ -185,9 +186,12 @@ class AdaptiveStrategy:
         ran = self.verified(s, proposals)
         return batch_size * self.expected_tokens(ran, proposals) / self.predicted_cost(batch_size, ran)
 
-    def choose(self, batch_size: int, proposals: dict[str, list[int]] | None = None) -> Strategy:
+    def choose(self, batch_size: int, proposals: dict[str, list[int]] | None = None,
+               steps_left: int | None = None) -> Strategy:
         """The arm to run for this batch. `proposals`: for each drafter that proposes on the host, how many
-        drafts it has for each row (see the module docstring); it may name a depth shorter than the arm's."""
+        drafts it has for each row (see the module docstring); it may name a depth shorter than the arm's.
+        `steps_left`: at most how many more steps the batch runs (its rows' longest token budget left): a
+        switch's catch-up is spread over no more steps than that."""
         if self.fixed is not None:
             return self.fixed
         if not self.drafters:
@@ -212,7 +216,7 @@ class AdaptiveStrategy:
             if s.k and s.drafter != self._last and s.drafter in self.switch_cost:
                 per_row = max(self.switch_cost[s.drafter].value or 0.0, 0.0)
                 catch_up = per_row * batch_size * self._missed_steps(s.drafter)
-                cost += catch_up / self._horizon(s.drafter)
+                cost += catch_up / min(self._horizon(s.drafter), max(steps_left or math.inf, 1))
             tokens = mean_tokens(alpha.get(s.drafter), s.k, rows.get(s.drafter))
             if s.k and s.drafter not in proposals:  # a draft model: assisted by a host drafter where it pays
                 for host in hosts:

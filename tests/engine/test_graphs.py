@@ -102,8 +102,8 @@ def run_suffix_steps(engine: LLMEngine, monkeypatch) -> list[tuple[list[int], ob
     runner verified)."""
     choose, seen = AdaptiveStrategy.choose, []
 
-    def recorded(self, batch_size, proposals=None):
-        s = choose(self, batch_size, proposals)
+    def recorded(self, batch_size, proposals=None, steps_left=None):
+        s = choose(self, batch_size, proposals, steps_left)
         if proposals:
             s = self.verified(Strategy("suffix", 8), proposals["suffix"])
         seen.append(((proposals or {}).get("suffix"), s))

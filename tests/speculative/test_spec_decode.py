@@ -222,11 +222,13 @@ def test_the_strategy_knows_what_the_suffix_table_has_for_each_row_before_it_cho
     _, base = run(target, PROMPTS, params)
     engine = LLMEngine(EngineConfig(model=str(target), max_model_len=256, max_num_seqs=16,
                                     drafter=f"{drafters['llama']},suffix"))
-    choose, seen = AdaptiveStrategy.choose, []
+    choose, seen, budgets = AdaptiveStrategy.choose, [], []
 
-    def recorded(self, batch_size, proposals=None):
-        s = choose(self, batch_size, proposals)
+    def recorded(self, batch_size, proposals=None, steps_left=None):
+        s = choose(self, batch_size, proposals, steps_left)
         seen.append((batch_size, proposals, s))
+        if proposals is not None:
+            budgets.append(steps_left)
         return s
 
     monkeypatch.setattr(AdaptiveStrategy, "choose", recorded)  # slotted: patch the class
@@ -246,6 +248,8 @@ def test_the_strategy_knows_what_the_suffix_table_has_for_each_row_before_it_cho
     ran = {s.drafter for _, _, s in seen}
     assert "suffix" in ran, ran
     assert any(p is not None and max(p["suffix"]) == 0 for _, p, _ in seen)
+    # The batch's longest token budget left (30 per request, one token from the prefill), as it shrinks.
+    assert budgets[0] <= 29 and min(budgets) >= 1 and budgets == sorted(budgets, reverse=True), budgets
     for a, b in zip(base, got, strict=True):
         assert b.outputs[0].token_ids == a.outputs[0].token_ids
 

@@ -9,6 +9,7 @@ from collections.abc import Callable
 
 import pytest
 
+from service.engine.speculative.estimates import Ewma
 from service.engine.speculative.tokens import assisted_tokens, tokens_per_row
 from service.engine.strategy import PLAIN, AdaptiveStrategy, Strategy, bucket_of
 
@@ -66,7 +67,7 @@ def rollout(strategy: AdaptiveStrategy, lengths: list[int], alpha: AlphaFn, cost
     missed = 0  # tokens per row the draft model has not seen
     while remaining:
         batch = len(remaining)
-        s = strategy.choose(batch)
+        s = strategy.choose(batch, steps_left=max(remaining))
         acc = accepted_counts(batch, s.k, alpha(s.drafter, len(trace)), rng) if s.k else None
         seconds = cost(batch, s.drafter, s.k) * math.exp(rng.gauss(0.0, 0.05))
         if s.drafter == "draft" and missed:
@@ -328,3 +329,18 @@ def test_assisted_rows_take_the_table_where_its_drafts_yield_more() -> None:
     assert tokens == pytest.approx(want / 4)
     assert assisted_tokens(own, 8, table, rows)[1] == 2
     assert assisted_tokens(own, 4, [0.1] * 8, rows) == (pytest.approx(tokens_per_row(own, 4)), None)
+
+
+def test_a_catch_up_is_not_spread_over_more_steps_than_the_batch_has_left() -> None:
+    """A draft model three times plain's rate, away for 40 steps: worth its 0.1 s catch-up over a long stay,
+    not when the batch's rows have two tokens left to generate."""
+    s = AdaptiveStrategy(["draft"], seed=0)
+    for batch in (8, 16):
+        s.record(PLAIN, batch, 0.010 * (1 + batch / 32))
+    for _ in range(6):
+        s.record(Strategy("draft", 2), 8, 0.012, [2] * 8)
+    for _ in range(40):
+        s.record(PLAIN, 8, 0.010)
+    s.switch_cost["draft"] = Ewma(0.1 / (8 * 32), 5)  # seconds per row per step missed: 0.1 s for 32 steps
+    assert [s.choose(8).drafter for _ in range(20)].count("draft") >= 18
+    assert [s.choose(8, steps_left=2).drafter for _ in range(20)].count(None) >= 18
