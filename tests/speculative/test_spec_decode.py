@@ -170,6 +170,10 @@ def test_after_a_drafter_push_running_samples_catch_up_and_new_ones_do_not(targe
     assert fed[1] == [1] * len(PROMPTS) * 2, fed[:2]  # the first proposal after the prefill
     for a, b in zip(base, got, strict=True):
         assert [c.token_ids for c in b.outputs] == [c.token_ids for c in a.outputs]
+    engine.swap_drafter(load_model(drafters["llama"], engine.dtype, engine.device), "3")
+    engine.strategy.fixed = PLAIN  # no proposal after this push: what it keeps of the samples admitted since
+    engine.generate(PROMPTS, params)  # ends with them
+    assert not engine.drafters["draft"]._current
 
 
 def test_switching_sd_on_mid_generation_does_not_re_prefill(target, drafters):

@@ -61,6 +61,10 @@ class DraftModelDrafter(Drafter):
             if self._stale:
                 self._current.add(s.seq_id)
 
+    def observe(self, seq: Sequence) -> None:
+        if seq.is_finished:  # a push may be followed by no proposal for long: forget finished samples meanwhile
+            self._current.discard(seq.seq_id)
+
     def propose(self, seqs: list[Sequence], k: int, sb: SamplingBatch) -> DraftProposal:
         if self._stale:  # every sequence catches up on the new weights, but those prefilled with them
             for s in seqs:

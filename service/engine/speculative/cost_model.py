@@ -14,7 +14,7 @@ span 10x and more across batch sizes) and older steps fade by `forget`, which ke
 sizes and context lengths of the last few dozen steps (a rollout drains slowly). A weak ridge prior ties
 (u, v) to `prior_marginal` x (a, b), each drafter's (u_d, v_d) to 0 and b to a / `prior_rows`, so the fit is
 defined from the first step; it splits what a drafter's steps measure between the shared and its own term
-until a second drafter's steps tell them apart.
+until a second drafter's steps tell them apart. A drafter's own terms are kept at 0 or more (see `theta`).
 """
 
 from __future__ import annotations
