@@ -17,6 +17,7 @@ from service.engine.sampler import SampleResult, SamplingBatch, sample
 from service.engine.scheduler import SchedulerOutput, SlotCopy
 from service.engine.sequence import Sequence
 from service.engine.speculative.verify import verify
+from service.engine.strategy import cut_depth
 from service.models import attention
 from service.models.llama import AttnMeta, CausalLM
 from service.models.packed import pack_linears
@@ -322,8 +323,7 @@ class ModelRunner:
             # anyway, and every random draw is keyed by the row's seed and output position, not the width.
             if not draft.longest:
                 return None
-            depths = self._depths if self.target.graphs is not None else [draft.longest]
-            k = min((d for d in depths if draft.longest <= d <= k), default=k)
+            k = cut_depth(draft.longest, k, self._depths if self.target.graphs is not None else None)
             draft = draft.cut(k)
         last = torch.tensor([[s.last_token] for s in seqs], dtype=torch.int64, device=self.device)
         ids = torch.cat([last, draft.tokens], dim=1)  # [B, k + 1]

@@ -103,6 +103,15 @@ def bucket_of(batch_size: int) -> int:
     return 1 << max(batch_size - 1, 0).bit_length()
 
 
+def cut_depth(longest: int, k: int, depths: tuple[int, ...] | list[int] | None) -> int:
+    """The depth a verify pass of k drafts runs at when no row has more than `longest` (<= k): `longest`, or
+    with captured `depths` (CUDA graphs) the smallest of them that holds it, k if none does. The runner cuts
+    with it and the strategy values arms with it, so the step valued is the step run."""
+    if depths is None:
+        return longest
+    return min((d for d in depths if longest <= d <= k), default=k)
+
+
 @dataclass(slots=True)
 class AdaptiveStrategy:
     drafters: list[str]
@@ -163,10 +172,10 @@ class AdaptiveStrategy:
         to a depth in `ks` where the runner replays captured CUDA graphs (`rounds_to_ks`)."""
         if not s.k or proposals is None:
             return s
-        k = min(s.k, max(proposals, default=0))
-        if k and self.rounds_to_ks:
-            k = min((d for d in self.ks if k <= d <= s.k), default=s.k)
-        return Strategy(s.drafter, k) if k else PLAIN
+        longest = min(s.k, max(proposals, default=0))
+        if not longest:
+            return PLAIN
+        return Strategy(s.drafter, cut_depth(longest, s.k, self.ks if self.rounds_to_ks else None))
 
     def _correction(self, batch_size: int, s: Strategy) -> tuple[float, int]:
         """What the line misses for this arm in this bucket (measured / predicted, shrunk towards 1 by the

@@ -68,8 +68,7 @@ def verify(target_logits: torch.Tensor, draft: DraftProposal, sb: SamplingBatch)
     in_draft = positions[None, :] < draft.lengths[:, None]  # [B, k]
     x = draft.tokens
     p_x = target_probs[:, :k].gather(-1, x[..., None]).squeeze(-1)  # [B, k]
-    # Rows drafted deterministically: all of them without probs, else those marked one-hot.
-    one_hot = torch.ones(B, dtype=torch.bool, device=dev) if draft.probs is None else draft.one_hot_rows
+    one_hot = draft.one_hot_rows  # with probs: the rows drafted deterministically (None: none of them)
     if draft.probs is None:
         q_x = torch.ones_like(p_x)
     else:
@@ -88,13 +87,14 @@ def verify(target_logits: torch.Tensor, draft: DraftProposal, sb: SamplingBatch)
     rejected_draft = num_accepted < draft.lengths  # a real draft token was rejected at num_accepted
     at = num_accepted.clamp(max=k - 1)
     if draft.probs is None:
-        residual = p_row.clone()
+        residual, rejected_one_hot = p_row.clone(), rejected_draft
     else:
         drawn = rejected_draft if one_hot is None else rejected_draft & ~one_hot
         residual = (p_row - draft.probs[rows, at] * drawn[:, None]).clamp_(min=0)
-    if one_hot is not None:  # a deterministic draft's q is one-hot: the residual is p without the rejected token
+        rejected_one_hot = None if one_hot is None else rejected_draft & one_hot
+    if rejected_one_hot is not None:  # a deterministic draft's q is one-hot: the residual is p without that token
         hit = x[rows, at]
-        residual[rows, hit] = torch.where(rejected_draft & one_hot, 0.0, residual[rows, hit])
+        residual[rows, hit] = torch.where(rejected_one_hot, 0.0, residual[rows, hit])
     # p == q exactly leaves no residual mass; rejection then had probability 0, any fallback is fine.
     empty = residual.sum(-1, keepdim=True) <= 0
     residual = torch.where(empty, p_row, residual)
