@@ -270,8 +270,7 @@ class AdaptiveStrategy:
         if drafter is None:
             self._plain_buckets.add(bucket_of(batch_size))
         for a in self.accept.values():
-            a.hits = [h * self.discount for h in a.hits]
-            a.trials = [t * self.discount for t in a.trials]
+            a.fade(self.discount)
         if drafter is not None and num_accepted:
             drafted = num_drafted or [s.k] * len(num_accepted)
             host = s.assist[0] if s.assist and assisted else None
@@ -285,7 +284,7 @@ class AdaptiveStrategy:
                 hits = [sum(1 for n, _ in rows if n > j) for j in range(s.k)]
                 trials = [sum(1 for n, m in rows if n >= j and m > j) for j in range(s.k)]
                 if trials[0]:
-                    self._observe(d, hits, trials)
+                    self.accept[d].observe(hits, trials, self.trials_per_step)
 
     def _record_cost(self, s: Strategy, drafter: str | None, switched: bool, batch_size: int,
                      seconds: float) -> None:
@@ -324,36 +323,3 @@ class AdaptiveStrategy:
         """Steps a drafter missed, capped: one catch-up pass over many tokens costs far less than as many
         steps, and an uncapped charge would lock the strategy out of a drafter the longer it stays away."""
         return min(max(1, self._away.get(drafter, 1)), self.switch_max_steps)
-
-    def _observe(self, drafter: str, hits: list[int], trials: list[int]) -> None:
-        a = self.accept[drafter]
-        a.recent.append((hits, trials))
-        # A change, not noise (a policy push made the drafter stale): trust the newest steps alone. One
-        # step decides at large batches; at small ones, where a step holds few trials, the last few do.
-        # Tested on the counts pooled over positions.
-        pooled_hits, pooled_trials = a.pooled()
-        h = t = 0
-        for i, (step_hits, step_trials) in enumerate(reversed(a.recent)):
-            h, t = h + sum(step_hits), t + sum(step_trials)
-            if (pooled_trials >= self.trials_per_step and t >= 6
-                    and self._changed(pooled_hits / pooled_trials, h / t, t)):
-                a.hits, a.trials = [0.0] * len(a.hits), [0.0] * len(a.trials)
-                for step_hits, step_trials in list(a.recent)[-(i + 1):]:
-                    self._add(a, step_hits, step_trials)
-                a.recent.clear()
-                return
-        self._add(a, hits, trials)
-
-    def _add(self, a: Acceptance, hits: list[int], trials: list[int]) -> None:
-        # One step counts for at most trials_per_step rows at its first position: rows are not independent.
-        scale = min(1.0, self.trials_per_step / max(trials[0], 1))
-        grow = len(hits) - len(a.hits)  # a pinned k deeper than `ks`
-        if grow > 0:
-            a.hits, a.trials = a.hits + [0.0] * grow, a.trials + [0.0] * grow
-        for j, (h, t) in enumerate(zip(hits, trials, strict=True)):
-            a.hits[j] += h * scale
-            a.trials[j] += t * scale
-
-    @staticmethod
-    def _changed(p: float, observed: float, trials: float) -> bool:
-        return abs(observed - p) > 0.15 + 3 * math.sqrt(max(p * (1 - p), 0.01) / trials)

@@ -3,6 +3,7 @@ position, and exponentially weighted step costs. Torch-free."""
 
 from __future__ import annotations
 
+import math
 import random
 from collections import deque
 from dataclasses import dataclass, field
@@ -56,3 +57,39 @@ class Acceptance:
 
     def pooled(self) -> tuple[float, float]:
         return sum(self.hits), sum(self.trials)
+
+    def fade(self, keep: float) -> None:
+        """Discount every count (once per step), so a drafter not run for a while becomes uncertain again."""
+        self.hits = [h * keep for h in self.hits]
+        self.trials = [t * keep for t in self.trials]
+
+    def observe(self, hits: list[int], trials: list[int], trials_per_step: float) -> None:
+        """One step's counts per position. A change, not noise (a policy push made the drafter stale): the
+        posterior restarts from the newest steps alone. One step decides at large batches; at small ones, where
+        a step holds few trials, the last few do. Tested on the counts pooled over positions."""
+        self.recent.append((hits, trials))
+        pooled_hits, pooled_trials = self.pooled()
+        h = t = 0
+        for i, (step_hits, step_trials) in enumerate(reversed(self.recent)):
+            h, t = h + sum(step_hits), t + sum(step_trials)
+            if pooled_trials >= trials_per_step and t >= 6 and _changed(pooled_hits / pooled_trials, h / t, t):
+                self.hits, self.trials = [0.0] * len(self.hits), [0.0] * len(self.trials)
+                for step_hits, step_trials in list(self.recent)[-(i + 1):]:
+                    self._add(step_hits, step_trials, trials_per_step)
+                self.recent.clear()
+                return
+        self._add(hits, trials, trials_per_step)
+
+    def _add(self, hits: list[int], trials: list[int], trials_per_step: float) -> None:
+        # One step counts for at most trials_per_step rows at its first position: rows are not independent.
+        scale = min(1.0, trials_per_step / max(trials[0], 1))
+        grow = len(hits) - len(self.hits)  # a pinned k deeper than the strategy's arms
+        if grow > 0:
+            self.hits, self.trials = self.hits + [0.0] * grow, self.trials + [0.0] * grow
+        for j, (h, t) in enumerate(zip(hits, trials, strict=True)):
+            self.hits[j] += h * scale
+            self.trials[j] += t * scale
+
+
+def _changed(p: float, observed: float, trials: float) -> bool:
+    return abs(observed - p) > 0.15 + 3 * math.sqrt(max(p * (1 - p), 0.01) / trials)
