@@ -15,7 +15,9 @@ bucket, and the adaptive choice over the run's steps.
     python3 -m bench.spec_decode [--threads 1] [--workloads long_tail,near_uniform] [--repeats 3] [--quick]
 
 Each config runs `--repeats` times, round-robin; the JSON reports the run with the median wall time (and
-every run's seconds), since runs of ~10 s vary by about 5% on a quiet machine.
+every run's seconds), since runs of ~10 s vary by about 5% on a quiet machine, and adaptive against the best
+fixed k paired round by round (`ratio_adaptive_vs_best_fixed_paired`: the two runs of a round ran minutes apart
+at most).
 """
 
 from __future__ import annotations
@@ -259,6 +261,12 @@ def summarise(results: dict[str, dict], lengths: list[int]) -> dict:
         out["best_fixed"] = best
         if ada:
             out["ratio_adaptive_vs_best_fixed"] = round(fixed[best]["seconds"] / ada["seconds"], 3)
+            # Paired: round i's best-fixed run against round i's adaptive run, which ran next to it. The machine's
+            # speed drifts by several % over a bench (both configs move together within a round), so the median
+            # of these says more than the ratio of two medians from different rounds.
+            paired = sorted(b / a for b, a in zip(fixed[best]["seconds_runs"], ada["seconds_runs"], strict=True))
+            out["ratio_adaptive_vs_best_fixed_paired"] = {"median": round(paired[(len(paired) - 1) // 2], 3),
+                                                          "runs": [round(x, 3) for x in paired]}
         if off:
             out["ratio_best_fixed_vs_off"] = round(off["seconds"] / fixed[best]["seconds"], 3)
     if off and ada:

@@ -25,6 +25,9 @@ def test_quick_run_reports_median_runs_ratios_and_a_plot(tmp_path, capsys) -> No
     assert w["best_fixed"] == "k=2"
     assert w["ratio_adaptive_vs_off"] == pytest.approx(results["off"]["seconds"] / results["adaptive"]["seconds"],
                                                        abs=1e-3)
+    paired = [b / a for b, a in zip(results["k=2"]["seconds_runs"], results["adaptive"]["seconds_runs"], strict=True)]
+    assert w["ratio_adaptive_vs_best_fixed_paired"]["runs"] == pytest.approx(sorted(paired), abs=1e-3)
+    assert w["ratio_adaptive_vs_best_fixed_paired"]["median"] == pytest.approx(min(paired), abs=1e-3)
     assert (tmp_path / "spec_decode_long_tail.png").stat().st_size > 0
     assert "start" in summary["loadavg"] and summary["threads"] == 1
 
