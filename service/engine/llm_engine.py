@@ -78,7 +78,8 @@ class LLMEngine:
             fixed = Strategy(next(iter(self.drafters)), config.spec_k)
         on_host = frozenset(n for n, d in self.drafters.items() if d.on_host)
         self.strategy = AdaptiveStrategy(list(self.drafters), on_host, fixed=fixed, seed=config.seed,
-                                         rounds_to_ks=self.runner.target.graphs is not None)
+                                         rounds_to_ks=self.runner.target.graphs is not None,
+                                         pack_min_saved=self.runner.target.pack_min_saved)
         may_run = set(self.drafters) if fixed is None else {fixed.drafter} if fixed.k else set()
         self.runner.prefill_drafters = [d for name, d in self.drafters.items() if name in may_run]
         t0 = time.perf_counter()  # CUDA graphs (GPU) or compiled forwards (CPU) before the first step

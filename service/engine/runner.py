@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+import math
 import time
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
@@ -17,7 +18,7 @@ from service.engine.sampler import SampleResult, SamplingBatch, sample
 from service.engine.scheduler import SchedulerOutput, SlotCopy
 from service.engine.sequence import Sequence
 from service.engine.speculative.verify import verify
-from service.engine.strategy import cut_depth
+from service.engine.strategy import cut_depth, packs
 from service.models import attention
 from service.models.llama import AttnMeta, CausalLM
 from service.models.packed import pack_linears
@@ -91,6 +92,9 @@ def to_host(res: SampleResult, seqs: list[Sequence], extra: torch.Tensor | None 
     return out
 
 
+PACK_MIN_MACS = 5e8  # a packed forward saves at least this many multiply-adds (a few ms of one CPU core)
+
+
 class CachedModel:
     """A decoder with its own static KV cache and RoPE table; builds the per-forward attention metadata."""
 
@@ -108,6 +112,13 @@ class CachedModel:
         # torch.compile on CPU (service/engine/compiled.py), else eager.
         self.graphs = StepGraphs(self, cache.num_slots) if compiled and device.type == "cuda" else None
         self.compiled = compiled_forward if compiled and device.type == "cpu" and compiled_available() else None
+        # Rows of different lengths run packed (`AttnMeta.packed`, eagerly) where that saves at least this many
+        # positions: PACK_MIN_MACS of linear-layer work, more than eager costs over compiled code on a small
+        # model. Never where the GPU replays graphs of the padded passes.
+        cfg = self.cfg
+        q, kv = cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim
+        macs = cfg.num_layers * (cfg.hidden_size * (2 * q + 2 * kv) + 3 * cfg.hidden_size * cfg.intermediate_size)
+        self.pack_min_saved = None if self.graphs is not None else max(1, math.ceil(PACK_MIN_MACS / macs))
 
     @property
     def model(self) -> CausalLM:
@@ -118,10 +129,13 @@ class CachedModel:
         pack_linears(model)
         self._model = model
 
-    def build_meta(self, slot_lo: int, starts: list[int], q_lens: list[int]) -> tuple[AttnMeta, torch.Tensor]:
+    def build_meta(self, slot_lo: int, starts: list[int], q_lens: list[int], pack: bool = False,
+                   width: int | None = None) -> tuple[AttnMeta, torch.Tensor]:
         """Rows b = slots slot_lo + b append q_lens[b] tokens at positions starts[b]...; returns meta and
-        the [B, Q] position tensor (padding entries point at the scratch position)."""
-        B, Q = len(starts), max(q_lens)
+        the [B, Q] position tensor (padding entries point at the scratch position; Q = `width`, default the
+        longest row). `pack`: rows of different lengths compute their real tokens only (`AttnMeta.packed`;
+        eager forwards only)."""
+        B, Q = len(starts), width or max(q_lens)
         dev = self.device
         scratch = self.cache.scratch_pos
         # Positions and cache slots of every new token in one host tensor [2, B, Q].
@@ -129,7 +143,14 @@ class CachedModel:
         host.append([[slot_lo + b] * Q for b in range(B)])
         pos, slots = torch.tensor(host, dtype=torch.int64, device=dev).unbind(0)
         kv_len = max(s + n for s, n in zip(starts, q_lens, strict=True))
-        return self.meta_for(slot_lo, pos, slots.reshape(-1), kv_len, self.attn_kernels[Q > 1]), pos
+        meta = self.meta_for(slot_lo, pos, slots.reshape(-1), kv_len, self.attn_kernels[Q > 1])
+        if pack and self.pack_min_saved is not None and B * Q - sum(q_lens) >= self.pack_min_saved:
+            packed = torch.tensor([b * Q + j for b, n in enumerate(q_lens) for j in range(n)], device=dev)
+            meta.packed = packed
+            meta.write_slots, meta.write_pos = meta.write_slots[packed], meta.write_pos[packed]
+            meta.cos = meta.cos.reshape(B * Q, *meta.cos.shape[2:])[packed]  # [N, 1, D]
+            meta.sin = meta.sin.reshape(B * Q, *meta.sin.shape[2:])[packed]
+        return meta, pos
 
     def meta_for(self, slot_lo: int, pos: torch.Tensor, write_slots: torch.Tensor, kv_len: int,
                  kernel: str) -> AttnMeta:
@@ -185,7 +206,7 @@ class CachedModel:
         q_lens = [len(t) for t in tokens]
         Q = max(q_lens)
         ids = torch.tensor([t + [0] * (Q - len(t)) for t in tokens], dtype=torch.int64, device=self.device)
-        meta, _ = self.build_meta(slot_lo, starts, q_lens)
+        meta, _ = self.build_meta(slot_lo, starts, q_lens, pack=True)
         last = torch.tensor([n - 1 for n in q_lens], dtype=torch.int64, device=self.device)
         return self.forward(ids, meta), last
 
@@ -210,14 +231,18 @@ class ModelRunner:
     def model(self, model: CausalLM) -> None:
         self.target.model = model
 
-    def build_meta(self, slot_lo: int, starts: list[int], q_lens: list[int]) -> tuple[AttnMeta, torch.Tensor]:
-        return self.target.build_meta(slot_lo, starts, q_lens)
+    def build_meta(self, slot_lo: int, starts: list[int], q_lens: list[int], pack: bool = False,
+                   width: int | None = None) -> tuple[AttnMeta, torch.Tensor]:
+        return self.target.build_meta(slot_lo, starts, q_lens, pack, width)
 
     def forward(self, input_ids: torch.Tensor, meta: AttnMeta) -> torch.Tensor:
         """The target forward; every drafter sees the resulting hidden states (feature-based drafters)."""
         hidden = self.target.forward(input_ids, meta)
-        for d in self.drafters:
-            d.observe_target_hidden(meta.write_slots, meta.write_pos, hidden)
+        if self.drafters:
+            rows = hidden.reshape(-1, hidden.shape[-1])
+            rows = rows if meta.packed is None else rows[meta.packed]  # the tokens write_slots / write_pos name
+            for d in self.drafters:
+                d.observe_target_hidden(meta.write_slots, meta.write_pos, rows)
         return hidden
 
     def forward_rows(self, input_ids: torch.Tensor, starts: list[int]) -> torch.Tensor:
@@ -278,12 +303,22 @@ class ModelRunner:
                     c.warm_up(query_lens)
         return self.builds() - built
 
+    def packs_verify(self, row_lengths: list[int] | None, k: int) -> bool:
+        """Whether a verify pass k drafts wide, with rows of these draft counts (None: unknown on the host), runs
+        packed: only each row's last token and drafts go through the linear layers (`strategy.packs`). On a CPU
+        a padded position costs as much as a real one (a verify at batch 64 is matmul-bound:
+        bench/step_profile.py), so a suffix table whose longest match set the width for every row paid for
+        positions it never proposed."""
+        if row_lengths is None:
+            return False
+        return packs(sum(min(n, k) for n in row_lengths), len(row_lengths), k, self.target.pack_min_saved)
+
     def _prefill(self, out: SchedulerOutput) -> StepResult:
         prompts = out.prompts
         q_lens = [len(p) for p in prompts]
         Q = max(q_lens)
         ids = torch.tensor([p + [0] * (Q - len(p)) for p in prompts], dtype=torch.int64, device=self.device)
-        meta, _ = self.target.build_meta(out.slot_lo, [0] * len(prompts), q_lens)
+        meta, _ = self.target.build_meta(out.slot_lo, [0] * len(prompts), q_lens, pack=True)
         hidden = self.forward(ids, meta)  # [P, Q, hidden]
         last = torch.tensor([n - 1 for n in q_lens], device=self.device)
         logits = self.model.logits(hidden[torch.arange(len(prompts), device=self.device), last])  # [P, V]
@@ -310,11 +345,13 @@ class ModelRunner:
         sb = SamplingBatch.build(seqs, self.cfg.vocab_size, self.device)
         t0 = time.perf_counter()
         draft = drafter.propose(seqs, k, sb)
-        use = None
+        use, row_lengths = None, draft.row_lengths  # each row's drafts, where known on the host
         if assist is not None:
             host = assist[0].propose(seqs, k, sb)
             use = host.lengths >= assist[1]  # [B]
             draft = draft.take_rows(host, use)
+            if host.row_lengths is not None:
+                row_lengths = [n if n >= assist[1] else k for n in host.row_lengths]
         draft_seconds = time.perf_counter() - t0
         if draft.longest is not None and draft.longest < k:
             # No row proposed k drafts (a suffix table without long matches): verify only as many positions
@@ -327,7 +364,13 @@ class ModelRunner:
             draft = draft.cut(k)
         last = torch.tensor([[s.last_token] for s in seqs], dtype=torch.int64, device=self.device)
         ids = torch.cat([last, draft.tokens], dim=1)  # [B, k + 1]
-        hidden = self.forward_rows(ids, [s.num_cached for s in seqs])  # [B, k + 1, hidden]
+        starts = [s.num_cached for s in seqs]
+        if self.packs_verify(row_lengths, k):
+            # Rows with fewer drafts than the pass is wide compute their real positions only (see `packs_verify`).
+            meta, _ = self.target.build_meta(0, starts, [min(n, k) + 1 for n in row_lengths], True, k + 1)
+            hidden = self.forward(ids, meta)  # [B, k + 1, hidden], zeros past each row's drafts
+        else:
+            hidden = self.forward_rows(ids, starts)  # [B, k + 1, hidden]
         res = verify(self.model.logits(hidden), draft, sb)
         # One host transfer: [B, k + 1] sampled columns plus num_accepted, the draft lengths and the assisted rows.
         flat_seqs = [s for s in seqs for _ in range(k + 1)]

@@ -53,7 +53,10 @@ A drafter's first step ever is no measure of anything: it catches up on every to
 A drafter that proposes on the host (the suffix table) is asked before the choice: it says how many drafts
 it has for each row (`proposals`). Such an arm is valued on what the step would verify: a row gets
 min(k, its proposal) drafts, and the verify pass is cut to the longest proposal, so its cost is that of
-the shorter depth (the runner cuts it; the cost is recorded for the depth that ran, `ran_k`). Its
+the shorter depth (the runner cuts it; the cost is recorded for the depth that ran, `ran_k`); where the rows'
+drafts leave most of that pass empty, the runner packs it (`packs`) and the cost model counts the draft
+positions computed, not the whole grid (`verify_tokens`: a table matching 8 rows of 64 adds 64 positions,
+not 512). Its
 acceptance is the rate at which a proposed draft is accepted: a row the table has nothing for is no
 failure, since the choice already knew it had nothing. Why: a table matches some rows and not others,
 and which ones changes from step to step. Learned as one rate over all rows (what we had), it kept
@@ -103,6 +106,25 @@ def bucket_of(batch_size: int) -> int:
     return 1 << max(batch_size - 1, 0).bit_length()
 
 
+PACK_AT = 0.75  # a verify pass runs packed where at most this fraction of its [B, k + 1] grid is real tokens
+
+
+def packs(drafted: int, batch: int, k: int, min_saved: int | None) -> bool:
+    """Whether a verify pass k drafts wide over `batch` rows with `drafted` drafts in all runs packed (each row
+    computes its last token and its own drafts only): where at most `PACK_AT` of the grid is real and at least
+    `min_saved` positions are saved (packed forwards run eagerly: on a small model the saving must outweigh
+    what compiled code saves), never where `min_saved` is None (the target replays CUDA graphs). The runner
+    packs with it and the strategy values arms with it."""
+    if min_saved is None:
+        return False
+    return drafted + batch <= PACK_AT * batch * (k + 1) and batch * k - drafted >= min_saved
+
+
+def verify_tokens(drafted: int, batch: int, k: int, min_saved: int | None) -> int:
+    """The draft positions a verify pass computes: `drafted` where it runs packed, batch * k where not."""
+    return drafted if packs(drafted, batch, k, min_saved) else batch * k
+
+
 def cut_depth(longest: int, k: int, depths: tuple[int, ...] | list[int] | None) -> int:
     """The depth a verify pass of k drafts runs at when no row has more than `longest` (<= k): `longest`, or
     with captured `depths` (CUDA graphs) the smallest of them that holds it, k if none does. The runner cuts
@@ -126,6 +148,7 @@ class AdaptiveStrategy:
     seed: int = 0
     fixed: Strategy | None = None  # set to pin one strategy (k = 0 pins plain decoding)
     rounds_to_ks: bool = False  # the runner verifies a cut pass at the next depth in `ks` (CUDA graphs)
+    pack_min_saved: int | None = None  # the runner packs verify passes (see `packs`); None: never
     model: StepCostModel = field(init=False)
     accept: dict[str, Acceptance] = field(init=False)
     measured: dict[tuple[int, Strategy], Measured] = field(default_factory=dict)  # per (bucket, arm)
@@ -185,15 +208,23 @@ class AdaptiveStrategy:
         m = self.measured.get((bucket_of(batch_size), s))
         if m is None or m.seconds.value is None:
             return 1.0, 0
-        ratio = m.seconds.value / self.model.predict(s.drafter, s.k, round(m.batch.value))
+        ratio = m.seconds.value / self.model.predict(s.drafter, s.k, round(m.batch.value), round(m.tokens.value))
         return 1.0 + (ratio - 1.0) * m.seconds.n / (m.seconds.n + 2), m.seconds.n
 
-    def predicted_cost(self, batch_size: int, s: Strategy) -> float:
-        return self.model.predict(s.drafter, s.k, batch_size) * self._correction(batch_size, s)[0]
+    def predicted_cost(self, batch_size: int, s: Strategy, tokens: int | None = None) -> float:
+        """Seconds of a step of arm s; `tokens`: the draft positions it verifies (default batch_size * k)."""
+        return self.model.predict(s.drafter, s.k, batch_size, tokens) * self._correction(batch_size, s)[0]
+
+    def _tokens(self, s: Strategy, batch_size: int, rows: Counter[int] | None) -> int:
+        """The draft positions arm s verifies, given its drafter's proposal length -> rows, where known."""
+        if rows is None:
+            return batch_size * s.k
+        return verify_tokens(sum(c * min(s.k, n) for n, c in rows.items()), batch_size, s.k, self.pack_min_saved)
 
     def predicted_throughput(self, batch_size: int, s: Strategy, proposals: list[int] | None = None) -> float:
         ran = self.verified(s, proposals)
-        return batch_size * self.expected_tokens(ran, proposals) / self.predicted_cost(batch_size, ran)
+        tokens = self._tokens(ran, batch_size, Counter(proposals) if proposals else None)
+        return batch_size * self.expected_tokens(ran, proposals) / self.predicted_cost(batch_size, ran, tokens)
 
     def choose(self, batch_size: int, proposals: dict[str, list[int]] | None = None,
                steps_left: int | None = None) -> Strategy:
@@ -221,7 +252,8 @@ class AdaptiveStrategy:
                 continue  # deeper than twice the deepest measured k: its cost is an extrapolation
             corr, n = self._correction(batch_size, s)
             noise = math.exp(self._rng.gauss(0.0, self.cost_spread / math.sqrt(1 + n)))
-            cost = self.model.predict(s.drafter, s.k, batch_size) * corr * noise
+            width = self._tokens(s, batch_size, rows.get(s.drafter)) if s.k else 0
+            cost = self.model.predict(s.drafter, s.k, batch_size, width) * corr * noise
             if s.k and s.drafter != self._last and s.drafter in self.switch_cost:
                 per_row = max(self.switch_cost[s.drafter].value or 0.0, 0.0)
                 catch_up = per_row * batch_size * self._missed_steps(s.drafter)
@@ -262,7 +294,11 @@ class AdaptiveStrategy:
             self._away[d] = 0 if d == drafter else self._away.get(d, 0) + 1
         if seconds is not None:
             ran = s if ran_k is None or ran_k == s.k else Strategy(s.drafter, ran_k) if ran_k else PLAIN
-            self._record_cost(ran, drafter, switched, batch_size, seconds)
+            width = batch_size * ran.k
+            if ran.k and num_drafted:
+                drafted = sum(min(n, ran.k) for n in num_drafted)
+                width = verify_tokens(drafted, batch_size, ran.k, self.pack_min_saved)
+            self._record_cost(ran, drafter, switched, batch_size, seconds, width)
         if drafter is not None:
             ran_with = [drafter] + ([s.assist[0]] if s.assist and assisted and any(assisted) else [])
             for d in ran_with:  # an assisting host's drafts were verified at k too
@@ -287,8 +323,9 @@ class AdaptiveStrategy:
                     self.accept[d].observe(hits, trials, self.trials_per_step)
 
     def _record_cost(self, s: Strategy, drafter: str | None, switched: bool, batch_size: int,
-                     seconds: float) -> None:
-        """s: the arm that ran (its k the depth verified); drafter: the one chosen (None: plain)."""
+                     seconds: float, width: int) -> None:
+        """s: the arm that ran (its k the depth verified); drafter: the one chosen (None: plain); width: the
+        draft positions its verify pass computed."""
         switched = switched and drafter not in self.host  # a table keeps up with every step: it catches up nothing
         if switched and drafter not in self._deepest:
             return  # a drafter's first step ever catches up on every token so far: it measures nothing
@@ -298,14 +335,14 @@ class AdaptiveStrategy:
             # catch-up would write the arm off, and the longer it stays off the costlier the next catch-up.
             # Not clipped at 0 step by step: for a drafter with no catch-up (a suffix table) that would turn
             # noise into a switch cost; the mean is clipped where it is used.
-            excess = seconds - self.predicted_cost(batch_size, s)
+            excess = seconds - self.predicted_cost(batch_size, s, width)
             missed = batch_size * self._missed_steps(drafter)
             self.switch_cost.setdefault(drafter, Ewma()).update(excess / missed, 0.3)
             return
         if drafter is not None:
             self._steady[drafter] = self._steady.get(drafter, 0) + 1
-        self.measured.setdefault((bucket_of(batch_size), s), Measured()).update(batch_size, seconds)
-        self.model.record(s.drafter if s.k else None, s.k, batch_size, seconds)
+        self.measured.setdefault((bucket_of(batch_size), s), Measured()).update(batch_size, seconds, width)
+        self.model.record(s.drafter if s.k else None, s.k, batch_size, seconds, width)
 
     def _horizon(self, drafter: str) -> float:
         """Steps a switch's catch-up is spread over: how long the drafter stayed once switched to, lately, or

@@ -2,7 +2,11 @@
 
 Every forward is an "extend": each of B rows appends Q new tokens (prefill: the prompt; decode: 1;
 speculative verify: k + 1) to a sequence whose K/V already sit in the static cache. Attention reads the
-cache rows [slot_lo, slot_lo + B) as a view, masked per row by position.
+cache rows [slot_lo, slot_lo + B) as a view, masked per row by position. Rows of different lengths can be
+packed (`AttnMeta.packed`): the linear layers, norms and MLP, nearly all of a step's arithmetic, run on the N
+real tokens [N, hidden] only, and attention alone sees the padded [B, Q] grid. On a CPU, where a padded
+position costs as much as a real one, that is what a prefill of prompts of different lengths, a draft model's
+catch-up or a verify of drafts of different lengths would otherwise waste.
 """
 
 from __future__ import annotations
@@ -28,9 +32,12 @@ class AttnMeta:
     write_slots: torch.Tensor | None  # [B * Q] cache slot of each new token; None = no cache (training)
     write_pos: torch.Tensor | None  # [B * Q] cache position of each new token (scratch for padding)
     bias: torch.Tensor | None  # [B, Hkv, G * Q, kv_len] additive mask: 0 = attend, -inf = not (attention.mask_dtype)
-    cos: torch.Tensor  # [B, Q, 1, D]
-    sin: torch.Tensor  # [B, Q, 1, D]
+    cos: torch.Tensor  # [B, Q, 1, D], or [N, 1, D] when packed
+    sin: torch.Tensor  # [B, Q, 1, D], or [N, 1, D] when packed
     kernel: str = "sdpa"  # attention over the cache (service/models/attention.py)
+    # [N] indices into the B * Q grid of the tokens computed (rows of different lengths): only those go through
+    # the linear layers, and write_slots / write_pos name only them. None: every token of the grid.
+    packed: torch.Tensor | None = None
 
 
 def causal_meta(cos_table: torch.Tensor, sin_table: torch.Tensor, batch: int, seq_len: int) -> AttnMeta:
@@ -74,30 +81,35 @@ class Attention(nn.Module):
     def forward(
         self, x: torch.Tensor, meta: AttnMeta, k_cache: torch.Tensor, v_cache: torch.Tensor
     ) -> torch.Tensor:
-        B, Q, _ = x.shape
         H, Hkv, D = self.num_heads, self.num_kv_heads, self.head_dim
         G = H // Hkv
-        qkv = self.qkv_proj(x).view(B, Q, H + 2 * Hkv, D)
+        qkv = self.qkv_proj(x).view(*x.shape[:-1], H + 2 * Hkv, D)  # [B, Q, H + 2 Hkv, D] or packed [N, ...]
         if self.q_norm is None:
-            qk = apply_rope(qkv[:, :, : H + Hkv], meta.cos, meta.sin)  # q and k heads rotated together
-            q, k = qk.split((H, Hkv), dim=2)
+            qk = apply_rope(qkv[..., : H + Hkv, :], meta.cos, meta.sin)  # q and k heads rotated together
+            q, k = qk.split((H, Hkv), dim=-2)
         else:
-            q = apply_rope(self.q_norm(qkv[:, :, :H]), meta.cos, meta.sin)
-            k = apply_rope(self.k_norm(qkv[:, :, H : H + Hkv]), meta.cos, meta.sin)
-        v = qkv[:, :, H + Hkv :]
+            q = apply_rope(self.q_norm(qkv[..., :H, :]), meta.cos, meta.sin)
+            k = apply_rope(self.k_norm(qkv[..., H : H + Hkv, :]), meta.cos, meta.sin)
+        v = qkv[..., H + Hkv :, :]
         if meta.write_slots is None:  # training: causal attention over these tokens only, no cache
+            B, Q, _ = x.shape
             k, v = (t.repeat_interleave(G, dim=2).transpose(1, 2) for t in (k, v))  # [B, H, Q, D]
             out = F.scaled_dot_product_attention(q.transpose(1, 2), k, v, is_causal=True)  # [B, H, Q, D]
             return self.o_proj(out.transpose(1, 2).reshape(B, Q, H * D))
         # Write the new K/V at their positions: cache [layers, slots, Hkv, P, D] at (layer, slot[n], :, pos[n]).
-        write_cache(k_cache, self.layer_idx, meta, k.reshape(B * Q, Hkv, D))
-        write_cache(v_cache, self.layer_idx, meta, v.reshape(B * Q, Hkv, D))
+        write_cache(k_cache, self.layer_idx, meta, k.reshape(-1, Hkv, D))
+        write_cache(v_cache, self.layer_idx, meta, v.reshape(-1, Hkv, D))
+        B, Q = meta.bias.shape[0], meta.bias.shape[2] // G
+        if meta.packed is not None:  # queries back on the [B, Q] grid (padding: zeros, whose output is dropped)
+            q = q.new_zeros(B * Q, H, D).index_copy_(0, meta.packed, q)
         keys = k_cache[self.layer_idx, meta.slot_lo : meta.slot_lo + B, :, : meta.kv_len]  # [B, Hkv, L, D] view
         values = v_cache[self.layer_idx, meta.slot_lo : meta.slot_lo + B, :, : meta.kv_len]
         # Group the G query heads of each KV head along the query axis: [B, Hkv, G * Q, D].
         q = q.view(B, Q, Hkv, G, D).permute(0, 2, 3, 1, 4).reshape(B, Hkv, G * Q, D)
         out = cached_attention(q, keys, values, meta.bias, meta.kernel)  # [B, Hkv, G * Q, D]
         out = out.view(B, Hkv, G, Q, D).permute(0, 3, 1, 2, 4).reshape(B, Q, H * D)
+        if meta.packed is not None:
+            out = out.view(B * Q, H * D).index_select(0, meta.packed)  # [N, H * D]
         return self.o_proj(out)
 
 
@@ -142,11 +154,17 @@ class CausalLM(nn.Module):
     def forward(
         self, input_ids: torch.Tensor, meta: AttnMeta, k_cache: torch.Tensor | None, v_cache: torch.Tensor | None
     ) -> torch.Tensor:
-        """input_ids [B, Q]; k_cache/v_cache [layers, slots, Hkv, P, D] (None with a causal_meta) -> [B, Q, hidden]."""
-        x = self.embed_tokens(input_ids)
+        """input_ids [B, Q]; k_cache/v_cache [layers, slots, Hkv, P, D] (None with a causal_meta) -> [B, Q, hidden]
+        (with `meta.packed`, zeros at the positions not computed)."""
+        ids = input_ids if meta.packed is None else input_ids.reshape(-1).index_select(0, meta.packed)  # [N]
+        x = self.embed_tokens(ids)
         for layer in self.layers:
             x = layer(x, meta, k_cache, v_cache)
-        return self.norm(x)
+        x = self.norm(x)
+        if meta.packed is None:
+            return x
+        B, Q = input_ids.shape
+        return x.new_zeros(B * Q, x.shape[-1]).index_copy_(0, meta.packed, x).view(B, Q, -1)
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """hidden [..., hidden] -> float32 logits [..., vocab]."""

@@ -344,3 +344,23 @@ def test_a_catch_up_is_not_spread_over_more_steps_than_the_batch_has_left() -> N
     s.switch_cost["draft"] = Ewma(0.1 / (8 * 32), 5)  # seconds per row per step missed: 0.1 s for 32 steps
     assert [s.choose(8).drafter for _ in range(20)].count("draft") >= 18
     assert [s.choose(8, steps_left=2).drafter for _ in range(20)].count(None) >= 18
+
+
+def test_a_table_covering_few_rows_is_valued_at_the_positions_a_packed_pass_computes() -> None:
+    """Costs in proportion to the positions a pass computes, over a fixed part (a CPU at full batch): a table
+    with 8 right drafts for 8 rows of 64 adds 64 positions to a packed pass (worth it: ~1,000 tok/s against
+    plain's ~780), where a padded one would add 512 (~340 tok/s). Valued as padded, it was never tried."""
+    from service.engine.strategy import verify_tokens
+
+    strategy = AdaptiveStrategy(["suffix"], seed=0, pack_min_saved=16)  # a mid-size model
+    rng = random.Random(0)
+    proposals = [8] * 8 + [0] * 56
+    chosen = []
+    for _ in range(80):
+        s = strategy.choose(64, {"suffix": proposals})
+        width = verify_tokens(sum(min(n, s.k) for n in proposals), 64, s.k, 16) if s.k else 0
+        seconds = (0.05 + 0.0005 * (64 + width)) * math.exp(rng.gauss(0.0, 0.03))
+        acc = accepted_counts(8, s.k, 0.97, rng) + [0] * 56 if s.k else None
+        strategy.record(s, 64, seconds, acc, s.k, [min(n, s.k) for n in proposals] if s.k else None)
+        chosen.append(s)
+    assert sum(s == Strategy("suffix", 8) for s in chosen[-30:]) >= 25, chosen[-30:]

@@ -40,8 +40,8 @@ class Drafter(ABC):
         """Called whenever a sequence gained tokens (any step kind) or finished."""
 
     def observe_target_hidden(self, write_slots: torch.Tensor, write_pos: torch.Tensor, hidden: torch.Tensor) -> None:
-        """The target's final hidden states [B, Q, H] of every target forward, with the cache slot and position
-        of each row's tokens ([B * Q] each)."""
+        """The target's final hidden states of every target forward, one row [N, H] per token computed, with the
+        cache slot and position of each ([N] each; N = B * Q unless the forward was packed)."""
 
     def apply_copies(self, copies: list[SlotCopy]) -> None:
         """Follow the target cache's slot moves and forks."""

@@ -133,6 +133,7 @@ class SuffixDrafter(Drafter):
             lengths=torch.tensor(lengths, dtype=torch.int64, device=self.device),
             probs=None,
             longest=max(lengths, default=0),
+            row_lengths=lengths,
         )
 
     def reset(self) -> None:

@@ -1,10 +1,11 @@
 """Online step-cost model for the adaptive strategy: one small weighted least-squares fit, torch-free.
 
     plain step of B rows:            cost = a + b * B
-    speculative step, drafter d, k:  cost = a + b * B + k * (u + v * B) + k * (u_d + v_d * B)
+    speculative step, drafter d, k:  cost = a + b * B + k * u + v * T + k * (u_d + v_d * B)
 
-(a, b) are the target's fixed and per-row cost; k * (u + v * B) is what k more positions cost the verify pass,
-the same whichever drafter proposed them; k * (u_d + v_d * B) is the drafter's own work (about nothing for a
+(a, b) are the target's fixed and per-row cost; k * u + v * T is what k more positions cost the verify pass,
+the same whichever drafter proposed them, T the draft positions it computes: B * k, or fewer where rows with
+fewer drafts run packed (`strategy.verify_tokens`); k * (u_d + v_d * B) is the drafter's own work (about nothing for a
 suffix table, k small forwards for a draft model). The verify term is shared so that one drafter's steps price
 another's: before, each drafter had one term for both, and a suffix table, unmeasured, was priced at the prior
 (a position for 0.3 of a plain step; 0.6-0.9 measured at full batch on a CPU), so it looked cheap and ran
@@ -61,17 +62,19 @@ class StepCostModel:
         self._ata = [[0.0] * n for _ in range(n)]
         self._aty = [0.0] * n
 
-    def _features(self, drafter: str | None, k: int, batch: int) -> list[float]:
+    def _features(self, drafter: str | None, k: int, batch: int, tokens: int | None = None) -> list[float]:
         phi = [1.0, float(batch)] + [0.0] * (2 + 2 * len(self.drafters))
         if drafter is not None and k:
             i = 4 + 2 * self.drafters.index(drafter)
-            phi[2], phi[3] = phi[i], phi[i + 1] = float(k), float(k * batch)
+            phi[2], phi[i], phi[i + 1] = float(k), float(k), float(k * batch)
+            phi[3] = float(k * batch if tokens is None else tokens)
         return phi
 
-    def record(self, drafter: str | None, k: int, batch: int, seconds: float) -> None:
+    def record(self, drafter: str | None, k: int, batch: int, seconds: float, tokens: int | None = None) -> None:
+        """One measured step; `tokens`: the draft positions its verify pass computed (default batch * k)."""
         if seconds <= 0:
             return
-        phi = self._features(drafter, k, batch)
+        phi = self._features(drafter, k, batch, tokens)
         w = 1.0 / (seconds * seconds)
         for i, row in enumerate(self._ata):
             self._aty[i] = self.forget * self._aty[i] + w * phi[i] * seconds
@@ -120,12 +123,12 @@ class StepCostModel:
             self._theta = theta
         return self._theta
 
-    def predict(self, drafter: str | None, k: int, batch: int) -> float:
-        """Predicted seconds of one step; 1.0 (any unit) before anything was measured."""
+    def predict(self, drafter: str | None, k: int, batch: int, tokens: int | None = None) -> float:
+        """Predicted seconds of one step (`tokens` as in `record`); 1.0 (any unit) before anything was measured."""
         if not self.measured:
             return 1.0 * (1 + self.prior_marginal * k)
         theta = self.theta()
-        phi = self._features(drafter, k, batch)
+        phi = self._features(drafter, k, batch, tokens)
         plain = max(theta[0] + theta[1] * batch, 0.05 * self._scale * (1 + batch / self.prior_rows))
         extra = sum(p * t for p, t in zip(phi[2:], theta[2:], strict=True))
         return plain + max(extra, 0.0)

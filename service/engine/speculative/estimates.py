@@ -21,14 +21,17 @@ class Ewma:
 
 @dataclass(slots=True)
 class Measured:
-    """Recent steps of one arm in one bucket: their mean batch size and seconds (exponentially weighted)."""
+    """Recent steps of one arm in one bucket: their mean batch size, seconds and draft positions verified
+    (exponentially weighted)."""
 
     batch: Ewma = field(default_factory=Ewma)
     seconds: Ewma = field(default_factory=Ewma)
+    tokens: Ewma = field(default_factory=Ewma)  # draft positions verified
 
-    def update(self, batch_size: int, seconds: float) -> None:
+    def update(self, batch_size: int, seconds: float, tokens: int) -> None:
         self.batch.update(batch_size, 0.3)
         self.seconds.update(seconds, 0.3)
+        self.tokens.update(tokens, 0.3)
 
 
 @dataclass(slots=True)

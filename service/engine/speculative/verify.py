@@ -32,12 +32,14 @@ class DraftProposal:
     probs: torch.Tensor | None  # [B, k, V] processed draft distribution; None = deterministic (one-hot)
     longest: int | None = None  # max(lengths), where the drafter knows it on the host (no device sync)
     one_hot_rows: torch.Tensor | None = None  # [B] bool: rows drafted deterministically though probs is given
+    row_lengths: list[int] | None = None  # `lengths` on the host, where the drafter knows them there
 
     def cut(self, k: int) -> DraftProposal:
         """The first k draft positions: what a verify pass needs when no row proposed more."""
         probs = None if self.probs is None else self.probs[:, :k]
+        rows = None if self.row_lengths is None else [min(n, k) for n in self.row_lengths]
         return DraftProposal(self.tokens[:, :k], self.lengths.clamp(max=k), probs, min(self.longest or k, k),
-                             self.one_hot_rows)
+                             self.one_hot_rows, rows)
 
     def take_rows(self, host: DraftProposal, use: torch.Tensor) -> DraftProposal:
         """Rows where `use` ([B] bool) take the drafts of a deterministic drafter (`host`, same k, probs None);

@@ -1,0 +1,91 @@
+"""Packed forwards (`AttnMeta.packed`): rows of different lengths put only their real tokens through the linear
+layers. They compute what the padded forward computes, write only real positions to the cache, and the engine
+packs a verify pass where its rows' drafts leave most of the grid empty, with the same tokens and logprobs."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from helpers import make_checkpoint
+
+import service.engine.runner as runner_module
+import service.engine.strategy as strategy_module
+from service.config import EngineConfig
+from service.engine.kv_cache import KVCache
+from service.engine.llm_engine import LLMEngine
+from service.engine.runner import CachedModel
+from service.engine.strategy import packs, verify_tokens
+from service.models.loader import load_model
+from service.params import SamplingParams
+
+CPU = torch.device("cpu")
+
+
+@pytest.mark.parametrize("family", ["qwen2", "qwen3"])
+def test_a_packed_forward_computes_what_the_padded_one_does(family):
+    path = make_checkpoint(family, tied=False, seed=3)
+    model = load_model(path, torch.float32, CPU)
+    gen = torch.Generator().manual_seed(0)
+    starts, q_lens = [5, 0, 9, 2], [3, 1, 6, 2]
+    B, Q = len(starts), max(q_lens)
+    ids = torch.randint(1, 500, (B, Q), generator=gen)
+    history = torch.randint(1, 500, (B, max(starts)), generator=gen)
+    runs = {}
+    for pack in (False, True):
+        cache = KVCache(model.config, B, 64, torch.float32, CPU)
+        cm = CachedModel(model, cache, CPU)
+        assert cm.pack_min_saved > 20  # a tiny model: a packed forward would save less than eager costs
+        cm.pack_min_saved = 1
+        with torch.inference_mode():
+            cm.extend(0, [0] * B, [history[b, : starts[b]].tolist() or [1] for b in range(B)])
+            meta, _ = cm.build_meta(0, starts, q_lens, pack=pack)
+            assert (meta.packed is not None) == pack and meta.write_slots.numel() == (sum(q_lens) if pack else B * Q)
+            runs[pack] = cm.forward(ids, meta), cache
+    (dense, dense_cache), (packed, packed_cache) = runs[False], runs[True]
+    assert packed.shape == dense.shape
+    for b, n in enumerate(q_lens):
+        torch.testing.assert_close(packed[b, :n], dense[b, :n], atol=1e-5, rtol=1e-5)  # every real token
+        assert not packed[b, n:].any()  # nothing computed past a row's tokens
+        for c in (0, 1):  # the K and V each real token wrote
+            k_dense, k_packed = (x.k if c == 0 else x.v for x in (dense_cache, packed_cache))
+            torch.testing.assert_close(k_packed[:, b, :, starts[b] : starts[b] + n],
+                                       k_dense[:, b, :, starts[b] : starts[b] + n], atol=1e-5, rtol=1e-5)
+    scratch = packed_cache.scratch_pos
+    assert not packed_cache.k[:, :, :, scratch].any()  # padding wrote nothing (the padded forward writes scratch)
+
+
+def test_the_packing_rule():
+    assert packs(drafted=16, batch=64, k=8, min_saved=100)  # a table with 8 drafts for 2 rows of 64
+    assert not packs(drafted=16, batch=64, k=8, min_saved=None)  # CUDA graphs replay the padded pass
+    assert not packs(drafted=60, batch=64, k=1, min_saved=1)  # nearly every row has its draft
+    assert not packs(drafted=16, batch=64, k=8, min_saved=600)  # saves too little for this model
+    assert verify_tokens(16, 64, 8, 100) == 16 and verify_tokens(60, 64, 1, 1) == 64
+
+
+def test_the_engine_packs_a_verify_pass_with_the_same_tokens_and_logprobs(monkeypatch):
+    """A suffix table verifies at the depth of its longest match, for every row: with rows it has nothing
+    for, the pass runs packed (every forward with packing recorded), and gives what the padded pass gives."""
+    target = make_checkpoint("qwen2", tied=True, init_std=0.3, seed=1)
+    prompts = [[1, 2, 3, 4, 5, 6, 7, 8], [9, 8, 7, 6], [100, 200, 300], [7, 7, 7, 7, 7, 7]]
+    params = SamplingParams(n=4, temperature=1.0, max_tokens=40, seed=11, ignore_eos=True)
+    outs, widths = {}, {}
+    for pack_at in (0.0, 1.0):  # never packed, packed wherever a row has fewer drafts than the pass
+        monkeypatch.setattr(strategy_module, "PACK_AT", pack_at)
+        monkeypatch.setattr(runner_module, "PACK_MIN_MACS", 1.0)  # the tiny model packs wherever it may
+        engine = LLMEngine(EngineConfig(model=str(target), max_model_len=256, max_num_seqs=16, drafter="suffix",
+                                        spec="fixed", spec_k=8))
+        forward, seen = engine.runner.target.forward, []
+
+        def spy(ids, meta, forward=forward, seen=seen):
+            seen.append(meta.packed is not None)
+            return forward(ids, meta)
+
+        monkeypatch.setattr(engine.runner.target, "forward", spy)  # eager forwards (uniform ones: forward_rows)
+        outs[pack_at] = engine.generate(prompts, params)
+        widths[pack_at] = seen
+    # The prefill (prompts of different lengths) is packed either way; verify passes only when allowed.
+    assert widths[0.0] == [True] and len(widths[1.0]) >= 5 and all(widths[1.0]), widths
+    for a, b in zip(outs[0.0], outs[1.0], strict=True):
+        for x, y in zip(a.outputs, b.outputs, strict=True):
+            assert y.token_ids == x.token_ids
+            torch.testing.assert_close(y.logprobs, x.logprobs, atol=1e-4, rtol=0)
