@@ -76,8 +76,7 @@ class LLMEngine:
             fixed = PLAIN
         elif config.spec == "fixed":
             fixed = Strategy(next(iter(self.drafters)), config.spec_k)
-        on_host = frozenset(n for n, d in self.drafters.items() if d.on_host)
-        self.strategy = AdaptiveStrategy(list(self.drafters), on_host, fixed=fixed, seed=config.seed,
+        self.strategy = AdaptiveStrategy(list(self.drafters), fixed=fixed, seed=config.seed,
                                          rounds_to_ks=self.runner.target.graphs is not None,
                                          pack_min_saved=self.runner.target.pack_min_saved)
         may_run = set(self.drafters) if fixed is None else {fixed.drafter} if fixed.k else set()
@@ -201,14 +200,16 @@ class LLMEngine:
         return outputs
 
     def _choose(self, seqs: list[Sequence]) -> Strategy:
-        """The strategy's pick, told beforehand what drafters that propose on the host have for each row."""
+        """The strategy's pick, told beforehand what drafters that propose on the host have for each row and
+        how many tokens each drafter would catch up on."""
         if self.strategy.fixed is not None or not self.strategy.drafters or self.strategy.probes_plain(len(seqs)):
             return self.strategy.choose(len(seqs))  # no proposals needed: nothing to ask the drafters
         depth = max(self.strategy.depths())
         proposals = {name: n for name, d in self.drafters.items() if (n := d.lookahead(seqs, depth)) is not None}
         max_len = self.config.max_model_len
         steps_left = max(min(s.params.max_tokens - len(s.output_token_ids), max_len - s.num_tokens) for s in seqs)
-        return self.strategy.choose(len(seqs), proposals, steps_left)
+        catch_up = {name: n for name, d in self.drafters.items() if (n := d.catch_up(seqs))}
+        return self.strategy.choose(len(seqs), proposals, steps_left, catch_up)
 
     def _record(self, batch: SchedulerOutput, strategy: Strategy, result: StepResult, seconds: float) -> None:
         """Feedback for the strategy (what this choice cost), counters for the metrics."""
@@ -219,7 +220,7 @@ class LLMEngine:
         if batch.kind == "decode":
             cost = None if result.captured else seconds + self.between_steps_s
             self.strategy.record(strategy, B, cost, result.num_accepted or None, result.k, result.num_drafted or None,
-                                 result.assisted or None)
+                                 result.assisted or None, result.caught_up)
         if not result.k:
             self.stats.record_step(batch.kind, batch, B, seconds)
             return

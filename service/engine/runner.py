@@ -44,6 +44,7 @@ class StepResult:
     num_drafted: list[int] = field(default_factory=list)
     assisted: list[bool] = field(default_factory=list)  # rows whose drafts came from the assisting host drafter
     draft_seconds: float = 0.0
+    caught_up: tuple[int, float] = (0, 0.0)  # tokens the drafter fed to catch up before drafting, their seconds
     captured: bool = False  # the step captured a CUDA graph or compiled a forward: its time measures nothing
 
     @classmethod
@@ -345,6 +346,7 @@ class ModelRunner:
         sb = SamplingBatch.build(seqs, self.cfg.vocab_size, self.device)
         t0 = time.perf_counter()
         draft = drafter.propose(seqs, k, sb)
+        caught_up = draft.caught_up
         use, row_lengths = None, draft.row_lengths  # each row's drafts, where known on the host
         if assist is not None:
             host = assist[0].propose(seqs, k, sb)
@@ -383,4 +385,4 @@ class ModelRunner:
         drafter.after_step(seqs, prev_num_tokens, own, k)
         tokens = [rows[b * (k + 1) : b * (k + 1) + num_accepted[b] + 1] for b in range(B)]
         return StepResult(seqs, tokens, prev_num_tokens, k, num_accepted, [e[1] for e in extra],
-                          assisted=assisted, draft_seconds=draft_seconds)
+                          assisted=assisted, draft_seconds=draft_seconds, caught_up=caught_up)

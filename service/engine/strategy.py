@@ -19,13 +19,18 @@ What makes it fast to converge is sharing across arms:
   (the arm's recent seconds there over what the line predicts now for their batch sizes, shrunk towards 1 by
   the number of measurements) absorbs what a line misses; the cost draw's spread shrinks with those
   measurements. Costs are what the engine measured, including the work between two steps.
-- Switches: the first step of a draft model after other arms ran pays its catch-up (it feeds itself every
-  token it missed). That is kept out of the arm's cost (one costly catch-up would write the arm off, and the
-  longer it stayed off the costlier the next catch-up: the old strategy sat on plain decoding at full batch
-  for that reason) and learned apart, per row per step missed; it is charged to arms that would switch, spread
-  over the steps the drafter stayed once switched to lately, or has been away if longer (at most
-  `switch_horizon`), and never over more steps than the batch has left (`steps_left`: a near-uniform rollout
-  switched to the draft model as its last rows finished and paid a whole catch-up for a few steps).
+- Catch-up: a draft model that did not run the last steps first feeds itself the tokens it missed. Before a
+  step each drafter says how many it would feed beyond what follows its own steps (`catch_up`), and the step
+  reports how long those took (`caught_up`, timed around the pass that fed them). The catch-up is kept out of
+  the arm's cost (one costly catch-up would write the arm off, and the longer it stayed off the costlier the
+  next catch-up: the old strategy sat on plain decoding at full batch for that reason) and learned apart, as
+  seconds per token; it is charged to the arms that would pay it, spread over the steps the drafter stayed
+  once switched to lately, or has been away if longer (at most `switch_horizon`), and never over more steps
+  than the batch has left (`steps_left`: a near-uniform rollout switched to the draft model as its last rows
+  finished and paid a whole catch-up for a few steps). Why timed, not inferred: inferred as a step's excess
+  over the cost model's prediction, the first switch's excess was the error of a line fit on a few steps in
+  another bucket; it priced a catch-up token at ~10x its cost and kept the draft model out of a near-uniform
+  rollout's whole full-batch phase.
 - Acceptance: per drafter, one Beta posterior per draft position, of the rate at which a row that reached
   that position accepts it (a row that accepted a of k drafts tried positions 1..a+1 and accepted 1..a).
   One rate for every position (a geometric model) is right for a draft model but not for a suffix table,
@@ -48,7 +53,7 @@ position) is probed at the smallest k, which measures its acceptance as well as 
 the price of a wrong guess; and no arm runs more than twice the deepest k its drafter has run, since the cost
 of a deeper one is an extrapolation (a CPU verify of k + 1 positions at full batch costs nearly k + 1 decode
 steps: a k = 6 guess there costs five steps).
-A drafter's first step ever is no measure of anything: it catches up on every token so far.
+A drafter's first step ever measures nothing: its model's first forwards.
 
 A drafter that proposes on the host (the suffix table) is asked before the choice: it says how many drafts
 it has for each row (`proposals`). Such an arm is valued on what the step would verify: a row gets
@@ -137,7 +142,6 @@ def cut_depth(longest: int, k: int, depths: tuple[int, ...] | list[int] | None) 
 @dataclass(slots=True)
 class AdaptiveStrategy:
     drafters: list[str]
-    host: frozenset[str] = frozenset()  # drafters that propose on the host from a table: no catch-up, no switch cost
     ks: tuple[int, ...] = (1, 2, 3, 4, 6, 8)
     prior_alpha: float = 0.6
     prior_trials: float = 2.0  # weight of prior_alpha, in trials
@@ -154,15 +158,12 @@ class AdaptiveStrategy:
     measured: dict[tuple[int, Strategy], Measured] = field(default_factory=dict)  # per (bucket, arm)
     switch_horizon: float = 32.0  # a switch's catch-up is spread over at most this many steps of the new arm
     stays: dict[str, Ewma] = field(default_factory=dict)  # steps a drafter ran in a row once switched to
-    switch_max_steps: int = 32
-    switch_cost: dict[str, Ewma] = field(default_factory=dict)  # catch-up seconds per row per step missed
+    catch_up_cost: dict[str, Ewma] = field(default_factory=dict)  # seconds per token a drafter catches up on
     _away: dict[str, int] = field(default_factory=dict)  # steps since each drafter last ran
     _stay_of: str | None = None  # the drafter (None: plain) of the steps run in a row lately
     _run: int = 0  # how many (a new bucket's plain probe does not end them)
     _plain_buckets: set[int] = field(default_factory=set)
-    _steady: dict[str, int] = field(default_factory=dict)  # steps measured without a switch, per drafter
     _deepest: dict[str, int] = field(default_factory=dict)  # deepest k measured, per drafter
-    _last: str | None = None  # drafter of the last recorded step (None: plain)
     _rng: random.Random = field(init=False)
 
     def __post_init__(self) -> None:
@@ -227,11 +228,12 @@ class AdaptiveStrategy:
         return batch_size * self.expected_tokens(ran, proposals) / self.predicted_cost(batch_size, ran, tokens)
 
     def choose(self, batch_size: int, proposals: dict[str, list[int]] | None = None,
-               steps_left: int | None = None) -> Strategy:
+               steps_left: int | None = None, catch_up: dict[str, int] | None = None) -> Strategy:
         """The arm to run for this batch. `proposals`: for each drafter that proposes on the host, how many
         drafts it has for each row (see the module docstring); it may name a depth shorter than the arm's.
         `steps_left`: at most how many more steps the batch runs (its rows' longest token budget left): a
-        switch's catch-up is spread over no more steps than that."""
+        switch's catch-up is spread over no more steps than that. `catch_up`: the tokens each drafter would
+        feed to catch up before drafting (a drafter not named: none)."""
         if self.fixed is not None:
             return self.fixed
         if not self.drafters:
@@ -254,10 +256,9 @@ class AdaptiveStrategy:
             noise = math.exp(self._rng.gauss(0.0, self.cost_spread / math.sqrt(1 + n)))
             width = self._tokens(s, batch_size, rows.get(s.drafter)) if s.k else 0
             cost = self.model.predict(s.drafter, s.k, batch_size, width) * corr * noise
-            if s.k and s.drafter != self._last and s.drafter in self.switch_cost:
-                per_row = max(self.switch_cost[s.drafter].value or 0.0, 0.0)
-                catch_up = per_row * batch_size * self._missed_steps(s.drafter)
-                cost += catch_up / min(self._horizon(s.drafter), max(steps_left or math.inf, 1))
+            if s.k and catch_up and catch_up.get(s.drafter):
+                per_token = self.catch_up_cost.get(s.drafter, Ewma()).value or 0.0  # unmeasured: the next step tells
+                cost += per_token * catch_up[s.drafter] / min(self._horizon(s.drafter), max(steps_left or math.inf, 1))
             tokens = mean_tokens(alpha.get(s.drafter), s.k, rows.get(s.drafter))
             if s.k and s.drafter not in proposals:  # a draft model: assisted by a host drafter where it pays
                 for host in hosts:
@@ -278,27 +279,33 @@ class AdaptiveStrategy:
 
     def record(self, s: Strategy, batch_size: int, seconds: float | None, num_accepted: list[int] | None = None,
                ran_k: int | None = None, num_drafted: list[int] | None = None,
-               assisted: list[bool] | None = None) -> None:
+               assisted: list[bool] | None = None, caught_up: tuple[int, float] = (0, 0.0)) -> None:
         """One step's measurement: its wall seconds (None: not a measure of its cost, e.g. it captured a CUDA
         graph), num_accepted and num_drafted (default: k) per row for speculative steps, `ran_k`, the depth
-        verified when the runner cut the verify pass to the longest proposal, and `assisted`, the rows that
-        verified the drafts of `s.assist`'s host drafter."""
+        verified when the runner cut the verify pass to the longest proposal, `assisted`, the rows that
+        verified the drafts of `s.assist`'s host drafter, and `caught_up`: the tokens the drafter fed to catch
+        up before drafting (what `choose` was told) and their seconds, part of `seconds`."""
         drafter = s.drafter if s.k else None
         if drafter is not None or not self.probes_plain(batch_size):  # a plain probe does not end a stay
             if drafter != self._stay_of and self._stay_of is not None:
                 self.stays.setdefault(self._stay_of, Ewma()).update(self._run, 0.3)
             self._run = self._run + 1 if drafter == self._stay_of else 1
             self._stay_of = drafter
-        switched, self._last = drafter is not None and drafter != self._last, drafter
         for d in self.drafters:
             self._away[d] = 0 if d == drafter else self._away.get(d, 0) + 1
-        if seconds is not None:
+        tokens, catch_seconds = caught_up
+        if drafter is not None and tokens > 0:
+            self.catch_up_cost.setdefault(drafter, Ewma()).update(catch_seconds / tokens, 0.3)
+        # A drafter's first step ever (first forwards of its model) is no measure of its arm.
+        if seconds is not None and (drafter is None or drafter in self._deepest):
             ran = s if ran_k is None or ran_k == s.k else Strategy(s.drafter, ran_k) if ran_k else PLAIN
             width = batch_size * ran.k
             if ran.k and num_drafted:
                 drafted = sum(min(n, ran.k) for n in num_drafted)
                 width = verify_tokens(drafted, batch_size, ran.k, self.pack_min_saved)
-            self._record_cost(ran, drafter, switched, batch_size, seconds, width)
+            self.measured.setdefault((bucket_of(batch_size), ran), Measured()).update(
+                batch_size, seconds - catch_seconds, width)
+            self.model.record(ran.drafter if ran.k else None, ran.k, batch_size, seconds - catch_seconds, width)
         if drafter is not None:
             ran_with = [drafter] + ([s.assist[0]] if s.assist and assisted and any(assisted) else [])
             for d in ran_with:  # an assisting host's drafts were verified at k too
@@ -322,28 +329,6 @@ class AdaptiveStrategy:
                 if trials[0]:
                     self.accept[d].observe(hits, trials, self.trials_per_step)
 
-    def _record_cost(self, s: Strategy, drafter: str | None, switched: bool, batch_size: int,
-                     seconds: float, width: int) -> None:
-        """s: the arm that ran (its k the depth verified); drafter: the one chosen (None: plain); width: the
-        draft positions its verify pass computed."""
-        switched = switched and drafter not in self.host  # a table keeps up with every step: it catches up nothing
-        if switched and drafter not in self._deepest:
-            return  # a drafter's first step ever catches up on every token so far: it measures nothing
-        if switched and self._steady.get(drafter, 0):
-            # The first step after a switch pays the drafter's catch-up (a draft model feeds itself every
-            # token it missed). That is the price of switching, not of the arm: kept apart, or one costly
-            # catch-up would write the arm off, and the longer it stays off the costlier the next catch-up.
-            # Not clipped at 0 step by step: for a drafter with no catch-up (a suffix table) that would turn
-            # noise into a switch cost; the mean is clipped where it is used.
-            excess = seconds - self.predicted_cost(batch_size, s, width)
-            missed = batch_size * self._missed_steps(drafter)
-            self.switch_cost.setdefault(drafter, Ewma()).update(excess / missed, 0.3)
-            return
-        if drafter is not None:
-            self._steady[drafter] = self._steady.get(drafter, 0) + 1
-        self.measured.setdefault((bucket_of(batch_size), s), Measured()).update(batch_size, seconds, width)
-        self.model.record(s.drafter if s.k else None, s.k, batch_size, seconds, width)
-
     def _horizon(self, drafter: str) -> float:
         """Steps a switch's catch-up is spread over: how long the drafter stayed once switched to, lately, or
         how long it has been away if longer. A switch pays only if the stay pays it back. Spread over a fixed
@@ -355,8 +340,3 @@ class AdaptiveStrategy:
         longest = max(stay.value if stay is not None and stay.value is not None else self.switch_horizon,
                       self._away.get(drafter, 0), 1.0)
         return min(longest, self.switch_horizon)
-
-    def _missed_steps(self, drafter: str) -> int:
-        """Steps a drafter missed, capped: one catch-up pass over many tokens costs far less than as many
-        steps, and an uncapped charge would lock the strategy out of a drafter the longer it stays away."""
-        return min(max(1, self._away.get(drafter, 1)), self.switch_max_steps)

@@ -102,8 +102,8 @@ def run_suffix_steps(engine: LLMEngine, monkeypatch) -> list[tuple[list[int], ob
     runner verified)."""
     choose, seen = AdaptiveStrategy.choose, []
 
-    def recorded(self, batch_size, proposals=None, steps_left=None):
-        s = choose(self, batch_size, proposals, steps_left)
+    def recorded(self, batch_size, proposals=None, steps_left=None, catch_up=None):
+        s = choose(self, batch_size, proposals, steps_left, catch_up)
         if proposals:
             s = self.verified(Strategy("suffix", 8), proposals["suffix"])
         seen.append(((proposals or {}).get("suffix"), s))

@@ -18,22 +18,23 @@ from service.engine.strategy import packs, verify_tokens
 from service.models.loader import load_model
 from service.params import SamplingParams
 
-CPU = torch.device("cpu")
 
-
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.cuda)])
 @pytest.mark.parametrize("family", ["qwen2", "qwen3"])
-def test_a_packed_forward_computes_what_the_padded_one_does(family):
+def test_a_packed_forward_computes_what_the_padded_one_does(family, device):
+    """Eager on a GPU too (`--enforce-eager` packs there; CUDA graphs replay the padded pass)."""
+    dev = torch.device(device)
     path = make_checkpoint(family, tied=False, seed=3)
-    model = load_model(path, torch.float32, CPU)
+    model = load_model(path, torch.float32, dev)
     gen = torch.Generator().manual_seed(0)
     starts, q_lens = [5, 0, 9, 2], [3, 1, 6, 2]
     B, Q = len(starts), max(q_lens)
-    ids = torch.randint(1, 500, (B, Q), generator=gen)
+    ids = torch.randint(1, 500, (B, Q), generator=gen).to(dev)
     history = torch.randint(1, 500, (B, max(starts)), generator=gen)
     runs = {}
     for pack in (False, True):
-        cache = KVCache(model.config, B, 64, torch.float32, CPU)
-        cm = CachedModel(model, cache, CPU)
+        cache = KVCache(model.config, B, 64, torch.float32, dev)
+        cm = CachedModel(model, cache, dev)
         assert cm.pack_min_saved > 20  # a tiny model: a packed forward would save less than eager costs
         cm.pack_min_saved = 1
         with torch.inference_mode():

@@ -176,6 +176,30 @@ def test_after_a_drafter_push_running_samples_catch_up_and_new_ones_do_not(targe
     assert not engine.drafters["draft"]._current
 
 
+def test_a_draft_model_says_what_it_will_catch_up_on_and_times_it(target, drafters, monkeypatch):
+    """Before a step the draft model says how many tokens it would feed beyond what follows its own step; the
+    step reports those tokens and their seconds to the strategy (its catch-up price, kept out of the arm's)."""
+    engine = LLMEngine(EngineConfig(model=str(target), max_model_len=256, drafter=drafters["near"]))
+    calls, record = [], AdaptiveStrategy.record
+    monkeypatch.setattr(AdaptiveStrategy, "record", lambda self, *a: (calls.append(a), record(self, *a))[1])
+    engine.strategy.fixed = PLAIN
+    for p in PROMPTS:
+        engine.add_request(p, SamplingParams(temperature=0, max_tokens=40, ignore_eos=True))
+    for _ in range(6):  # the prefill (the draft cache gets the prompts) and five plain steps
+        engine.step()
+    seqs, drafter = list(engine.scheduler.running), engine.drafters["draft"]
+    assert [s.num_tokens - len(s.prompt_token_ids) for s in seqs] == [6] * len(seqs)
+    assert drafter.catch_up(seqs) == 4 * len(seqs)  # 6 unseen outputs, 2 of which follow any draft step
+    engine.strategy.fixed = Strategy("draft", 3)
+    engine.step()
+    tokens, seconds = calls[-1][-1]
+    assert tokens == 4 * len(seqs) and seconds > 0
+    assert drafter.catch_up(seqs) == 0  # caught up: the next step feeds what its own step left
+    engine.step()
+    assert calls[-1][-1] == (0, 0.0)
+    assert calls[-2][0].name == "draft:k=3" and calls[0][-1] == (0, 0.0)
+
+
 def test_switching_sd_on_mid_generation_does_not_re_prefill(target, drafters):
     params = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True)
     _, base = run(target, PROMPTS, params)
@@ -226,13 +250,14 @@ def test_the_strategy_knows_what_the_suffix_table_has_for_each_row_before_it_cho
     _, base = run(target, PROMPTS, params)
     engine = LLMEngine(EngineConfig(model=str(target), max_model_len=256, max_num_seqs=16,
                                     drafter=f"{drafters['llama']},suffix"))
-    choose, seen, budgets = AdaptiveStrategy.choose, [], []
+    choose, seen, budgets, catch_ups = AdaptiveStrategy.choose, [], [], []
 
-    def recorded(self, batch_size, proposals=None, steps_left=None):
-        s = choose(self, batch_size, proposals, steps_left)
+    def recorded(self, batch_size, proposals=None, steps_left=None, catch_up=None):
+        s = choose(self, batch_size, proposals, steps_left, catch_up)
         seen.append((batch_size, proposals, s))
         if proposals is not None:
             budgets.append(steps_left)
+            catch_ups.append(catch_up)
         return s
 
     monkeypatch.setattr(AdaptiveStrategy, "choose", recorded)  # slotted: patch the class
@@ -252,6 +277,8 @@ def test_the_strategy_knows_what_the_suffix_table_has_for_each_row_before_it_cho
     ran = {s.drafter for _, _, s in seen}
     assert "suffix" in ran, ran
     assert any(p is not None and max(p["suffix"]) == 0 for _, p, _ in seen)
+    # The draft model (never picked: its drafts are wrong) says what it missed; a table never misses anything.
+    assert all("suffix" not in c for c in catch_ups) and any(c.get("draft") for c in catch_ups), catch_ups
     # The batch's longest token budget left (30 per request, one token from the prefill), as it shrinks.
     assert budgets[0] <= 29 and min(budgets) >= 1 and budgets == sorted(budgets, reverse=True), budgets
     for a, b in zip(base, got, strict=True):

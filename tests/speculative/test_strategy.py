@@ -67,12 +67,15 @@ def rollout(strategy: AdaptiveStrategy, lengths: list[int], alpha: AlphaFn, cost
     missed = 0  # tokens per row the draft model has not seen
     while remaining:
         batch = len(remaining)
-        s = strategy.choose(batch, steps_left=max(remaining))
+        s = strategy.choose(batch, steps_left=max(remaining), catch_up={"draft": batch * missed} if missed else None)
         acc = accepted_counts(batch, s.k, alpha(s.drafter, len(trace)), rng) if s.k else None
         seconds = cost(batch, s.drafter, s.k) * math.exp(rng.gauss(0.0, 0.05))
+        caught_up = (0, 0.0)
         if s.drafter == "draft" and missed:
-            seconds += 0.05 * (cost(batch, None, 0) - cost(0, None, 0)) * missed
-        strategy.record(s, batch, seconds, acc)
+            per_token = 0.05 * (cost(batch, None, 0) - cost(0, None, 0)) / batch * math.exp(rng.gauss(0.0, 0.05))
+            caught_up = (batch * missed, per_token * batch * missed)
+            seconds += caught_up[1]
+        strategy.record(s, batch, seconds, acc, caught_up=caught_up)
         total += seconds
         trace.append((batch, s))
         emitted = [a + 1 for a in acc] if acc else [1] * batch
@@ -254,7 +257,7 @@ def test_a_host_drafter_runs_for_the_rows_it_has_drafts_for() -> None:
     it has nothing for, it is not run (the draft model is); on one it has 8 right drafts for, it runs at that
     depth; and the steps it had nothing for are no failures of its acceptance. Learned as one rate over
     every step (what we had), half of them misses, it looked like a 50% drafter for every row."""
-    strategy = AdaptiveStrategy(["draft", "suffix"], frozenset({"suffix"}), seed=0)
+    strategy = AdaptiveStrategy(["draft", "suffix"], seed=0)
     rng = random.Random(0)
     chosen = []
     for step in range(160):
@@ -295,7 +298,7 @@ def test_a_draft_model_is_assisted_by_the_table_on_the_rows_it_covers() -> None:
     """Half the batch repeats text the suffix table has (8 right drafts), half does not (the draft model's
     drafts are right at 0.8). One step verifies the table's drafts for the first half and the draft model's for
     the rest: it beats both drafters alone, and each drafter's acceptance is learned from its own rows."""
-    strategy = AdaptiveStrategy(["draft", "suffix"], frozenset({"suffix"}), seed=0)
+    strategy = AdaptiveStrategy(["draft", "suffix"], seed=0)
     rng = random.Random(0)
     batch, proposals = 16, {"suffix": [8] * 8 + [0] * 8}
     chosen = []
@@ -341,9 +344,25 @@ def test_a_catch_up_is_not_spread_over_more_steps_than_the_batch_has_left() -> N
         s.record(Strategy("draft", 2), 8, 0.012, [2] * 8)
     for _ in range(40):
         s.record(PLAIN, 8, 0.010)
-    s.switch_cost["draft"] = Ewma(0.1 / (8 * 32), 5)  # seconds per row per step missed: 0.1 s for 32 steps
-    assert [s.choose(8).drafter for _ in range(20)].count("draft") >= 18
-    assert [s.choose(8, steps_left=2).drafter for _ in range(20)].count(None) >= 18
+    s.catch_up_cost["draft"] = Ewma(0.1 / 320, 5)  # seconds per token: 0.1 s for 40 tokens of 8 rows
+    missed = {"draft": 320}
+    assert [s.choose(8, catch_up=missed).drafter for _ in range(20)].count("draft") >= 18
+    assert [s.choose(8, steps_left=2, catch_up=missed).drafter for _ in range(20)].count(None) >= 18
+    assert [s.choose(8, steps_left=2).drafter for _ in range(20)].count("draft") >= 18  # caught up: no charge
+
+
+def test_a_catch_up_is_priced_per_token_and_kept_out_of_the_arms_cost() -> None:
+    """A step that caught up reports the tokens and their seconds: the strategy learns the price per token,
+    and the arm's cost stays what a step without catch-up costs (one costly catch-up would write it off)."""
+    s = AdaptiveStrategy(["draft"], seed=0)
+    for batch in (8, 16):
+        s.record(PLAIN, batch, 0.010 * (1 + batch / 32))
+    for _ in range(6):
+        s.record(Strategy("draft", 2), 8, 0.012, [2] * 8)
+    arm = s.predicted_cost(8, Strategy("draft", 2))
+    s.record(Strategy("draft", 2), 8, 0.012 + 0.2, [2] * 8, caught_up=(400, 0.2))
+    assert s.catch_up_cost["draft"].value == pytest.approx(0.2 / 400)
+    assert s.predicted_cost(8, Strategy("draft", 2)) == pytest.approx(arm, rel=0.02)
 
 
 def test_a_table_covering_few_rows_is_valued_at_the_positions_a_packed_pass_computes() -> None:

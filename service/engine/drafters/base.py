@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import time
 from abc import ABC, abstractmethod
 
 import torch
@@ -18,7 +19,6 @@ class Drafter(ABC):
 
     name: str = "drafter"
     version: str = "0"
-    on_host: bool = False  # proposes from host tables (`lookahead` answers): keeps up with every step, no catch-up
 
     @abstractmethod
     def propose(self, seqs: list[Sequence], k: int, sb: SamplingBatch) -> DraftProposal:
@@ -28,6 +28,12 @@ class Drafter(ABC):
         """How many drafts (up to k) `propose` would give each row, where the drafter knows that on the host
         before the step (a suffix table); None where only proposing tells (a draft model)."""
         return None
+
+    def catch_up(self, seqs: list[Sequence]) -> int:
+        """How many tokens `propose` would feed before drafting beyond what follows this drafter's own step (a
+        draft model after other arms ran: the tokens it missed). 0 for one that keeps up with every step (a
+        suffix table). `propose` reports them with their seconds (`DraftProposal.caught_up`)."""
+        return 0
 
     def prefill(self, slot_lo: int, prompts: list[list[int]], seqs: list[Sequence]) -> None:
         """Called with the target's prefill: rows slot_lo.. hold the distinct prompts (`seqs`: every admitted
@@ -45,3 +51,10 @@ class Drafter(ABC):
 
     def apply_copies(self, copies: list[SlotCopy]) -> None:
         """Follow the target cache's slot moves and forks."""
+
+
+def clock(device: torch.device) -> float:
+    """Wall seconds once the device's queued work is done (a host sync on a GPU): for timing one pass."""
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+    return time.perf_counter()

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import torch
 
-from service.engine.drafters.base import Drafter
+from service.engine.drafters.base import Drafter, clock
 from service.engine.kv_cache import KVCache
 from service.engine.runner import CachedModel
 from service.engine.sampler import SamplingBatch, draw_draft
@@ -65,18 +65,31 @@ class DraftModelDrafter(Drafter):
         if seq.is_finished:  # a push may be followed by no proposal for long: forget finished samples meanwhile
             self._current.discard(seq.seq_id)
 
+    def _fed_from(self, s: Sequence) -> int:
+        """The first position the next proposal feeds for s: its draft cache's length, 0 after a push (but for
+        samples prefilled with the new weights)."""
+        if self._stale and s.seq_id not in self._current:
+            return 0
+        return min(s.draft_cached, s.num_tokens - 1)
+
+    def catch_up(self, seqs: list[Sequence]) -> int:
+        # After its own step a row feeds its last token, and the bonus when every draft was accepted.
+        return sum(max(s.num_tokens - self._fed_from(s) - 2, 0) for s in seqs)
+
     def propose(self, seqs: list[Sequence], k: int, sb: SamplingBatch) -> DraftProposal:
-        if self._stale:  # every sequence catches up on the new weights, but those prefilled with them
-            for s in seqs:
-                if s.seq_id not in self._current:
-                    s.draft_cached = 0
-            self._stale = False
-            self._current.clear()
         B = len(seqs)
         # Catch up: feed every token the draft cache lacks, ending with the sequence's last token.
-        starts = [min(s.draft_cached, s.num_tokens - 1) for s in seqs]
-        hidden, last = self.cached.extend(0, starts,
-                                          [s.tokens_from(st) for s, st in zip(seqs, starts, strict=True)])
+        missed = self.catch_up(seqs)
+        starts = [self._fed_from(s) for s in seqs]
+        for s, st in zip(seqs, starts, strict=True):
+            s.draft_cached = st  # after a push, every row's cache restarts (though no step may follow)
+        self._stale = False
+        self._current.clear()
+        t0 = clock(self.device) if missed else 0.0
+        fed = [s.tokens_from(st) for s, st in zip(seqs, starts, strict=True)]
+        hidden, last = self.cached.extend(0, starts, fed)
+        # Timed only when it caught up (a host sync on a GPU); the pass's seconds shared out by tokens fed.
+        caught_up = (missed, (clock(self.device) - t0) * missed / sum(map(len, fed))) if missed else (0, 0.0)
         logits = self._logits(hidden[torch.arange(B, device=self.device), last])  # [B, V]
         tokens, probs = [], []
         positions = [s.num_tokens for s in seqs]
@@ -91,6 +104,7 @@ class DraftModelDrafter(Drafter):
             tokens=torch.stack(tokens, dim=1),
             lengths=torch.full((B,), k, dtype=torch.int64, device=self.device),
             probs=torch.stack(probs, dim=1),
+            caught_up=caught_up,
         )
 
     def after_step(self, seqs: list[Sequence], prev_num_tokens: list[int], num_accepted: list[int], k: int) -> None:

@@ -56,7 +56,6 @@ class _Group:
 
 class SuffixDrafter(Drafter):
     name = "suffix"
-    on_host = True
 
     def __init__(self, device: torch.device, max_ngram: int = 6, history_prompts: int = 4096,
                  history_per_prompt: int = 16) -> None:

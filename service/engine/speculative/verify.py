@@ -33,6 +33,7 @@ class DraftProposal:
     longest: int | None = None  # max(lengths), where the drafter knows it on the host (no device sync)
     one_hot_rows: torch.Tensor | None = None  # [B] bool: rows drafted deterministically though probs is given
     row_lengths: list[int] | None = None  # `lengths` on the host, where the drafter knows them there
+    caught_up: tuple[int, float] = (0, 0.0)  # tokens fed to catch up before drafting (`Drafter.catch_up`), seconds
 
     def cut(self, k: int) -> DraftProposal:
         """The first k draft positions: what a verify pass needs when no row proposed more."""
