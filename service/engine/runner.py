@@ -17,8 +17,8 @@ from service.engine.kv_cache import KVCache
 from service.engine.sampler import SampleResult, SamplingBatch, sample
 from service.engine.scheduler import SchedulerOutput, SlotCopy
 from service.engine.sequence import Sequence
+from service.engine.speculative.passes import cut_depth, packs
 from service.engine.speculative.verify import verify
-from service.engine.strategy import cut_depth, packs
 from service.models import attention
 from service.models.llama import AttnMeta, CausalLM
 from service.models.packed import pack_linears
@@ -312,7 +312,7 @@ class ModelRunner:
         positions it never proposed."""
         if row_lengths is None:
             return False
-        return packs(sum(min(n, k) for n in row_lengths), len(row_lengths), k, self.target.pack_min_saved)
+        return packs(sum(row_lengths), len(row_lengths), k, self.target.pack_min_saved)
 
     def _prefill(self, out: SchedulerOutput) -> StepResult:
         prompts = out.prompts
@@ -346,20 +346,16 @@ class ModelRunner:
         sb = SamplingBatch.build(seqs, self.cfg.vocab_size, self.device)
         t0 = time.perf_counter()
         draft = drafter.propose(seqs, k, sb)
-        caught_up = draft.caught_up
-        use, row_lengths = None, draft.row_lengths  # each row's drafts, where known on the host
+        caught_up, use = draft.caught_up, None
         if assist is not None:
-            host = assist[0].propose(seqs, k, sb)
-            use = host.lengths >= assist[1]  # [B]
-            draft = draft.take_rows(host, use)
-            if host.row_lengths is not None:
-                row_lengths = [n if n >= assist[1] else k for n in host.row_lengths]
+            draft, use = draft.take_rows(assist[0].propose(seqs, k, sb), assist[1])
         draft_seconds = time.perf_counter() - t0
-        if draft.longest is not None and draft.longest < k:
+        if assist is None and draft.longest is not None and draft.longest < k:
             # No row proposed k drafts (a suffix table without long matches): verify only as many positions
             # as the longest proposal (with CUDA graphs, rounded up to a captured depth); none at all is a
             # plain decode step. Lossless and the same tokens: positions past a row's drafts are rejected
             # anyway, and every random draw is keyed by the row's seed and output position, not the width.
+            # (An assisted pass is not cut: its draft model drafted k for every row, as the strategy valued it.)
             if not draft.longest:
                 return None
             k = cut_depth(draft.longest, k, self._depths if self.target.graphs is not None else None)
@@ -367,9 +363,9 @@ class ModelRunner:
         last = torch.tensor([[s.last_token] for s in seqs], dtype=torch.int64, device=self.device)
         ids = torch.cat([last, draft.tokens], dim=1)  # [B, k + 1]
         starts = [s.num_cached for s in seqs]
-        if self.packs_verify(row_lengths, k):
+        if self.packs_verify(draft.row_lengths, k):
             # Rows with fewer drafts than the pass is wide compute their real positions only (see `packs_verify`).
-            meta, _ = self.target.build_meta(0, starts, [min(n, k) + 1 for n in row_lengths], True, k + 1)
+            meta, _ = self.target.build_meta(0, starts, [n + 1 for n in draft.row_lengths], True, k + 1)
             hidden = self.forward(ids, meta)  # [B, k + 1, hidden], zeros past each row's drafts
         else:
             hidden = self.forward_rows(ids, starts)  # [B, k + 1, hidden]

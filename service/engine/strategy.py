@@ -55,18 +55,16 @@ of a deeper one is an extrapolation (a CPU verify of k + 1 positions at full bat
 steps: a k = 6 guess there costs five steps).
 A drafter's first step ever measures nothing: its model's first forwards.
 
-A drafter that proposes on the host (the suffix table) is asked before the choice: it says how many drafts
-it has for each row (`proposals`). Such an arm is valued on what the step would verify: a row gets
-min(k, its proposal) drafts, and the verify pass is cut to the longest proposal, so its cost is that of
-the shorter depth (the runner cuts it; the cost is recorded for the depth that ran, `ran_k`); where the rows'
-drafts leave most of that pass empty, the runner packs it (`packs`) and the cost model counts the draft
-positions computed, not the whole grid (`verify_tokens`: a table matching 8 rows of 64 adds 64 positions,
-not 512). Its
-acceptance is the rate at which a proposed draft is accepted: a row the table has nothing for is no
-failure, since the choice already knew it had nothing. Why: a table matches some rows and not others,
-and which ones changes from step to step. Learned as one rate over all rows (what we had), it kept
-choosing the table for a last tail sequence that had stopped matching, or wrote it off while half the
-batch matched.
+A drafter that proposes on the host (the suffix table) is asked before the choice: it says how many drafts it has
+for each row (`proposals`). Such an arm is valued on what the step would verify: a row gets min(k, its proposal)
+drafts, and the verify pass is cut to the longest proposal, so its cost is that of the shorter depth (the runner
+cuts it; the cost is recorded for the depth that ran, `ran_k`); where the rows' drafts leave most of that pass
+empty, the runner packs it (`packs`, speculative/passes.py) and the cost model counts the draft positions
+computed, not the whole grid (`verify_tokens`: a table matching 8 rows of 64 adds 64 positions, not 512). Its
+acceptance is the rate at which a proposed draft is accepted: a row the table has nothing for is no failure,
+since the choice already knew it had nothing. Why: a table matches some rows and not others, and which ones
+changes from step to step. Learned as one rate over all rows (what we had), it kept choosing the table for a last
+tail sequence that had stopped matching, or wrote it off while half the batch matched.
 
 A draft model's arm is also valued assisted by such a drafter (`Strategy.assist`): the draft model drafts k for
 every row, and each row the table has enough drafts for (n or more, where min(k, n) of the table's drafts are
@@ -86,6 +84,7 @@ from dataclasses import dataclass, field, replace
 
 from service.engine.speculative.cost_model import StepCostModel
 from service.engine.speculative.estimates import Acceptance, Ewma, Measured
+from service.engine.speculative.passes import cut_depth, verify_tokens
 from service.engine.speculative.tokens import assisted_tokens, mean_tokens, tokens_per_row
 
 
@@ -109,34 +108,6 @@ PLAIN = Strategy(None, 0)
 
 def bucket_of(batch_size: int) -> int:
     return 1 << max(batch_size - 1, 0).bit_length()
-
-
-PACK_AT = 0.75  # a verify pass runs packed where at most this fraction of its [B, k + 1] grid is real tokens
-
-
-def packs(drafted: int, batch: int, k: int, min_saved: int | None) -> bool:
-    """Whether a verify pass k drafts wide over `batch` rows with `drafted` drafts in all runs packed (each row
-    computes its last token and its own drafts only): where at most `PACK_AT` of the grid is real and at least
-    `min_saved` positions are saved (packed forwards run eagerly: on a small model the saving must outweigh
-    what compiled code saves), never where `min_saved` is None (the target replays CUDA graphs). The runner
-    packs with it and the strategy values arms with it."""
-    if min_saved is None:
-        return False
-    return drafted + batch <= PACK_AT * batch * (k + 1) and batch * k - drafted >= min_saved
-
-
-def verify_tokens(drafted: int, batch: int, k: int, min_saved: int | None) -> int:
-    """The draft positions a verify pass computes: `drafted` where it runs packed, batch * k where not."""
-    return drafted if packs(drafted, batch, k, min_saved) else batch * k
-
-
-def cut_depth(longest: int, k: int, depths: tuple[int, ...] | list[int] | None) -> int:
-    """The depth a verify pass of k drafts runs at when no row has more than `longest` (<= k): `longest`, or
-    with captured `depths` (CUDA graphs) the smallest of them that holds it, k if none does. The runner cuts
-    with it and the strategy values arms with it, so the step valued is the step run."""
-    if depths is None:
-        return longest
-    return min((d for d in depths if longest <= d <= k), default=k)
 
 
 @dataclass(slots=True)

@@ -234,7 +234,7 @@ def test_suffix_verify_is_cut_to_the_longest_proposal(target, drafters, monkeypa
                                   spec="fixed", spec_k=8))
     propose = full.drafters["suffix"].propose
     monkeypatch.setattr(full.drafters["suffix"], "propose",
-                        lambda *a: dataclasses.replace(propose(*a), longest=None))  # as if unknown: no cut
+                        lambda *a: dataclasses.replace(propose(*a), row_lengths=None))  # unknown: no cut
     want = full.generate(PROMPTS, params)
     assert {r.k for r in full.stats.recent if r.kind != "prefill"} == {8}
     for a, b in zip(want, outs, strict=True):
@@ -283,6 +283,18 @@ def test_the_strategy_knows_what_the_suffix_table_has_for_each_row_before_it_cho
     assert budgets[0] <= 29 and min(budgets) >= 1 and budgets == sorted(budgets, reverse=True), budgets
     for a, b in zip(base, got, strict=True):
         assert b.outputs[0].token_ids == a.outputs[0].token_ids
+
+
+def test_rows_a_table_has_enough_drafts_for_take_them_with_their_lengths():
+    from service.engine.speculative.verify import DraftProposal
+
+    own = DraftProposal(torch.full((3, 4), 7), torch.full((3,), 4), torch.rand(3, 4, 10), [4, 4, 4])
+    table = DraftProposal(torch.arange(12).view(3, 4), torch.tensor([3, 1, 4]), None, [3, 1, 4])
+    joint, use = own.take_rows(table, 2)
+    assert use.tolist() == [True, False, True] and joint.one_hot_rows.tolist() == [True, False, True]
+    assert joint.row_lengths == [3, 4, 4] and joint.longest == 4 and joint.lengths.tolist() == [3, 4, 4]
+    assert joint.tokens[1].tolist() == [7] * 4 and joint.tokens[2].tolist() == [8, 9, 10, 11]
+    assert joint.cut(2).row_lengths == [2, 2, 2] and joint.cut(2).longest == 2
 
 
 def test_a_draft_model_assisted_by_the_suffix_table_is_lossless(target, drafters, monkeypatch):

@@ -369,7 +369,7 @@ def test_a_table_covering_few_rows_is_valued_at_the_positions_a_packed_pass_comp
     """Costs in proportion to the positions a pass computes, over a fixed part (a CPU at full batch): a table
     with 8 right drafts for 8 rows of 64 adds 64 positions to a packed pass (worth it: ~1,000 tok/s against
     plain's ~780), where a padded one would add 512 (~340 tok/s). Valued as padded, it was never tried."""
-    from service.engine.strategy import verify_tokens
+    from service.engine.speculative.passes import verify_tokens
 
     strategy = AdaptiveStrategy(["suffix"], seed=0, pack_min_saved=16)  # a mid-size model
     rng = random.Random(0)

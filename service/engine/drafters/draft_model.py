@@ -104,6 +104,7 @@ class DraftModelDrafter(Drafter):
             tokens=torch.stack(tokens, dim=1),
             lengths=torch.full((B,), k, dtype=torch.int64, device=self.device),
             probs=torch.stack(probs, dim=1),
+            row_lengths=[k] * B,
             caught_up=caught_up,
         )
 

@@ -131,7 +131,7 @@ class EagleDrafter(Drafter):
         for s in seqs:
             self.cached_positions[s.seq_id] = s.num_tokens - 1
         return DraftProposal(torch.stack(draft_tokens, 1), torch.full((B,), k, dtype=torch.int64, device=dev),
-                             torch.stack(draft_probs, 1))
+                             torch.stack(draft_probs, 1), [k] * B)
 
 
 def build_eagle(spec: str, target: CachedModel, num_slots: int, device: torch.device, seed: int) -> EagleDrafter:

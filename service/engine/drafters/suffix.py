@@ -131,7 +131,6 @@ class SuffixDrafter(Drafter):
             tokens=torch.tensor(rows, dtype=torch.int64, device=self.device).view(len(seqs), k),
             lengths=torch.tensor(lengths, dtype=torch.int64, device=self.device),
             probs=None,
-            longest=max(lengths, default=0),
             row_lengths=lengths,
         )
 

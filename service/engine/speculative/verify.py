@@ -30,26 +30,35 @@ class DraftProposal:
     tokens: torch.Tensor  # [B, k] long
     lengths: torch.Tensor  # [B] long, valid drafts per row (<= k)
     probs: torch.Tensor | None  # [B, k, V] processed draft distribution; None = deterministic (one-hot)
-    longest: int | None = None  # max(lengths), where the drafter knows it on the host (no device sync)
+    row_lengths: list[int] | None = None  # `lengths` on the host, where the drafter knows them there (no sync)
     one_hot_rows: torch.Tensor | None = None  # [B] bool: rows drafted deterministically though probs is given
-    row_lengths: list[int] | None = None  # `lengths` on the host, where the drafter knows them there
     caught_up: tuple[int, float] = (0, 0.0)  # tokens fed to catch up before drafting (`Drafter.catch_up`), seconds
+
+    @property
+    def longest(self) -> int | None:
+        """The most drafts any row has, where known on the host."""
+        return None if self.row_lengths is None else max(self.row_lengths, default=0)
 
     def cut(self, k: int) -> DraftProposal:
         """The first k draft positions: what a verify pass needs when no row proposed more."""
         probs = None if self.probs is None else self.probs[:, :k]
         rows = None if self.row_lengths is None else [min(n, k) for n in self.row_lengths]
-        return DraftProposal(self.tokens[:, :k], self.lengths.clamp(max=k), probs, min(self.longest or k, k),
-                             self.one_hot_rows, rows)
+        return DraftProposal(self.tokens[:, :k], self.lengths.clamp(max=k), probs, rows, self.one_hot_rows)
 
-    def take_rows(self, host: DraftProposal, use: torch.Tensor) -> DraftProposal:
-        """Rows where `use` ([B] bool) take the drafts of a deterministic drafter (`host`, same k, probs None);
-        the others keep these. Lossless: each row's drafts come from one proposal, chosen before the step."""
+    def take_rows(self, host: DraftProposal, min_drafts: int) -> tuple[DraftProposal, torch.Tensor]:
+        """Rows the deterministic drafter `host` (same k, probs None) has at least `min_drafts` drafts for take
+        its drafts; the others keep these. Returns the joint proposal and those rows ([B] bool). Lossless:
+        each row's drafts come from one proposal, chosen before the step."""
         if host.probs is not None or host.tokens.shape != self.tokens.shape:
             raise ValueError("a host drafter's proposal must be deterministic and as deep as the one it joins")
+        use = host.lengths >= min_drafts  # [B]
+        rows = None
+        if host.row_lengths is not None and self.row_lengths is not None:
+            rows = [h if h >= min_drafts else n for h, n in zip(host.row_lengths, self.row_lengths, strict=True)]
         one_hot = use if self.one_hot_rows is None else use | self.one_hot_rows
-        return DraftProposal(torch.where(use[:, None], host.tokens, self.tokens),
-                             torch.where(use, host.lengths, self.lengths), self.probs, None, one_hot)
+        joint = DraftProposal(torch.where(use[:, None], host.tokens, self.tokens),
+                              torch.where(use, host.lengths, self.lengths), self.probs, rows, one_hot)
+        return joint, use
 
 
 @dataclass(slots=True)
