@@ -186,8 +186,8 @@ def main(argv: list[str] | None = None) -> int:
                     help="runs per config, the median run is reported (default 3; 1 with --quick)")
     ap.add_argument("--workloads", default=",".join(WORKLOADS), help=f"comma-separated, of {WORKLOADS}")
     ap.add_argument("--configs", default=None, help="only these configs (e.g. off,adaptive); default all")
-    ap.add_argument("--plot-dir", type=Path, default=Path(__file__).resolve().parent.parent / "docs",
-                    help="where the PNGs go")
+    ap.add_argument("--plot-dir", type=lambda text: Path(text) if text else None,
+                    default=Path(__file__).resolve().parent.parent / "docs", help="where the PNGs go ('': none)")
     ap.add_argument("--threads", type=int, default=None)
     ap.add_argument("--device", default="cpu", help="cpu or cuda[:N]")
     ap.add_argument("--enforce-eager", action="store_true", help="no CUDA graphs (GPU), no torch.compile (CPU)")

@@ -32,6 +32,14 @@ def test_quick_run_reports_median_runs_ratios_and_a_plot(tmp_path, capsys) -> No
     assert "start" in summary["loadavg"] and summary["threads"] == 1
 
 
+def test_an_empty_plot_dir_writes_no_plot(tmp_path, monkeypatch, capsys) -> None:
+    monkeypatch.chdir(tmp_path)  # '' once meant the working directory
+    assert spec_decode.main(["--quick", "--workloads", "long_tail", "--configs", "off", "--repeats", "1",
+                             "--plot-dir", "", "--threads", "1"]) == 0
+    assert "long_tail" in json.loads(capsys.readouterr().out.strip().splitlines()[-1])["workloads"]
+    assert not list(tmp_path.glob("*.png"))
+
+
 def test_repeats_must_be_positive() -> None:
     with pytest.raises(SystemExit):
         spec_decode.main(["--quick", "--repeats", "0"])
