@@ -306,7 +306,7 @@ class ModelRunner:
 
     def packs_verify(self, row_lengths: list[int] | None, k: int) -> bool:
         """Whether a verify pass k drafts wide, with rows of these draft counts (None: unknown on the host), runs
-        packed: only each row's last token and drafts go through the linear layers (`strategy.packs`). On a CPU
+        packed: only each row's last token and drafts go through the linear layers (`passes.packs`). On a CPU
         a padded position costs as much as a real one (a verify at batch 64 is matmul-bound:
         bench/step_profile.py), so a suffix table whose longest match set the width for every row paid for
         positions it never proposed."""

@@ -228,7 +228,8 @@ class AdaptiveStrategy:
             width = self._tokens(s, batch_size, rows.get(s.drafter)) if s.k else 0
             cost = self.model.predict(s.drafter, s.k, batch_size, width) * corr * noise
             if s.k and catch_up and catch_up.get(s.drafter):
-                per_token = self.catch_up_cost.get(s.drafter, Ewma()).value or 0.0  # unmeasured: the next step tells
+                measured = self.catch_up_cost.get(s.drafter)
+                per_token = (measured.value if measured is not None else None) or 0.0  # unmeasured: the next step tells
                 cost += per_token * catch_up[s.drafter] / min(self._horizon(s.drafter), max(steps_left or math.inf, 1))
             tokens = mean_tokens(alpha.get(s.drafter), s.k, rows.get(s.drafter))
             if s.k and s.drafter not in proposals:  # a draft model: assisted by a host drafter where it pays

@@ -73,14 +73,13 @@ class DraftModelDrafter(Drafter):
         return min(s.draft_cached, s.num_tokens - 1)
 
     def catch_up(self, seqs: list[Sequence]) -> int:
-        # After its own step a row feeds its last token, and the bonus when every draft was accepted.
-        return sum(max(s.num_tokens - self._fed_from(s) - 2, 0) for s in seqs)
+        return _beyond_own_step(seqs, [self._fed_from(s) for s in seqs])
 
     def propose(self, seqs: list[Sequence], k: int, sb: SamplingBatch) -> DraftProposal:
         B = len(seqs)
         # Catch up: feed every token the draft cache lacks, ending with the sequence's last token.
-        missed = self.catch_up(seqs)
         starts = [self._fed_from(s) for s in seqs]
+        missed = _beyond_own_step(seqs, starts)
         for s, st in zip(seqs, starts, strict=True):
             s.draft_cached = st  # after a push, every row's cache restarts (though no step may follow)
         self._stale = False
@@ -115,3 +114,9 @@ class DraftModelDrafter(Drafter):
 
     def apply_copies(self, copies: list[SlotCopy]) -> None:
         self.cached.cache.copy_slots(copies)
+
+
+def _beyond_own_step(seqs: list[Sequence], starts: list[int]) -> int:
+    """Tokens fed from `starts` beyond what follows the drafter's own step: a row's last token, and the bonus
+    when every draft was accepted."""
+    return sum(max(s.num_tokens - st - 2, 0) for s, st in zip(seqs, starts, strict=True))

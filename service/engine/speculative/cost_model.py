@@ -5,7 +5,7 @@
 
 (a, b) are the target's fixed and per-row cost; k * u + v * T is what k more positions cost the verify pass,
 the same whichever drafter proposed them, T the draft positions it computes: B * k, or fewer where rows with
-fewer drafts run packed (`strategy.verify_tokens`); k * (u_d + v_d * B) is the drafter's own work (about nothing for a
+fewer drafts run packed (`passes.verify_tokens`); k * (u_d + v_d * B) is the drafter's own work (about nothing for a
 suffix table, k small forwards for a draft model). The verify term is shared so that one drafter's steps price
 another's: before, each drafter had one term for both, and a suffix table, unmeasured, was priced at the prior
 (a position for 0.3 of a plain step; 0.6-0.9 measured at full batch on a CPU), so it looked cheap and ran
