@@ -192,24 +192,26 @@ class LLMEngine:
         if batch.kind == "idle":
             self.runner.apply_copies(batch.moves)
             return outputs
-        strategy = self._choose(batch.seqs) if batch.kind == "decode" else PLAIN
+        room = None
+        strategy = PLAIN
+        if batch.kind == "decode":  # each row's most drafts it can still emit: the tokens it has left, less one
+            room = [s.tokens_left(self.config.max_model_len) - 1 for s in batch.seqs]
+            strategy = self._choose(batch.seqs, room)
         host = self.drafters.get(strategy.assist[0]) if strategy.assist else None
-        result = self.runner.execute(batch, strategy, self.drafters.get(strategy.drafter), host)
+        result = self.runner.execute(batch, strategy, self.drafters.get(strategy.drafter), host, room)
         outputs += self._postprocess(result)
         self._record(batch, strategy, result, time.perf_counter() - start)
         return outputs
 
-    def _choose(self, seqs: list[Sequence]) -> Strategy:
-        """The strategy's pick, told beforehand what drafters that propose on the host have for each row and
-        how many tokens each drafter would catch up on."""
+    def _choose(self, seqs: list[Sequence], room: list[int]) -> Strategy:
+        """The strategy's pick, told beforehand what drafters that propose on the host have for each row, each
+        row's room and how many tokens each drafter would catch up on."""
         if self.strategy.fixed is not None or not self.strategy.drafters or self.strategy.probes_plain(len(seqs)):
             return self.strategy.choose(len(seqs))  # no proposals needed: nothing to ask the drafters
         depth = max(self.strategy.depths())
         proposals = {name: n for name, d in self.drafters.items() if (n := d.lookahead(seqs, depth)) is not None}
-        max_len = self.config.max_model_len
-        steps_left = max(min(s.params.max_tokens - len(s.output_token_ids), max_len - s.num_tokens) for s in seqs)
         catch_up = {name: n for name, d in self.drafters.items() if (n := d.catch_up(seqs))}
-        return self.strategy.choose(len(seqs), proposals, steps_left, catch_up)
+        return self.strategy.choose(len(seqs), proposals, room, catch_up)
 
     def _record(self, batch: SchedulerOutput, strategy: Strategy, result: StepResult, seconds: float) -> None:
         """Feedback for the strategy (what this choice cost), counters for the metrics."""

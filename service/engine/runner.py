@@ -261,10 +261,11 @@ class ModelRunner:
     # -- one engine step --------------------------------------------------------------------------
     @torch.inference_mode()
     def execute(self, batch: SchedulerOutput, strategy: Strategy, drafter: Drafter | None = None,
-                host: Drafter | None = None) -> StepResult:
+                host: Drafter | None = None, room: list[int] | None = None) -> StepResult:
         """Run one scheduled step: prefill, plain decode (k = 0), or draft k tokens with `drafter` and verify
         them in one target pass (a plain decode when the drafter proposed nothing for any row). With
-        `strategy.assist` = (name, n), `host` is that drafter: rows it has at least n drafts for take its."""
+        `strategy.assist` = (name, n), `host` is that drafter: rows it has at least n drafts for take its.
+        `room`: per row, the most drafts it can still emit (`DraftProposal.limit`); None: no limit."""
         self.apply_copies(batch.moves)
         if batch.kind == "prefill":
             return self._prefill(batch)
@@ -272,7 +273,7 @@ class ModelRunner:
         result = None
         if strategy.k and drafter is not None:
             assist = (host, strategy.assist[1]) if host is not None and strategy.assist else None
-            result = self._speculative(batch.seqs, drafter, strategy.k, assist)
+            result = self._speculative(batch.seqs, drafter, strategy.k, assist, room)
         if result is None:
             result = self._decode(batch.seqs)
         result.captured = self.builds() > built
@@ -337,10 +338,11 @@ class ModelRunner:
         sb = SamplingBatch.build(seqs, self.cfg.vocab_size, self.device)
         return StepResult.plain(seqs, to_host(sample(logits, sb), seqs))
 
-    def _speculative(self, seqs: list[Sequence], drafter: Drafter, k: int,
-                     assist: tuple[Drafter, int] | None = None) -> StepResult | None:
+    def _speculative(self, seqs: list[Sequence], drafter: Drafter, k: int, assist: tuple[Drafter, int] | None = None,
+                     room: list[int] | None = None) -> StepResult | None:
         """Draft k tokens per row and verify them; None when the drafter proposed nothing for any row.
-        `assist` = (host drafter, n): rows the host drafter has at least n drafts for verify its drafts."""
+        `assist` = (host drafter, n): rows the host drafter has at least n drafts for verify its drafts.
+        `room`: each row's drafts are cut to it (the rest could not be emitted)."""
         B = len(seqs)
         prev_num_tokens = [s.num_tokens for s in seqs]
         sb = SamplingBatch.build(seqs, self.cfg.vocab_size, self.device)
@@ -349,12 +351,15 @@ class ModelRunner:
         caught_up, use = draft.caught_up, None
         if assist is not None:
             draft, use = draft.take_rows(assist[0].propose(seqs, k, sb), assist[1])
+        if room is not None:
+            draft = draft.limit(room)
         draft_seconds = time.perf_counter() - t0
         if assist is None and draft.longest is not None and draft.longest < k:
-            # No row proposed k drafts (a suffix table without long matches): verify only as many positions
-            # as the longest proposal (with CUDA graphs, rounded up to a captured depth); none at all is a
-            # plain decode step. Lossless and the same tokens: positions past a row's drafts are rejected
-            # anyway, and every random draw is keyed by the row's seed and output position, not the width.
+            # No row proposed k drafts (a suffix table without long matches) or has room for k (rows near their
+            # token budget): verify only as many positions as the longest proposal (with CUDA graphs, rounded up
+            # to a captured depth); none at all is a plain decode step. Lossless and the same tokens as the
+            # uncut pass: positions past a row's drafts are rejected anyway, and every random draw is keyed by
+            # the row's seed and output position, not the width.
             # (An assisted pass is not cut: its draft model drafted k for every row, as the strategy valued it.)
             if not draft.longest:
                 return None

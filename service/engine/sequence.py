@@ -57,6 +57,10 @@ class Sequence:
     def is_finished(self) -> bool:
         return self.status is SequenceStatus.FINISHED
 
+    def tokens_left(self, max_model_len: int) -> int:
+        """Tokens this sequence may still emit: what its max_tokens leaves, within max_model_len."""
+        return min(self.params.max_tokens - len(self.output_token_ids), max_model_len - self.num_tokens)
+
     def tokens_from(self, start: int) -> list[int]:
         n_prompt = len(self.prompt_token_ids)
         if start >= n_prompt:

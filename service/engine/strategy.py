@@ -55,6 +55,12 @@ of a deeper one is an extrapolation (a CPU verify of k + 1 positions at full bat
 steps: a k = 6 guess there costs five steps).
 A drafter's first step ever measures nothing: its model's first forwards.
 
+Room: a row emits no more than its token budget leaves (max_tokens, max_model_len), so a draft past its tokens
+left less one (its room) can only be verified, never emitted. The engine gives `choose` each row's room; an arm
+is valued with each row's drafts within it, and the runner limits the drafts to it (`DraftProposal.limit`),
+cutting a pass no row has room for in (none at all: a plain step). Why: valued as if every row drafted k, deep
+arms looked best for the last steps of rows about to end, and their passes verified drafts no row could emit.
+
 A drafter that proposes on the host (the suffix table) is asked before the choice: it says how many drafts it has
 for each row (`proposals`). Such an arm is valued on what the step would verify: a row gets min(k, its proposal)
 drafts, and the verify pass is cut to the longest proposal, so its cost is that of the shorter depth (the runner
@@ -199,12 +205,13 @@ class AdaptiveStrategy:
         return batch_size * self.expected_tokens(ran, proposals) / self.predicted_cost(batch_size, ran, tokens)
 
     def choose(self, batch_size: int, proposals: dict[str, list[int]] | None = None,
-               steps_left: int | None = None, catch_up: dict[str, int] | None = None) -> Strategy:
+               room: list[int] | None = None, catch_up: dict[str, int] | None = None) -> Strategy:
         """The arm to run for this batch. `proposals`: for each drafter that proposes on the host, how many
         drafts it has for each row (see the module docstring); it may name a depth shorter than the arm's.
-        `steps_left`: at most how many more steps the batch runs (its rows' longest token budget left): a
-        switch's catch-up is spread over no more steps than that. `catch_up`: the tokens each drafter would
-        feed to catch up before drafting (a drafter not named: none)."""
+        `room`: per row, the most drafts it can still emit (its tokens left less one: see "Room" in the module
+        docstring); the batch runs at most max(room) + 1 more steps, and a switch's catch-up is spread over no
+        more. `catch_up`: the tokens each drafter would feed to catch up before drafting (a drafter not named:
+        none)."""
         if self.fixed is not None:
             return self.fixed
         if not self.drafters:
@@ -212,12 +219,16 @@ class AdaptiveStrategy:
         if self.probes_plain(batch_size):
             return PLAIN  # measure the baseline first (see the module docstring)
         proposals = proposals or {}
-        rows = {d: Counter(n) for d, n in proposals.items() if n}  # proposal length -> rows
+        steps_left = max(room) + 1 if room else None
+        room = room if room and min(room) < max(self.ks) else [max(self.ks)] * batch_size  # where it binds an arm
+        caps = self._caps(proposals, room)
+        rows = {d: Counter(n) for d, n in caps.items() if n}  # drafts -> rows
         alpha = {d: self.accept[d].rates(self.prior_alpha, self.prior_trials, self._rng) for d in self.drafters}
         best, best_value, seen = PLAIN, -1.0, set()
-        hosts = [d for d in rows if d in alpha]
+        # (proposal, room) -> rows, per host drafter: what an assisted draft model's rows would verify
+        hosts = {d: Counter(zip(n, room, strict=True)) for d, n in proposals.items() if n and d in alpha}
         for arm in self.arms:
-            s = self.verified(arm, proposals.get(arm.drafter))
+            s = self.verified(arm, caps.get(arm.drafter))
             if s in seen:
                 continue  # a cut verify: the same step as a shallower arm
             seen.add(s)
@@ -233,8 +244,8 @@ class AdaptiveStrategy:
                 cost += per_token * catch_up[s.drafter] / min(self._horizon(s.drafter), max(steps_left or math.inf, 1))
             tokens = mean_tokens(alpha.get(s.drafter), s.k, rows.get(s.drafter))
             if s.k and s.drafter not in proposals:  # a draft model: assisted by a host drafter where it pays
-                for host in hosts:
-                    more, n = assisted_tokens(alpha[s.drafter], s.k, alpha[host], rows[host])
+                for host, pairs in hosts.items():
+                    more, n = assisted_tokens(alpha[s.drafter], s.k, alpha[host], pairs)
                     if n is not None and more > tokens:
                         tokens, s = more, replace(s, assist=(host, n))
             if tokens / cost > best_value:
@@ -245,6 +256,14 @@ class AdaptiveStrategy:
             # costs least if the draw was wrong.
             return Strategy(best.drafter, min(best.k, self.ks[0]))
         return best
+
+    def _caps(self, proposals: dict[str, list[int]], room: list[int]) -> dict[str, list[int] | None]:
+        """Per drafter, the most drafts each row would verify: its proposal (host drafters) within the row's
+        room; the room alone for the others, None where it binds no arm (every row gets k)."""
+        caps: dict[str, list[int] | None] = {d: [min(n, r) for n, r in zip(p, room, strict=True)]
+                                             for d, p in proposals.items()}
+        binds = min(room, default=0) < max(self.ks)
+        return caps | {d: room if binds else None for d in self.drafters if d not in proposals}
 
     def probes_plain(self, batch_size: int) -> bool:
         return bucket_of(batch_size) not in self._plain_buckets and len(self._plain_buckets) < 2

@@ -102,10 +102,11 @@ def run_suffix_steps(engine: LLMEngine, monkeypatch) -> list[tuple[list[int], ob
     runner verified)."""
     choose, seen = AdaptiveStrategy.choose, []
 
-    def recorded(self, batch_size, proposals=None, steps_left=None, catch_up=None):
-        s = choose(self, batch_size, proposals, steps_left, catch_up)
+    def recorded(self, batch_size, proposals=None, room=None, catch_up=None):
+        s = choose(self, batch_size, proposals, room, catch_up)
         if proposals:
-            s = self.verified(Strategy("suffix", 8), proposals["suffix"])
+            caps = [min(n, r) for n, r in zip(proposals["suffix"], room, strict=True)]  # within each row's room
+            s = self.verified(Strategy("suffix", 8), caps)
         seen.append(((proposals or {}).get("suffix"), s))
         return s
 

@@ -99,6 +99,21 @@ def test_stop_and_max_tokens_inside_an_accepted_run(target, drafters):
     assert checked_stops >= 2
 
 
+def test_no_row_verifies_drafts_past_its_token_budget(target, drafters):
+    """The target drafting for itself accepts every draft it verifies. A row's drafts are limited to its room
+    (its tokens left, less one), so every accepted draft is emitted, a pass no row has room for k in is cut, a
+    batch with no room at all runs a plain step, and output is unchanged."""
+    for budgets, want_ks in (((6, 6), [4]), ((5, 10), [7, 0])):  # rooms after the prefill's token: 4 / 3 and 8
+        params = [SamplingParams(temperature=0, max_tokens=n, ignore_eos=True) for n in budgets]
+        _, base = run(target, PROMPTS[:2], params)
+        engine, got = run(target, PROMPTS[:2], params, drafter=drafters["self"], spec="fixed", spec_k=7)
+        steps = [r for r in engine.stats.recent if r.kind != "prefill"]
+        assert [r.k for r in steps] == want_ks, steps
+        assert all(r.emitted_tokens == r.accepted_tokens + r.batch_size for r in steps if r.k), steps
+        for a, b in zip(base, got, strict=True):
+            assert b.outputs[0].token_ids == a.outputs[0].token_ids
+
+
 @pytest.mark.parametrize("name", ["suffix", "near", "eagle"])
 def test_sampled_logprobs_equal_a_recompute(target, drafters, name):
     from transformers import AutoModelForCausalLM
@@ -252,11 +267,11 @@ def test_the_strategy_knows_what_the_suffix_table_has_for_each_row_before_it_cho
                                     drafter=f"{drafters['llama']},suffix"))
     choose, seen, budgets, catch_ups = AdaptiveStrategy.choose, [], [], []
 
-    def recorded(self, batch_size, proposals=None, steps_left=None, catch_up=None):
-        s = choose(self, batch_size, proposals, steps_left, catch_up)
+    def recorded(self, batch_size, proposals=None, room=None, catch_up=None):
+        s = choose(self, batch_size, proposals, room, catch_up)
         seen.append((batch_size, proposals, s))
         if proposals is not None:
-            budgets.append(steps_left)
+            budgets.append(max(room) + 1)
             catch_ups.append(catch_up)
         return s
 
@@ -365,7 +380,10 @@ def tiny_drafters(tiny_vocab_model, tmp_path_factory):
 @pytest.mark.parametrize(("name", "k"), [("suffix", 3), ("agree", 1), ("agree", 3), ("disagree", 2), ("eagle", 2),
                                          ("agree+suffix", 3), ("disagree+suffix", 2)])
 def test_joint_distribution_of_three_tokens_matches(tiny_vocab_model, tiny_drafters, setting, name, k):
-    """"X+suffix": the draft model X assisted by the suffix table (rows it has drafts for verify the table's)."""
+    """"X+suffix": the draft model X assisted by the suffix table (rows it has drafts for verify the table's).
+    Four tokens, the first three compared: the first decode step then has room for two drafts, all that a joint
+    of three tokens can show (k = 3 is limited to them, `DraftProposal.limit`), and the second has room for
+    none or one."""
     prompt = [1, 2, 3]
     kw = SETTINGS[setting]
     model, _, host = name.partition("+")
@@ -374,11 +392,11 @@ def test_joint_distribution_of_three_tokens_matches(tiny_vocab_model, tiny_draft
                                     drafter=drafter, spec="fixed", spec_k=k))
     if host:
         assisted(engine, k)
-    params = [SamplingParams(n=200, max_tokens=3, seed=5000 + i, ignore_eos=True, **kw) for i in range(100)]
+    params = [SamplingParams(n=200, max_tokens=4, seed=5000 + i, ignore_eos=True, **kw) for i in range(100)]
     outs = engine.generate([prompt] * 100, params)
     if host:
         assert min(assisted_rows(engine)) > 0  # both kinds of row ran
-    triples = [c.token_ids for o in outs for c in o.outputs]
+    triples = [c.token_ids[:3] for o in outs for c in o.outputs]
     assert len(triples) == 20_000 and all(len(t) == 3 for t in triples)
     assert engine.stats.spec_draft_tokens > 0
     if name == "agree":

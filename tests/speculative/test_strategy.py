@@ -67,15 +67,23 @@ def rollout(strategy: AdaptiveStrategy, lengths: list[int], alpha: AlphaFn, cost
     missed = 0  # tokens per row the draft model has not seen
     while remaining:
         batch = len(remaining)
-        s = strategy.choose(batch, steps_left=max(remaining), catch_up={"draft": batch * missed} if missed else None)
-        acc = accepted_counts(batch, s.k, alpha(s.drafter, len(trace)), rng) if s.k else None
-        seconds = cost(batch, s.drafter, s.k) * math.exp(rng.gauss(0.0, 0.05))
+        room = [r - 1 for r in remaining]  # as the engine: a row drafts no more than it can still emit
+        s = strategy.choose(batch, room=room, catch_up={"draft": batch * missed} if missed else None)
+        drafted = [min(s.k, r) for r in room]
+        if not max(drafted):
+            s = PLAIN  # no row has room for a draft: the runner runs a plain step
+        acc = None
+        if s.k:
+            acc = accepted_counts(batch, s.k, alpha(s.drafter, len(trace)), rng)
+            acc = [min(a, d) for a, d in zip(acc, drafted, strict=True)]
+        ran_k = max(drafted)  # the runner cuts a pass no row has room for
+        seconds = cost(batch, s.drafter if ran_k else None, ran_k) * math.exp(rng.gauss(0.0, 0.05))
         caught_up = (0, 0.0)
         if s.drafter == "draft" and missed:
             per_token = 0.05 * (cost(batch, None, 0) - cost(0, None, 0)) / batch * math.exp(rng.gauss(0.0, 0.05))
             caught_up = (batch * missed, per_token * batch * missed)
             seconds += caught_up[1]
-        strategy.record(s, batch, seconds, acc, caught_up=caught_up)
+        strategy.record(s, batch, seconds, acc, ran_k, drafted if s.k else None, caught_up=caught_up)
         total += seconds
         trace.append((batch, s))
         emitted = [a + 1 for a in acc] if acc else [1] * batch
@@ -323,7 +331,7 @@ def test_a_draft_model_is_assisted_by_the_table_on_the_rows_it_covers() -> None:
 
 def test_assisted_rows_take_the_table_where_its_drafts_yield_more() -> None:
     own, table = [0.5] * 8, [0.95] * 8
-    rows = Counter({8: 2, 1: 1, 0: 1})  # proposal length -> rows
+    rows = Counter({(8, 8): 2, (1, 8): 1, (0, 8): 1})  # (proposal length, room) -> rows
     # A row with one table draft: 1.95 expected tokens against the draft model's 1.94 at k = 4; at k = 8 the
     # model's 1.996 needs two table drafts.
     tokens, n = assisted_tokens(own, 4, table, rows)
@@ -332,6 +340,9 @@ def test_assisted_rows_take_the_table_where_its_drafts_yield_more() -> None:
     assert tokens == pytest.approx(want / 4)
     assert assisted_tokens(own, 8, table, rows)[1] == 2
     assert assisted_tokens(own, 4, [0.1] * 8, rows) == (pytest.approx(tokens_per_row(own, 4)), None)
+    near_end = Counter({(8, 2): 1, (0, 1): 1})  # rows with room for two drafts and for one
+    want = tokens_per_row(table, 2) + tokens_per_row(own, 1)
+    assert assisted_tokens(own, 4, table, near_end) == (pytest.approx(want / 2), 1)
 
 
 def test_a_catch_up_is_not_spread_over_more_steps_than_the_batch_has_left() -> None:
@@ -347,8 +358,23 @@ def test_a_catch_up_is_not_spread_over_more_steps_than_the_batch_has_left() -> N
     s.catch_up_cost["draft"] = Ewma(0.1 / 320, 5)  # seconds per token: 0.1 s for 40 tokens of 8 rows
     missed = {"draft": 320}
     assert [s.choose(8, catch_up=missed).drafter for _ in range(20)].count("draft") >= 18
-    assert [s.choose(8, steps_left=2, catch_up=missed).drafter for _ in range(20)].count(None) >= 18
-    assert [s.choose(8, steps_left=2).drafter for _ in range(20)].count("draft") >= 18  # caught up: no charge
+    assert [s.choose(8, room=[1] * 8, catch_up=missed).drafter for _ in range(20)].count(None) >= 18
+    assert [s.choose(8, room=[1] * 8).drafter for _ in range(20)].count("draft") >= 18  # caught up: no charge
+
+
+def test_rows_near_their_token_budget_are_valued_at_what_they_can_emit() -> None:
+    """A draft model whose drafts are all accepted, deep k cheap: with room for two drafts per row at most, the
+    arm chosen verifies two (the runner cuts the pass to the rows' room); with none, a plain step."""
+    s = AdaptiveStrategy(["draft"], seed=0)
+    for batch in (8, 16):
+        s.record(PLAIN, batch, 0.010 * (1 + batch / 32))
+    for k in (1, 2, 4, 8, 8, 8):
+        s.record(Strategy("draft", k), 8, 0.010 + 0.0001 * k, [k] * 8)
+    assert s.choose(8).k == 8
+    assert s.choose(8, room=[8] * 8).k == 8
+    assert {s.choose(8, room=[2, 1, 0, 2, 0, 0, 1, 2]).k for _ in range(20)} == {2}
+    assert s.choose(8, room=[0] * 8) == PLAIN
+    assert s.verified(Strategy("draft", 8), [0, 3, 1]) == Strategy("draft", 3)
 
 
 def test_a_catch_up_is_priced_per_token_and_kept_out_of_the_arms_cost() -> None:

@@ -31,13 +31,16 @@ def mean_tokens(alpha: list[float] | None, k: int, rows: Counter[int] | None) ->
 
 
 def assisted_tokens(alpha: list[float], k: int, host_alpha: list[float],
-                    host_rows: Counter[int]) -> tuple[float, int | None]:
+                    host_rows: Counter[tuple[int, int]]) -> tuple[float, int | None]:
     """A drafter that drafts k for every row, assisted by a host drafter: a row takes the host's drafts where
     they are worth more than the drafter's k, which holds for proposals of at least `n` drafts (expected tokens
-    grow with the proposal's length). Returns the expected tokens per row and that `n` (None: no row gains)."""
+    grow with the proposal's length). `host_rows` counts the rows per (host proposal length, room), the room
+    being the most drafts a row can still emit. Returns the expected tokens per row and that `n` (None: no row
+    gains)."""
     own = tokens_per_row(alpha, k)
     n = next((n for n in range(1, k + 1) if tokens_per_row(host_alpha, n) > own), None)
     if n is None:
         return own, None
-    total = sum(c * (tokens_per_row(host_alpha, min(k, m)) if m >= n else own) for m, c in host_rows.items())
+    total = sum(c * (tokens_per_row(host_alpha, min(k, m, r)) if m >= n else tokens_per_row(alpha, min(k, r)))
+                for (m, r), c in host_rows.items())
     return total / sum(host_rows.values()), n

@@ -43,7 +43,21 @@ class DraftProposal:
         """The first k draft positions: what a verify pass needs when no row proposed more."""
         probs = None if self.probs is None else self.probs[:, :k]
         rows = None if self.row_lengths is None else [min(n, k) for n in self.row_lengths]
-        return DraftProposal(self.tokens[:, :k], self.lengths.clamp(max=k), probs, rows, self.one_hot_rows)
+        return DraftProposal(self.tokens[:, :k], self.lengths.clamp(max=k), probs, rows, self.one_hot_rows,
+                             self.caught_up)
+
+    def limit(self, room: list[int]) -> DraftProposal:
+        """Each row's drafts cut to its `room`: the tokens it may still emit, less one (the bonus or correction
+        token). A row ends at its token budget, so a draft past its room would never be emitted, only verified.
+        Lossless: the room is known before the step, and a position past a row's drafts is a rejection with
+        q = 0 (the row samples from p there), so the tokens it emits are distributed as before."""
+        k = self.tokens.shape[1]
+        if min(room, default=k) >= k:
+            return self
+        cap = torch.tensor(room, dtype=self.lengths.dtype).to(self.lengths.device, non_blocking=True)
+        rows = None if self.row_lengths is None else [min(n, r) for n, r in zip(self.row_lengths, room, strict=True)]
+        return DraftProposal(self.tokens, torch.minimum(self.lengths, cap), self.probs, rows, self.one_hot_rows,
+                             self.caught_up)
 
     def take_rows(self, host: DraftProposal, min_drafts: int) -> tuple[DraftProposal, torch.Tensor]:
         """Rows the deterministic drafter `host` (same k, probs None) has at least `min_drafts` drafts for take
@@ -57,7 +71,7 @@ class DraftProposal:
             rows = [h if h >= min_drafts else n for h, n in zip(host.row_lengths, self.row_lengths, strict=True)]
         one_hot = use if self.one_hot_rows is None else use | self.one_hot_rows
         joint = DraftProposal(torch.where(use[:, None], host.tokens, self.tokens),
-                              torch.where(use, host.lengths, self.lengths), self.probs, rows, one_hot)
+                              torch.where(use, host.lengths, self.lengths), self.probs, rows, one_hot, self.caught_up)
         return joint, use
 
 
