@@ -251,21 +251,22 @@ class LLMEngine:
         """Append each sequence's new tokens in order, stopping exactly where plain decoding would."""
         outputs = []
         seqs = result.seqs
+        drafter_version = self.drafter_version  # once per step, not per row
         for seq, tokens in zip(seqs, result.tokens, strict=True):
             if seq.is_finished:  # its request failed earlier in this step
                 continue
             try:
-                self._append(seq, tokens)
+                self._append(seq, tokens, drafter_version)
             except Exception as exc:  # attributable to this request only: it ends, the others go on
                 logger.exception("request %s failed in postprocessing; the rest of the batch continues",
                                  seq.request_id)
                 self.fail_request(seq.request_id, f"request failed: {exc}")
                 continue
-            outputs.append(self._emit(seq))
+            outputs.append(self._emit(seq, drafter_version))
         self._forget_finished(seqs)
         return outputs
 
-    def _append(self, seq: Sequence, tokens: list[TokenResult]) -> None:
+    def _append(self, seq: Sequence, tokens: list[TokenResult], drafter_version: str) -> None:
         finished = False
         for res in tokens:
             finished = seq.append_token(res.token, res.logprob, res.raw_logprob, res.top,
@@ -273,7 +274,7 @@ class LLMEngine:
             if finished:
                 break
         seq.num_cached = seq.num_tokens - 1  # every token but the newest has its K/V in the cache
-        seq.record_versions(self.policy_version, self.drafter_version)
+        seq.record_versions(self.policy_version, drafter_version)
         if finished:
             self.scheduler.release(seq)
         for d in self.runner.drafters:
@@ -290,7 +291,7 @@ class LLMEngine:
         failures, self.failures = self.failures, {}
         return failures
 
-    def _emit(self, seq: Sequence) -> StepOutput:
+    def _emit(self, seq: Sequence, drafter_version: str | None = None) -> StepOutput:
         start, seq.num_emitted = seq.num_emitted, len(seq.output_token_ids)
         p = seq.params
         return StepOutput(
@@ -299,7 +300,7 @@ class LLMEngine:
             finished=seq.is_finished, finish_reason=seq.finish_reason.value if seq.finish_reason else None,
             new_raw_logprobs=seq.raw_logprobs[start:] if p.raw_logprobs else None,
             new_top_logprobs=seq.top_logprobs[start:] if p.top_logprobs else None,
-            policy_version=self.policy_version, drafter_version=self.drafter_version,
+            policy_version=self.policy_version, drafter_version=drafter_version or self.drafter_version,
             num_prompt_tokens=len(seq.prompt_token_ids), num_output_tokens=len(seq.output_token_ids),
         )
 

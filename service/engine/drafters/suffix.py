@@ -29,10 +29,12 @@ class _Group:
 
     def index(self, doc_id: int, max_ngram: int) -> None:
         doc, start = self.docs[doc_id], self.indexed.get(doc_id, 0)
-        # n-grams ending at position i, pointing at the token i + 1 that followed them.
+        # n-grams ending at position i (the suffixes of the longest), pointing at the token i + 1 that followed.
+        table = self.table
         for i in range(max(start, 0), len(doc) - 1):
-            for n in range(1, min(max_ngram, i + 1) + 1):
-                self.table[tuple(doc[i - n + 1 : i + 1])] = (doc_id, i + 1)
+            gram, hit = tuple(doc[max(0, i + 1 - max_ngram) : i + 1]), (doc_id, i + 1)
+            for j in range(len(gram)):
+                table[gram[j:]] = hit
         self.indexed[doc_id] = max(len(doc) - 1, start)
 
     def lookup(self, tokens: list[int], k: int, max_ngram: int) -> list[int]:
