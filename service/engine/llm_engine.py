@@ -195,7 +195,7 @@ class LLMEngine:
         room = None
         strategy = PLAIN
         if batch.kind == "decode":  # each row's most drafts it can still emit: the tokens it has left, less one
-            room = [s.tokens_left(self.config.max_model_len) - 1 for s in batch.seqs]
+            room = [max(s.tokens_left(self.config.max_model_len) - 1, 0) for s in batch.seqs]
             strategy = self._choose(batch.seqs, room)
         host = self.drafters.get(strategy.assist[0]) if strategy.assist else None
         result = self.runner.execute(batch, strategy, self.drafters.get(strategy.drafter), host, room)
