@@ -156,10 +156,10 @@ def test_a_request_failing_in_the_step_ends_alone(model_dir, monkeypatch):
     want = [o.outputs[0].token_ids for o in engine.generate(prompts, params)]
     real = engine._append
 
-    def failing(seq, tokens):
+    def failing(seq, tokens, *rest):
         if seq.request_id == "bad" and len(seq.output_token_ids) >= 3:
             raise RuntimeError("injected")
-        real(seq, tokens)
+        real(seq, tokens, *rest)
 
     monkeypatch.setattr(engine, "_append", failing)
     ids = [engine.add_request(p, params) for p in prompts]
