@@ -194,8 +194,9 @@ class LLMEngine:
             return outputs
         room = None
         strategy = PLAIN
-        if batch.kind == "decode":  # each row's most drafts it can still emit: the tokens it has left, less one
-            room = [max(s.tokens_left(self.config.max_model_len) - 1, 0) for s in batch.seqs]
+        if batch.kind == "decode":
+            if self.strategy.depths():  # each row's most drafts it can still emit: its tokens left, less one
+                room = [max(s.tokens_left(self.config.max_model_len) - 1, 0) for s in batch.seqs]
             strategy = self._choose(batch.seqs, room)
         host = self.drafters.get(strategy.assist[0]) if strategy.assist else None
         result = self.runner.execute(batch, strategy, self.drafters.get(strategy.drafter), host, room)
@@ -203,7 +204,7 @@ class LLMEngine:
         self._record(batch, strategy, result, time.perf_counter() - start)
         return outputs
 
-    def _choose(self, seqs: list[Sequence], room: list[int]) -> Strategy:
+    def _choose(self, seqs: list[Sequence], room: list[int] | None) -> Strategy:
         """The strategy's pick, told beforehand what drafters that propose on the host have for each row, each
         row's room and how many tokens each drafter would catch up on."""
         if self.strategy.fixed is not None or not self.strategy.drafters or self.strategy.probes_plain(len(seqs)):

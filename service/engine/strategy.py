@@ -220,13 +220,15 @@ class AdaptiveStrategy:
             return PLAIN  # measure the baseline first (see the module docstring)
         proposals = proposals or {}
         steps_left = max(room) + 1 if room else None
-        room = room if room and min(room) < max(self.ks) else [max(self.ks)] * batch_size  # where it binds an arm
+        if room is not None and min(room, default=0) >= max(self.ks):
+            room = None  # binds no arm
         caps = self._caps(proposals, room)
         rows = {d: Counter(n) for d, n in caps.items() if n}  # drafts -> rows
         alpha = {d: self.accept[d].rates(self.prior_alpha, self.prior_trials, self._rng) for d in self.drafters}
         best, best_value, seen = PLAIN, -1.0, set()
         # (proposal, room) -> rows, per host drafter: what an assisted draft model's rows would verify
-        hosts = {d: Counter(zip(n, room, strict=True)) for d, n in proposals.items() if n and d in alpha}
+        hosts = {d: Counter(zip(n, room or [max(self.ks)] * len(n), strict=True))
+                 for d, n in proposals.items() if n and d in alpha}
         for arm in self.arms:
             s = self.verified(arm, caps.get(arm.drafter))
             if s in seen:
@@ -257,13 +259,13 @@ class AdaptiveStrategy:
             return Strategy(best.drafter, min(best.k, self.ks[0]))
         return best
 
-    def _caps(self, proposals: dict[str, list[int]], room: list[int]) -> dict[str, list[int] | None]:
+    def _caps(self, proposals: dict[str, list[int]], room: list[int] | None) -> dict[str, list[int]]:
         """Per drafter, the most drafts each row would verify: its proposal (host drafters) within the row's
-        room; the room alone for the others, None where it binds no arm (every row gets k)."""
-        caps: dict[str, list[int] | None] = {d: [min(n, r) for n, r in zip(p, room, strict=True)]
-                                             for d, p in proposals.items()}
-        binds = min(room, default=0) < max(self.ks)
-        return caps | {d: room if binds else None for d in self.drafters if d not in proposals}
+        room, the room alone for the others; without a room that binds, the proposals (other rows get k)."""
+        if room is None:
+            return proposals
+        caps = {d: [min(n, r) for n, r in zip(p, room, strict=True)] for d, p in proposals.items()}
+        return caps | {d: room for d in self.drafters if d not in proposals}
 
     def probes_plain(self, batch_size: int) -> bool:
         return bucket_of(batch_size) not in self._plain_buckets and len(self._plain_buckets) < 2

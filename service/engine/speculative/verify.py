@@ -54,7 +54,7 @@ class DraftProposal:
         k = self.tokens.shape[1]
         if min(room, default=k) >= k:
             return self
-        cap = torch.tensor(room, dtype=self.lengths.dtype).to(self.lengths.device, non_blocking=True)
+        cap = torch.tensor(room, dtype=self.lengths.dtype, device=self.lengths.device)
         rows = None if self.row_lengths is None else [min(n, r) for n, r in zip(self.row_lengths, room, strict=True)]
         return DraftProposal(self.tokens, torch.minimum(self.lengths, cap), self.probs, rows, self.one_hot_rows,
                              self.caught_up)
