@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import itertools
 import logging
 import math
 import time
@@ -170,7 +171,7 @@ class CachedModel:
         return AttnMeta(slot_lo, kv_len, write_slots, pos.reshape(-1), bias, cos, sin, kernel)
 
     def forward(self, input_ids: torch.Tensor, meta: AttnMeta) -> torch.Tensor:
-        """input_ids [B, Q] -> final hidden states [B, Q, hidden]."""
+        """input_ids [B, Q] -> final hidden states [B, Q, hidden] ([N, hidden] packed: `CausalLM.forward`)."""
         return self.model(input_ids, meta, self.cache.k, self.cache.v)
 
     def forward_rows(self, input_ids: torch.Tensor, starts: list[int]) -> tuple[torch.Tensor, ...]:
@@ -202,14 +203,22 @@ class CachedModel:
             self.compiled = None
 
     def extend(self, slot_lo: int, starts: list[int], tokens: list[list[int]]) -> tuple[torch.Tensor, torch.Tensor]:
-        """Append per-row token lists at positions starts[b]...; returns hidden [B, Q, H] and the index of
-        each row's last real token [B]."""
+        """Append per-row token lists at positions starts[b]...; returns the hidden states as rows [B * Q or N,
+        hidden] and the row of each sequence's last token among them [B]."""
         q_lens = [len(t) for t in tokens]
         Q = max(q_lens)
         ids = torch.tensor([t + [0] * (Q - len(t)) for t in tokens], dtype=torch.int64, device=self.device)
         meta, _ = self.build_meta(slot_lo, starts, q_lens, pack=True)
-        last = torch.tensor([n - 1 for n in q_lens], dtype=torch.int64, device=self.device)
-        return self.forward(ids, meta), last
+        hidden = self.forward(ids, meta)
+        return hidden.reshape(-1, hidden.shape[-1]), last_rows(meta, q_lens, self.device)
+
+
+def last_rows(meta: AttnMeta, q_lens: list[int], device: torch.device) -> torch.Tensor:
+    """The row of each sequence's last new token among a forward's hidden states seen as rows: [B * Q, hidden]
+    on the padded grid, [N, hidden] packed (each sequence's tokens in turn)."""
+    Q = max(q_lens)
+    ends = itertools.accumulate(q_lens) if meta.packed is not None else (b * Q + n for b, n in enumerate(q_lens))
+    return torch.tensor([e - 1 for e in ends], dtype=torch.int64, device=device)
 
 
 class ModelRunner:
@@ -239,11 +248,9 @@ class ModelRunner:
     def forward(self, input_ids: torch.Tensor, meta: AttnMeta) -> torch.Tensor:
         """The target forward; every drafter sees the resulting hidden states (feature-based drafters)."""
         hidden = self.target.forward(input_ids, meta)
-        if self.drafters:
-            rows = hidden.reshape(-1, hidden.shape[-1])
-            rows = rows if meta.packed is None else rows[meta.packed]  # the tokens write_slots / write_pos name
-            for d in self.drafters:
-                d.observe_target_hidden(meta.write_slots, meta.write_pos, rows)
+        rows = hidden.reshape(-1, hidden.shape[-1])  # packed or not, the tokens write_slots / write_pos name
+        for d in self.drafters:
+            d.observe_target_hidden(meta.write_slots, meta.write_pos, rows)
         return hidden
 
     def forward_rows(self, input_ids: torch.Tensor, starts: list[int]) -> torch.Tensor:
@@ -321,9 +328,9 @@ class ModelRunner:
         Q = max(q_lens)
         ids = torch.tensor([p + [0] * (Q - len(p)) for p in prompts], dtype=torch.int64, device=self.device)
         meta, _ = self.target.build_meta(out.slot_lo, [0] * len(prompts), q_lens, pack=True)
-        hidden = self.forward(ids, meta)  # [P, Q, hidden]
-        last = torch.tensor([n - 1 for n in q_lens], device=self.device)
-        logits = self.model.logits(hidden[torch.arange(len(prompts), device=self.device), last])  # [P, V]
+        hidden = self.forward(ids, meta)  # [P, Q, hidden], or [N, hidden] packed
+        last = last_rows(meta, q_lens, self.device)
+        logits = self.model.logits(hidden.reshape(-1, hidden.shape[-1])[last])  # [P, V]
         seqs = out.seqs
         for d in self.prefill_drafters:
             d.prefill(out.slot_lo, prompts, seqs)
@@ -370,11 +377,15 @@ class ModelRunner:
         starts = [s.num_cached for s in seqs]
         if self.packs_verify(draft.row_lengths, k):
             # Rows with fewer drafts than the pass is wide compute their real positions only (see `packs_verify`).
+            # The LM head runs on the real positions alone. Past a row's drafts the logits are zeros, what the LM
+            # head gives a zero hidden state: nothing reads them (no draft there is accepted, and the tokens
+            # sampled there are dropped).
             meta, _ = self.target.build_meta(0, starts, [n + 1 for n in draft.row_lengths], True, k + 1)
-            hidden = self.forward(ids, meta)  # [B, k + 1, hidden], zeros past each row's drafts
+            real = self.model.logits(self.forward(ids, meta))  # [N, V]
+            logits = real.new_zeros(B * (k + 1), real.shape[-1]).index_copy_(0, meta.packed, real).view(B, k + 1, -1)
         else:
-            hidden = self.forward_rows(ids, starts)  # [B, k + 1, hidden]
-        res = verify(self.model.logits(hidden), draft, sb)
+            logits = self.model.logits(self.forward_rows(ids, starts))  # [B, k + 1, V]
+        res = verify(logits, draft, sb)
         # One host transfer: [B, k + 1] sampled columns plus num_accepted, the draft lengths and the assisted rows.
         flat_seqs = [s for s in seqs for _ in range(k + 1)]
         cols = [res.num_accepted, draft.lengths] + ([] if use is None else [use.to(torch.int64)])

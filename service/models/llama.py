@@ -4,9 +4,10 @@ Every forward is an "extend": each of B rows appends Q new tokens (prefill: the 
 speculative verify: k + 1) to a sequence whose K/V already sit in the static cache. Attention reads the
 cache rows [slot_lo, slot_lo + B) as a view, masked per row by position. Rows of different lengths can be
 packed (`AttnMeta.packed`): the linear layers, norms and MLP, nearly all of a step's arithmetic, run on the N
-real tokens [N, hidden] only, and attention alone sees the padded [B, Q] grid. On a CPU, where a padded
-position costs as much as a real one, that is what a prefill of prompts of different lengths, a draft model's
-catch-up or a verify of drafts of different lengths would otherwise waste.
+real tokens [N, hidden] only, and attention alone sees the padded [B, Q] grid; the forward returns the N rows, so
+the LM head runs on them alone too. On a CPU, where a padded position costs as much as a real one, that is what a
+prefill of prompts of different lengths, a draft model's catch-up or a verify of drafts of different lengths
+would otherwise waste.
 """
 
 from __future__ import annotations
@@ -154,17 +155,14 @@ class CausalLM(nn.Module):
     def forward(
         self, input_ids: torch.Tensor, meta: AttnMeta, k_cache: torch.Tensor | None, v_cache: torch.Tensor | None
     ) -> torch.Tensor:
-        """input_ids [B, Q]; k_cache/v_cache [layers, slots, Hkv, P, D] (None with a causal_meta) -> [B, Q, hidden]
-        (with `meta.packed`, zeros at the positions not computed)."""
+        """input_ids [B, Q]; k_cache/v_cache [layers, slots, Hkv, P, D] (None with a causal_meta) -> [B, Q, hidden],
+        or with `meta.packed` the N real tokens' [N, hidden], in `meta.packed`'s order (the LM head then runs on
+        them alone)."""
         ids = input_ids if meta.packed is None else input_ids.reshape(-1).index_select(0, meta.packed)  # [N]
         x = self.embed_tokens(ids)
         for layer in self.layers:
             x = layer(x, meta, k_cache, v_cache)
-        x = self.norm(x)
-        if meta.packed is None:
-            return x
-        B, Q = input_ids.shape
-        return x.new_zeros(B * Q, x.shape[-1]).index_copy_(0, meta.packed, x).view(B, Q, -1)
+        return self.norm(x)
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """hidden [..., hidden] -> float32 logits [..., vocab]."""

@@ -4,6 +4,8 @@ packs a verify pass where its rows' drafts leave most of the grid empty, with th
 
 from __future__ import annotations
 
+import itertools
+
 import pytest
 import torch
 from helpers import make_checkpoint
@@ -43,10 +45,10 @@ def test_a_packed_forward_computes_what_the_padded_one_does(family, device):
             assert (meta.packed is not None) == pack and meta.write_slots.numel() == (sum(q_lens) if pack else B * Q)
             runs[pack] = cm.forward(ids, meta), cache
     (dense, dense_cache), (packed, packed_cache) = runs[False], runs[True]
-    assert packed.shape == dense.shape
+    assert packed.shape == (sum(q_lens), dense.shape[-1])  # the real tokens alone, row after row
+    ends = list(itertools.accumulate(q_lens))
     for b, n in enumerate(q_lens):
-        torch.testing.assert_close(packed[b, :n], dense[b, :n], atol=1e-5, rtol=1e-5)  # every real token
-        assert not packed[b, n:].any()  # nothing computed past a row's tokens
+        torch.testing.assert_close(packed[ends[b] - n : ends[b]], dense[b, :n], atol=1e-5, rtol=1e-5)
         for c in (0, 1):  # the K and V each real token wrote
             k_dense, k_packed = (x.k if c == 0 else x.v for x in (dense_cache, packed_cache))
             torch.testing.assert_close(k_packed[:, b, :, starts[b] : starts[b] + n],
@@ -65,7 +67,8 @@ def test_the_packing_rule():
 
 def test_the_engine_packs_a_verify_pass_with_the_same_tokens_and_logprobs(monkeypatch):
     """A suffix table verifies at the depth of its longest match, for every row: with rows it has nothing
-    for, the pass runs packed (every forward with packing recorded), and gives what the padded pass gives."""
+    for, the pass runs packed (every forward with packing recorded), the LM head runs on its real positions
+    alone, and it gives what the padded pass gives."""
     target = make_checkpoint("qwen2", tied=True, init_std=0.3, seed=1)
     prompts = [[1, 2, 3, 4, 5, 6, 7, 8], [9, 8, 7, 6], [100, 200, 300], [7, 7, 7, 7, 7, 7]]
     params = SamplingParams(n=4, temperature=1.0, max_tokens=40, seed=11, ignore_eos=True)
@@ -77,15 +80,26 @@ def test_the_engine_packs_a_verify_pass_with_the_same_tokens_and_logprobs(monkey
                                         spec="fixed", spec_k=8))
         forward, seen = engine.runner.target.forward, []
 
-        def spy(ids, meta, forward=forward, seen=seen):
+        logits, heads, pending = engine.runner.model.logits, [], []
+
+        def spy(ids, meta, forward=forward, seen=seen, pending=pending):
             seen.append(meta.packed is not None)
+            pending.append(meta.packed.numel() if meta.packed is not None else None)
             return forward(ids, meta)
 
+        def head(hidden, logits=logits, heads=heads, pending=pending):  # the LM head's rows after an eager forward
+            if pending:
+                heads.append((pending.pop(), hidden.shape[:-1].numel()))
+            return logits(hidden)
+
         monkeypatch.setattr(engine.runner.target, "forward", spy)  # eager forwards (uniform ones: forward_rows)
+        monkeypatch.setattr(engine.runner.model, "logits", head)
         outs[pack_at] = engine.generate(prompts, params)
         widths[pack_at] = seen
     # The prefill (prompts of different lengths) is packed either way; verify passes only when allowed.
     assert widths[0.0] == [True] and len(widths[1.0]) >= 5 and all(widths[1.0]), widths
+    assert heads[0] == (sum(map(len, prompts)), len(prompts))  # the prefill: each prompt's last token
+    assert len(heads) == len(widths[1.0]) and all(n == rows for n, rows in heads[1:]), heads  # verify passes
     for a, b in zip(outs[0.0], outs[1.0], strict=True):
         for x, y in zip(a.outputs, b.outputs, strict=True):
             assert y.token_ids == x.token_ids

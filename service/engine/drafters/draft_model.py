@@ -89,7 +89,7 @@ class DraftModelDrafter(Drafter):
         hidden, last = self.cached.extend(0, starts, fed)
         # Timed only when it caught up (a host sync on a GPU); the pass's seconds shared out by tokens fed.
         caught_up = (missed, (clock(self.device) - t0) * missed / sum(map(len, fed))) if missed else (0, 0.0)
-        logits = self._logits(hidden[torch.arange(B, device=self.device), last])  # [B, V]
+        logits = self._logits(hidden[last])  # [B, V]
         tokens, probs = [], []
         positions = [s.num_tokens for s in seqs]
         for j in range(k):
