@@ -191,10 +191,13 @@ def test_after_a_drafter_push_running_samples_catch_up_and_new_ones_do_not(targe
     assert not engine.drafters["draft"]._current
 
 
-def test_a_draft_model_says_what_it_will_catch_up_on_and_times_it(target, drafters, monkeypatch):
-    """Before a step the draft model says how many tokens it would feed beyond what follows its own step; the
-    step reports those tokens and their seconds to the strategy (its catch-up price, kept out of the arm's)."""
-    engine = LLMEngine(EngineConfig(model=str(target), max_model_len=256, drafter=drafters["near"]))
+@pytest.mark.parametrize("name", ["near", "eagle"])
+def test_a_drafter_says_what_it_will_catch_up_on_and_times_it(target, drafters, monkeypatch, name):
+    """Before a step a draft model (an EAGLE head) says how many tokens it would feed beyond what follows its own
+    step; the step reports those tokens and their seconds to the strategy (its catch-up price, kept out of the
+    arm's). A draft model got the prompts with the target's prefill; an EAGLE head feeds them on its first
+    proposal."""
+    engine = LLMEngine(EngineConfig(model=str(target), max_model_len=256, drafter=drafters[name]))
     calls, record = [], AdaptiveStrategy.record
     monkeypatch.setattr(AdaptiveStrategy, "record", lambda self, *a: (calls.append(a), record(self, *a))[1])
     engine.strategy.fixed = PLAIN
@@ -202,17 +205,25 @@ def test_a_draft_model_says_what_it_will_catch_up_on_and_times_it(target, drafte
         engine.add_request(p, SamplingParams(temperature=0, max_tokens=40, ignore_eos=True))
     for _ in range(6):  # the prefill (the draft cache gets the prompts) and five plain steps
         engine.step()
-    seqs, drafter = list(engine.scheduler.running), engine.drafters["draft"]
+    (key, drafter), = engine.drafters.items()
+    seqs = list(engine.scheduler.running)
     assert [s.num_tokens - len(s.prompt_token_ids) for s in seqs] == [6] * len(seqs)
-    assert drafter.catch_up(seqs) == 4 * len(seqs)  # 6 unseen outputs, 2 of which follow any draft step
-    engine.strategy.fixed = Strategy("draft", 3)
+    # A draft model: 6 unseen outputs, 2 of which follow any draft step. An EAGLE head: every position before
+    # the last token (its own step feeds what that step emitted).
+    missed = 4 * len(seqs) if name == "near" else sum(s.num_tokens - 1 for s in seqs)
+    assert drafter.catch_up(seqs) == missed
+    engine.strategy.fixed = Strategy(key, 3)
     engine.step()
     tokens, seconds = calls[-1][-1]
-    assert tokens == 4 * len(seqs) and seconds > 0
+    assert tokens == missed and seconds > 0
     assert drafter.catch_up(seqs) == 0  # caught up: the next step feeds what its own step left
     engine.step()
     assert calls[-1][-1] == (0, 0.0)
-    assert calls[-2][0].name == "draft:k=3" and calls[0][-1] == (0, 0.0)
+    assert calls[-2][0].name == f"{key}:k=3" and calls[0][-1] == (0, 0.0)
+    if name == "eagle":  # (a draft model lets one token pass: its own step may leave two to feed)
+        engine.strategy.fixed = PLAIN
+        engine.step()
+        assert drafter.catch_up(seqs) == len(seqs)  # the plain step's token
 
 
 def test_switching_sd_on_mid_generation_does_not_re_prefill(target, drafters):

@@ -5,7 +5,9 @@ Feature f_t is the target's final (normed) hidden state at position t. Head posi
 and predicts f_{t+1}, whose logits (through the target's LM head) draft x_{t+2}. Drafting continues from the
 head's own predicted features. Target features of every position are kept in a per-slot store written by each
 target forward, so the head catches up after a prefill or a plain stretch in one extend pass, like a draft
-model. After verification the head's cache is cut back to positions that used real features.
+model. After verification the head's cache is cut back to positions that used real features, so each proposal
+feeds the tokens the last step emitted; what it feeds beyond those (a row's prompt on its first proposal, the
+tokens of steps other arms ran) is its catch-up, told to the strategy before the step (`catch_up`) and timed.
 """
 
 from __future__ import annotations
@@ -18,7 +20,7 @@ from safetensors.torch import load_file
 from torch import nn
 
 from service.config import ModelConfig
-from service.engine.drafters.base import Drafter
+from service.engine.drafters.base import Drafter, clock
 from service.engine.kv_cache import KVCache
 from service.engine.runner import CachedModel
 from service.engine.sampler import SamplingBatch, draw_draft
@@ -80,6 +82,7 @@ class EagleDrafter(Drafter):
         H = target.cfg.hidden_size
         self.features = torch.zeros(num_slots, target.cache.max_positions, H, dtype=dtype, device=device)
         self.cached_positions: dict[int, int] = {}  # seq_id -> head positions with real features
+        self.own_step: dict[int, int] = {}  # seq_id -> its tokens after the last step the head drafted for
         self.device = device
         self.version = version
 
@@ -88,6 +91,7 @@ class EagleDrafter(Drafter):
         self.cached.model = self.head
         self.version = version
         self.cached_positions.clear()  # every sequence catches up on the new head
+        self.own_step.clear()
 
     def observe_target_hidden(self, write_slots: torch.Tensor, write_pos: torch.Tensor, hidden: torch.Tensor) -> None:
         self.features[write_slots, write_pos] = hidden.reshape(-1, hidden.shape[-1])
@@ -101,6 +105,23 @@ class EagleDrafter(Drafter):
     def observe(self, seq: Sequence) -> None:
         if seq.is_finished:
             self.cached_positions.pop(seq.seq_id, None)
+            self.own_step.pop(seq.seq_id, None)
+
+    def _start(self, s: Sequence) -> int:
+        """The first head position the next proposal feeds for s (inputs (f_t, x_{t+1}))."""
+        return min(self.cached_positions.get(s.seq_id, 0), s.num_tokens - 2)
+
+    def _beyond_own_step(self, s: Sequence) -> int:
+        """Positions the next proposal feeds for s beyond the tokens its own last step emitted."""
+        own = self.own_step.get(s.seq_id)
+        return max(s.num_tokens - own, 0) if own is not None else s.num_tokens - 1 - self._start(s)
+
+    def catch_up(self, seqs: list[Sequence]) -> int:
+        return sum(self._beyond_own_step(s) for s in seqs)
+
+    def after_step(self, seqs: list[Sequence], prev_num_tokens: list[int], num_accepted: list[int], k: int) -> None:
+        for s, t, a in zip(seqs, prev_num_tokens, num_accepted, strict=True):
+            self.own_step[s.seq_id] = t + a + 1  # the accepted drafts and the token sampled after them
 
     def _draft_logits(self, feature: torch.Tensor) -> torch.Tensor:
         return self.target.model.logits(feature)
@@ -109,7 +130,9 @@ class EagleDrafter(Drafter):
         B, dev = len(seqs), self.device
         target = self.target.model
         # Catch up on head positions [start, T - 1): inputs (f_t, x_{t+1}); f_t is known for t < T - 1.
-        starts = [min(self.cached_positions.get(s.seq_id, 0), s.num_tokens - 2) for s in seqs]
+        starts = [self._start(s) for s in seqs]
+        missed = sum(self._beyond_own_step(s) for s in seqs)
+        t0 = clock(dev) if missed else 0.0
         tokens = [s.tokens_from(st + 1) for s, st in zip(seqs, starts, strict=True)]
         q_lens = [len(t) for t in tokens]
         Q = max(q_lens)
@@ -119,6 +142,8 @@ class EagleDrafter(Drafter):
         out = self.head(target.embed_tokens(ids), feats, meta, self.cached.cache.k, self.cached.cache.v)
         last = torch.tensor([n - 1 for n in q_lens], dtype=torch.int64, device=dev)
         feature = out[torch.arange(B, device=dev), last]  # predicted f_{T-1}: [B, H]
+        # Timed only when it caught up (a host sync on a GPU); the pass's seconds shared out by positions fed.
+        caught_up = (missed, (clock(dev) - t0) * missed / sum(q_lens)) if missed else (0, 0.0)
         draft_tokens, draft_probs = [], []
         for j in range(k):
             if j:
@@ -131,7 +156,7 @@ class EagleDrafter(Drafter):
         for s in seqs:
             self.cached_positions[s.seq_id] = s.num_tokens - 1
         return DraftProposal(torch.stack(draft_tokens, 1), torch.full((B,), k, dtype=torch.int64, device=dev),
-                             torch.stack(draft_probs, 1), [k] * B)
+                             torch.stack(draft_probs, 1), [k] * B, caught_up=caught_up)
 
 
 def build_eagle(spec: str, target: CachedModel, num_slots: int, device: torch.device, seed: int) -> EagleDrafter:
