@@ -8,7 +8,7 @@ around them. This bench shows which regime each batch size is in on this machine
 the median step time, the time in matmuls, attention, KV-cache writes and the rest (torch.profiler, self
 time), and the matmuls' achieved GFLOP/s next to the machine's own peak for one large matmul.
 
-    python3 -m bench.step_profile [--model spec_decode|demo|DIR] [--batches 1,16,64] [--k 4] [--threads 1]
+    python3 -m bench.step_profile [--model spec_decode|demo|DIR] [--batches 1,16,64] [--k 4] [--threads 1] [--compiled]
 
 Prints one JSON line: `verify_over_decode` per batch size is the ratio issue 14 asks to bring to <= 1.5 at
 batch 64; `verify_matmul_floor` is the ratio the verify step's matmuls alone impose at the measured peak.
@@ -87,8 +87,12 @@ class Step:
 
     @torch.inference_mode()
     def __call__(self) -> torch.Tensor:
-        hidden = self.cached.forward(self.ids, self.meta)  # [B, Q, hidden]
-        return self.cached.model.logits(hidden)  # [B, Q, V]: a verify step needs every position's logits
+        c = self.cached
+        if c.compiled is not None:  # the engine's serving path on CPU (service/engine/compiled.py)
+            hidden = c.compiled(c.model, self.ids, self.meta, c.cache.k, c.cache.v)  # [B, Q, hidden]
+        else:
+            hidden = c.forward(self.ids, self.meta)
+        return c.model.logits(hidden)  # [B, Q, V]: a verify step needs every position's logits
 
 
 def measure(cached: CachedModel, batch: int, q: int, context: int, reps: int) -> dict:
@@ -137,6 +141,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--context", type=int, default=128, help="cached tokens per row before the step")
     ap.add_argument("--reps", type=int, default=50)
     ap.add_argument("--threads", type=int, default=1)
+    ap.add_argument("--compiled", action="store_true",
+                    help="compiled forwards (what the engine serves on CPU); default: eager")
     args = ap.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s", stream=sys.stderr)
     torch.set_num_threads(args.threads)
@@ -145,7 +151,9 @@ def main(argv: list[str] | None = None) -> int:
     with tempfile.TemporaryDirectory() as tmp:
         model, name = build_model(args.model, dtype, Path(tmp))
     cache = KVCache(model.config, max(batches), args.context + args.k + 2, dtype, torch.device("cpu"))
-    cached = CachedModel(model, cache, torch.device("cpu"))
+    cached = CachedModel(model, cache, torch.device("cpu"), compiled=args.compiled)
+    if args.compiled and cached.compiled is None:
+        raise SystemExit("--compiled: torch.compile cannot build CPU code here (no C++ compiler)")
     peak = matmul_peak(dtype)
     rows, ratio, floor = {}, {}, {}
     for b in batches:
@@ -158,6 +166,8 @@ def main(argv: list[str] | None = None) -> int:
         floor[str(b)] = round(ver["linear_gflop"] / peak * 1e3 / dec["ms"], 2)
     sys.stdout.write(json.dumps({
         "bench": "step_profile", "model": name, "dtype": args.dtype, "threads": args.threads, "k": args.k,
+        "compiled": cached.compiled is not None, "attention_kernels": dict(zip(("decode", "verify"),
+                                                                               cached.attn_kernels, strict=True)),
         "context": args.context, "matmul_peak_gflops": round(peak, 1), "steps": rows,
         "verify_over_decode": ratio, "verify_matmul_floor": floor, "loadavg": os.getloadavg(),
     }) + "\n")
