@@ -111,13 +111,13 @@ class EagleDrafter(Drafter):
         """The first head position the next proposal feeds for s (inputs (f_t, x_{t+1}))."""
         return min(self.cached_positions.get(s.seq_id, 0), s.num_tokens - 2)
 
-    def _beyond_own_step(self, s: Sequence) -> int:
-        """Positions the next proposal feeds for s beyond the tokens its own last step emitted."""
+    def _beyond_own_step(self, s: Sequence, start: int) -> int:
+        """Positions the next proposal feeds for s (from `start`) beyond the tokens its own last step emitted."""
         own = self.own_step.get(s.seq_id)
-        return max(s.num_tokens - own, 0) if own is not None else s.num_tokens - 1 - self._start(s)
+        return max(s.num_tokens - own, 0) if own is not None else s.num_tokens - 1 - start
 
     def catch_up(self, seqs: list[Sequence]) -> int:
-        return sum(self._beyond_own_step(s) for s in seqs)
+        return sum(self._beyond_own_step(s, self._start(s)) for s in seqs)
 
     def after_step(self, seqs: list[Sequence], prev_num_tokens: list[int], num_accepted: list[int], k: int) -> None:
         for s, t, a in zip(seqs, prev_num_tokens, num_accepted, strict=True):
@@ -131,7 +131,7 @@ class EagleDrafter(Drafter):
         target = self.target.model
         # Catch up on head positions [start, T - 1): inputs (f_t, x_{t+1}); f_t is known for t < T - 1.
         starts = [self._start(s) for s in seqs]
-        missed = sum(self._beyond_own_step(s) for s in seqs)
+        missed = sum(self._beyond_own_step(s, st) for s, st in zip(seqs, starts, strict=True))
         t0 = clock(dev) if missed else 0.0
         tokens = [s.tokens_from(st + 1) for s, st in zip(seqs, starts, strict=True)]
         q_lens = [len(t) for t in tokens]
