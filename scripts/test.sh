@@ -19,6 +19,9 @@ export PIP_DISABLE_PIP_VERSION_CHECK=1
 # Debian's own python3 refuses pip installs (PEP 668); this is a throwaway test environment.
 export PIP_BREAK_SYSTEM_PACKAGES=1
 
+# What the installs below have to work with (they write ~4 GB: torch, .venv-vllm (2.4 GB), the image).
+df -h . "${TMPDIR:-/tmp}" 2>/dev/null || true
+
 echo "==> installing torch (local CPU wheel via find-links)"
 python3 -m pip install -q torch==2.13.0
 echo "==> installing specroll with test extras"

@@ -24,13 +24,14 @@ What makes it fast to converge is sharing across arms:
   reports how long those took (`caught_up`, timed around the pass that fed them). The catch-up is kept out of
   the arm's cost (one costly catch-up would write the arm off, and the longer it stayed off the costlier the
   next catch-up: the old strategy sat on plain decoding at full batch for that reason) and learned apart, as
-  seconds per token; it is charged to the arms that would pay it, spread over the steps the drafter stayed
-  once switched to lately, or has been away if longer (at most `switch_horizon`), and never over more steps
-  than the batch has left (`steps_left`: a near-uniform rollout switched to the draft model as its last rows
-  finished and paid a whole catch-up for a few steps). Why timed, not inferred: inferred as a step's excess
-  over the cost model's prediction, the first switch's excess was the error of a line fit on a few steps in
-  another bucket; it priced a catch-up token at ~10x its cost and kept the draft model out of a near-uniform
-  rollout's whole full-batch phase.
+  seconds per token (each catch-up weighing by its tokens); it is charged to the arms that would pay it, spread
+  over the steps the drafter stayed once switched to lately, or, where the batch has drained into another
+  bucket since the drafter last ran, the steps it has been away if longer (at most `switch_horizon`: see
+  `_horizon`), and never over more steps than the batch has left (`steps_left`: a near-uniform rollout
+  switched to the draft model as its last rows finished and paid a whole catch-up for a few steps). Why
+  timed, not inferred: inferred as a step's excess over the cost model's prediction, the first switch's excess
+  was the error of a line fit on a few steps in another bucket; it priced a catch-up token at ~10x its cost
+  and kept the draft model out of a near-uniform rollout's whole full-batch phase.
 - Acceptance: per drafter, one Beta posterior per draft position, of the rate at which a row that reached
   that position accepts it (a row that accepted a of k drafts tried positions 1..a+1 and accepted 1..a).
   One rate for every position (a geometric model) is right for a draft model but not for a suffix table,
@@ -89,7 +90,7 @@ from collections import Counter
 from dataclasses import dataclass, field, replace
 
 from service.engine.speculative.cost_model import StepCostModel
-from service.engine.speculative.estimates import Acceptance, Ewma, Measured
+from service.engine.speculative.estimates import Acceptance, Ewma, Measured, Ratio
 from service.engine.speculative.passes import cut_depth, verify_tokens
 from service.engine.speculative.tokens import assisted_tokens, mean_tokens, tokens_per_row
 
@@ -135,8 +136,9 @@ class AdaptiveStrategy:
     measured: dict[tuple[int, Strategy], Measured] = field(default_factory=dict)  # per (bucket, arm)
     switch_horizon: float = 32.0  # a switch's catch-up is spread over at most this many steps of the new arm
     stays: dict[str, Ewma] = field(default_factory=dict)  # steps a drafter ran in a row once switched to
-    catch_up_cost: dict[str, Ewma] = field(default_factory=dict)  # seconds per token a drafter catches up on
+    catch_up_cost: dict[str, Ratio] = field(default_factory=dict)  # seconds per token a drafter catches up on
     _away: dict[str, int] = field(default_factory=dict)  # steps since each drafter last ran
+    _ran_in: dict[str, int] = field(default_factory=dict)  # the bucket each drafter last ran in
     _stay_of: str | None = None  # the drafter (None: plain) of the steps run in a row lately
     _run: int = 0  # how many (a new bucket's plain probe does not end them)
     _plain_buckets: set[int] = field(default_factory=set)
@@ -243,7 +245,8 @@ class AdaptiveStrategy:
             if s.k and catch_up and catch_up.get(s.drafter):
                 measured = self.catch_up_cost.get(s.drafter)
                 per_token = (measured.value if measured is not None else None) or 0.0  # unmeasured: the next step tells
-                cost += per_token * catch_up[s.drafter] / min(self._horizon(s.drafter), max(steps_left or math.inf, 1))
+                horizon = min(self._horizon(s.drafter, batch_size), max(steps_left or math.inf, 1))
+                cost += per_token * catch_up[s.drafter] / horizon
             tokens = mean_tokens(alpha.get(s.drafter), s.k, rows.get(s.drafter))
             if s.k and s.drafter not in proposals:  # a draft model: assisted by a host drafter where it pays
                 for host, pairs in hosts.items():
@@ -286,9 +289,11 @@ class AdaptiveStrategy:
             self._stay_of = drafter
         for d in self.drafters:
             self._away[d] = 0 if d == drafter else self._away.get(d, 0) + 1
+        if drafter is not None:
+            self._ran_in[drafter] = bucket_of(batch_size)
         tokens, catch_seconds = caught_up
         if drafter is not None and tokens > 0:
-            self.catch_up_cost.setdefault(drafter, Ewma()).update(catch_seconds / tokens, 0.3)
+            self.catch_up_cost.setdefault(drafter, Ratio()).update(catch_seconds, tokens, 0.3)
         # A drafter's first step ever (first forwards of its model) is no measure of its arm.
         if seconds is not None and (drafter is None or drafter in self._deepest):
             ran = s if ran_k is None or ran_k == s.k else Strategy(s.drafter, ran_k) if ran_k else PLAIN
@@ -322,14 +327,19 @@ class AdaptiveStrategy:
                 if trials[0]:
                     self.accept[d].observe(hits, trials, self.trials_per_step)
 
-    def _horizon(self, drafter: str) -> float:
-        """Steps a switch's catch-up is spread over: how long the drafter stayed once switched to, lately, or
-        how long it has been away if longer. A switch pays only if the stay pays it back. Spread over a fixed
-        32 steps, it looked cheap to Thompson draws among near-tied arms, which switched every few steps and
-        paid a catch-up each time (5% of a near-uniform rollout). A drafter away for long is charged as
-        before: it lost to other arms for a while, and if it wins now, conditions changed (the batch
-        drained) and it is likely to stay; charging it by its old short stays would lock it out."""
+    def _horizon(self, drafter: str, batch_size: int) -> float:
+        """Steps a switch's catch-up is spread over: how long the drafter stayed once switched to, lately, or,
+        where the batch has drained into another bucket since it last ran, how long it has been away if longer.
+        A switch pays only if the stay pays it back. Spread over a fixed 32 steps, it looked cheap to Thompson
+        draws among near-tied arms, which switched every few steps and paid a catch-up each time (5% of a
+        near-uniform rollout). A drafter away for long from a bucket the batch has since left is charged over
+        its absence: conditions changed, and if it wins now it is likely to stay; charged by its old short
+        stays it would be locked out. Away as long in the same bucket, it lost there to arms near-tied with it,
+        and a draw that picks it now is noise: charged over its absence, a near-uniform rollout switched back
+        to the draft model after 30 steps of a suffix table at full batch and paid 0.6-1 s (7-10% of the run)
+        to feed it 3,000 tokens, for a step or two."""
         stay = self.stays.get(drafter)
-        longest = max(stay.value if stay is not None and stay.value is not None else self.switch_horizon,
-                      self._away.get(drafter, 0), 1.0)
-        return min(longest, self.switch_horizon)
+        longest = stay.value if stay is not None and stay.value is not None else self.switch_horizon
+        if self._ran_in.get(drafter, bucket_of(batch_size)) != bucket_of(batch_size):
+            longest = max(longest, self._away.get(drafter, 0))
+        return min(max(longest, 1.0), self.switch_horizon)

@@ -9,7 +9,7 @@ from collections.abc import Callable
 
 import pytest
 
-from service.engine.speculative.estimates import Ewma
+from service.engine.speculative.estimates import Ratio
 from service.engine.speculative.tokens import assisted_tokens, tokens_per_row
 from service.engine.strategy import PLAIN, AdaptiveStrategy, Strategy, bucket_of
 
@@ -355,11 +355,29 @@ def test_a_catch_up_is_not_spread_over_more_steps_than_the_batch_has_left() -> N
         s.record(Strategy("draft", 2), 8, 0.012, [2] * 8)
     for _ in range(40):
         s.record(PLAIN, 8, 0.010)
-    s.catch_up_cost["draft"] = Ewma(0.1 / 320, 5)  # seconds per token: 0.1 s for 40 tokens of 8 rows
+    s.catch_up_cost["draft"] = Ratio()
+    s.catch_up_cost["draft"].update(0.1, 320, 0.3)  # seconds per token: 0.1 s for 40 tokens of 8 rows
     missed = {"draft": 320}
     assert [s.choose(8, catch_up=missed).drafter for _ in range(20)].count("draft") >= 18
     assert [s.choose(8, room=[1] * 8, catch_up=missed).drafter for _ in range(20)].count(None) >= 18
     assert [s.choose(8, room=[1] * 8).drafter for _ in range(20)].count("draft") >= 18  # caught up: no charge
+
+
+def test_a_catch_up_after_losing_in_the_same_bucket_is_spread_over_the_drafters_stays() -> None:
+    """A draft model 1.2x plain's rate at full batch that stayed 5 steps, then was away 30 in the same bucket
+    (near-tied arms beat it there): its 0.18 s catch-up is spread over the 5 steps it stays, not the 30 it was
+    away, and plain runs on. Once the batch drains into another bucket (conditions changed), a catch-up is
+    spread over the absence, and the draft model, 1.2x plain there without it, runs."""
+    s = AdaptiveStrategy(["draft"], ks=(2,), seed=0)
+    for batch in (16, 64):
+        s.record(PLAIN, batch, 0.010 * (1 + batch / 32))
+    for batch, seconds in ((16, 0.02), (16, 0.02), (64, 0.05), (64, 0.05)):
+        s.record(Strategy("draft", 2), batch, seconds, [1] * batch)  # 2 tokens per row
+    s.record(Strategy("draft", 2), 64, 0.05 + 0.06, [1] * 64, caught_up=(1000, 0.06))  # 60 us per token
+    for _ in range(30):
+        s.record(PLAIN, 64, 0.03)
+    assert [s.choose(64, catch_up={"draft": 3000}).drafter for _ in range(20)].count(None) >= 18
+    assert [s.choose(32, catch_up={"draft": 960}).drafter for _ in range(20)].count("draft") >= 18
 
 
 def test_rows_near_their_token_budget_are_valued_at_what_they_can_emit() -> None:
@@ -389,6 +407,11 @@ def test_a_catch_up_is_priced_per_token_and_kept_out_of_the_arms_cost() -> None:
     s.record(Strategy("draft", 2), 8, 0.012 + 0.2, [2] * 8, caught_up=(400, 0.2))
     assert s.catch_up_cost["draft"].value == pytest.approx(0.2 / 400)
     assert s.predicted_cost(8, Strategy("draft", 2)) == pytest.approx(arm, rel=0.02)
+    # Each catch-up weighs by its tokens: after a large one at 1 ms per token the price is 0.88 ms, where an
+    # average of per-catch-up prices says 0.65 ms (on a CPU, catch-ups of ~3,000 tokens in near-uniform rollouts
+    # cost 2-2.8x the price per token that the small ones before them had set).
+    s.record(Strategy("draft", 2), 8, 0.012 + 3.0, [2] * 8, caught_up=(3000, 3.0))
+    assert s.catch_up_cost["draft"].value == pytest.approx((0.7 * 0.2 + 0.3 * 3.0) / (0.7 * 400 + 0.3 * 3000))
 
 
 def test_a_table_covering_few_rows_is_valued_at_the_positions_a_packed_pass_computes() -> None:

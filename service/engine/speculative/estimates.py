@@ -20,6 +20,23 @@ class Ewma:
 
 
 @dataclass(slots=True)
+class Ratio:
+    """A rate as the ratio of two exponentially weighted sums (seconds per token, say): each measurement weighs
+    by its size, so a large one counts for more than a small one, unlike an average of per-measurement rates."""
+
+    num: Ewma = field(default_factory=Ewma)
+    den: Ewma = field(default_factory=Ewma)
+
+    def update(self, num: float, den: float, rate: float) -> None:
+        self.num.update(num, rate)
+        self.den.update(den, rate)
+
+    @property
+    def value(self) -> float | None:
+        return self.num.value / self.den.value if self.den.value else None
+
+
+@dataclass(slots=True)
 class Measured:
     """Recent steps of one arm in one bucket: their mean batch size, seconds and draft positions verified
     (exponentially weighted)."""
