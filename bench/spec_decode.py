@@ -17,7 +17,9 @@ bucket, and the adaptive choice over the run's steps.
 Each config runs `--repeats` times, round-robin; the JSON reports the run with the median wall time (and
 every run's seconds), since runs of ~10 s vary by about 5% on a quiet machine, and adaptive against the best
 fixed k paired round by round (`ratio_adaptive_vs_best_fixed_paired`: the two runs of a round ran minutes apart
-at most).
+at most). `bucket_oracle_seconds`: a rollout that ran the fastest fixed config (off or a k) in each batch-size
+bucket, known beforehand (`ratio_bucket_oracle_vs_best_fixed`: how far ahead of the best fixed k choosing the
+k per bucket can get at all).
 """
 
 from __future__ import annotations
@@ -269,10 +271,25 @@ def summarise(results: dict[str, dict], lengths: list[int]) -> dict:
                                                           "runs": [round(x, 3) for x in paired]}
         if off:
             out["ratio_best_fixed_vs_off"] = round(off["seconds"] / fixed[best]["seconds"], 3)
+            oracle = bucket_oracle(off, [off, *fixed.values()])
+            out["bucket_oracle_seconds"] = round(oracle, 3)
+            out["ratio_bucket_oracle_vs_best_fixed"] = round(fixed[best]["seconds"] / oracle, 3)
     if off and ada:
         out["ratio_adaptive_vs_off"] = round(off["seconds"] / ada["seconds"], 3)
         out["ratio_tail_adaptive_vs_off"] = round(off["tail_seconds"] / max(ada["tail_seconds"], 1e-9), 3)
     return out
+
+
+def bucket_oracle(off: dict, configs: list[dict]) -> float:
+    """Decode seconds of a rollout that ran, in each batch-size bucket, whichever of `configs` was fastest there,
+    with no step spent finding out which: SD off's tokens in each bucket over the best tokens/s there. What
+    picking one of these configs per bucket can reach at best. Where it is close to the best fixed config, so is
+    any strategy choosing among them per bucket: on the long tail on a CPU it was 1.09x the best fixed k, so
+    the issue's 10% lead needs more than the right k per bucket."""
+    tokens: dict[int, int] = {}
+    for batch, _, _, emitted in off["trace"]:
+        tokens[bucket_of(batch)] = tokens.get(bucket_of(batch), 0) + emitted
+    return sum(n / max(r["per_bucket"].get(str(b), 0.0) for r in configs) for b, n in tokens.items())
 
 
 if __name__ == "__main__":

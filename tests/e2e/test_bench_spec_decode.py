@@ -28,6 +28,11 @@ def test_quick_run_reports_median_runs_ratios_and_a_plot(tmp_path, capsys) -> No
     paired = [b / a for b, a in zip(results["k=2"]["seconds_runs"], results["adaptive"]["seconds_runs"], strict=True)]
     assert w["ratio_adaptive_vs_best_fixed_paired"]["runs"] == pytest.approx(sorted(paired), abs=1e-3)
     assert w["ratio_adaptive_vs_best_fixed_paired"]["median"] == pytest.approx(min(paired), abs=1e-3)
+    # The per-bucket oracle: SD off's tokens at the best rate in each bucket, so faster than either config's run
+    # (whose seconds also hold the prefill).
+    assert 0 < w["bucket_oracle_seconds"] <= min(results["off"]["seconds"], results["k=2"]["seconds"])
+    assert w["ratio_bucket_oracle_vs_best_fixed"] == pytest.approx(
+        results["k=2"]["seconds"] / w["bucket_oracle_seconds"], rel=0.01)  # the JSON rounds the seconds
     assert (tmp_path / "spec_decode_long_tail.png").stat().st_size > 0
     assert "start" in summary["loadavg"] and summary["threads"] == 1
 
