@@ -125,9 +125,10 @@ def best_fixed_and_adaptive(shape: str, alpha: AlphaFn, cost: CostFn) -> tuple[f
 @pytest.mark.parametrize("cost", [cpu_cost, launch_bound_cost, roofline_cost])
 def test_never_far_behind_the_best_fixed_arm(shape: str, cost: CostFn) -> None:
     best, adaptive = best_fixed_and_adaptive(shape, constant(0.85), cost)
-    # A near-uniform rollout of ~100-200 steps never drains, so nothing pays back the steps spent learning
-    # which arm is best: there the bound is 4% (measured: up to 3.3%), elsewhere 3%.
-    assert adaptive <= (1.04 if shape == "near_uniform" else 1.03) * best
+    # Near-uniform (~100-200 steps at full batch, nothing drains to pay back the steps spent learning) measured
+    # 1.6% at most; up to 3.5% while a draft model that had lost to near-tied arms was charged its catch-up over
+    # its whole absence, not over how long it stays (`AdaptiveStrategy._horizon`).
+    assert adaptive <= 1.03 * best
 
 
 @pytest.mark.parametrize("cost", [cpu_cost, launch_bound_cost, roofline_cost])
