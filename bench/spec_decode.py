@@ -284,7 +284,7 @@ def bucket_oracle(off: dict, configs: list[dict]) -> float:
     """Decode seconds of a rollout that ran, in each batch-size bucket, whichever of `configs` was fastest there,
     with no step spent finding out which: SD off's tokens in each bucket over the best tokens/s there. What
     picking one of these configs per bucket can reach at best. Where it is close to the best fixed config, so is
-    any strategy choosing among them per bucket: on the long tail on a CPU it was 1.09x the best fixed k, so
+    any strategy choosing among them per bucket: on the long tail on a CPU it was 1.10-1.11x the best fixed k, so
     the issue's 10% lead needs more than the right k per bucket."""
     tokens: dict[int, int] = {}
     for batch, _, _, emitted in off["trace"]:
