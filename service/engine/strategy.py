@@ -27,8 +27,9 @@ What makes it fast to converge is sharing across arms:
   seconds per token (each catch-up weighing by its tokens); it is charged to the arms that would pay it, spread
   over the steps the drafter stayed once switched to lately, or, where the batch has drained into another
   bucket since the drafter last ran, the steps it has been away if longer (at most `switch_horizon`: see
-  `_horizon`), and never over more steps than the batch has left (`steps_left`: a near-uniform rollout
-  switched to the draft model as its last rows finished and paid a whole catch-up for a few steps). Why
+  `_horizon`), and never over more steps than the batch has left at the arm's pace (its longest token budget
+  over the tokens a step of the arm emits: a near-uniform rollout switched to the draft model as its last
+  rows finished and paid a whole catch-up for a few steps). Why
   timed, not inferred: inferred as a step's excess over the cost model's prediction, the first switch's excess
   was the error of a line fit on a few steps in another bucket; it priced a catch-up token at ~10x its cost
   and kept the draft model out of a near-uniform rollout's whole full-batch phase.
@@ -211,9 +212,9 @@ class AdaptiveStrategy:
         """The arm to run for this batch. `proposals`: for each drafter that proposes on the host, how many
         drafts it has for each row (see the module docstring); it may name a depth shorter than the arm's.
         `room`: per row, the most drafts it can still emit (its tokens left less one: see "Room" in the module
-        docstring); the batch runs at most max(room) + 1 more steps, and a switch's catch-up is spread over no
-        more. `catch_up`: the tokens each drafter would feed to catch up before drafting (a drafter not named:
-        none)."""
+        docstring); the batch runs at most max(room) + 1 more plain steps, fewer at an arm's pace, and a
+        switch's catch-up is spread over no more. `catch_up`: the tokens each drafter would feed to catch up
+        before drafting (a drafter not named: none)."""
         if self.fixed is not None:
             return self.fixed
         if not self.drafters:
@@ -242,17 +243,18 @@ class AdaptiveStrategy:
             noise = math.exp(self._rng.gauss(0.0, self.cost_spread / math.sqrt(1 + n)))
             width = self._tokens(s, batch_size, rows.get(s.drafter)) if s.k else 0
             cost = self.model.predict(s.drafter, s.k, batch_size, width) * corr * noise
-            if s.k and catch_up and catch_up.get(s.drafter):
-                measured = self.catch_up_cost.get(s.drafter)
-                per_token = (measured.value if measured is not None else None) or 0.0  # unmeasured: the next step tells
-                horizon = min(self._horizon(s.drafter, batch_size), max(steps_left or math.inf, 1))
-                cost += per_token * catch_up[s.drafter] / horizon
             tokens = mean_tokens(alpha.get(s.drafter), s.k, rows.get(s.drafter))
             if s.k and s.drafter not in proposals:  # a draft model: assisted by a host drafter where it pays
                 for host, pairs in hosts.items():
                     more, n = assisted_tokens(alpha[s.drafter], s.k, alpha[host], pairs)
                     if n is not None and more > tokens:
                         tokens, s = more, replace(s, assist=(host, n))
+            if s.k and catch_up and catch_up.get(s.drafter):
+                measured = self.catch_up_cost.get(s.drafter)
+                per_token = (measured.value if measured is not None else None) or 0.0  # unmeasured: the next step tells
+                # The batch's steps left at this arm's pace: its longest budget over the tokens a step emits.
+                left = max((steps_left or math.inf) / tokens, 1.0)
+                cost += per_token * catch_up[s.drafter] / min(self._horizon(s.drafter, batch_size), left)
             if tokens / cost > best_value:
                 best, best_value = s, tokens / cost
         if best.k and self.accept[best.drafter].trials[0] < self.probe_trials:
