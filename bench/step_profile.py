@@ -87,12 +87,8 @@ class Step:
 
     @torch.inference_mode()
     def __call__(self) -> torch.Tensor:
-        c = self.cached
-        if c.compiled is not None:  # the engine's serving path on CPU (service/engine/compiled.py)
-            hidden = c.compiled(c.model, self.ids, self.meta, c.cache.k, c.cache.v)  # [B, Q, hidden]
-        else:
-            hidden = c.forward(self.ids, self.meta)
-        return c.model.logits(hidden)  # [B, Q, V]: a verify step needs every position's logits
+        hidden = self.cached.forward_uniform(self.ids, self.meta)  # [B, Q, hidden]: compiled with --compiled
+        return self.cached.model.logits(hidden)  # [B, Q, V]: a verify step needs every position's logits
 
 
 def measure(cached: CachedModel, batch: int, q: int, context: int, reps: int) -> dict:

@@ -182,11 +182,14 @@ class CachedModel:
         if self.graphs is not None and self.graphs.fits(B, Q):
             return self.graphs.forward(input_ids, starts)
         meta, _ = self.build_meta(0, starts, [Q] * B)
+        return self.forward_uniform(input_ids, meta), meta.write_slots, meta.write_pos
+
+    def forward_uniform(self, input_ids: torch.Tensor, meta: AttnMeta) -> torch.Tensor:
+        """A forward where every row appends the same number of tokens: compiled where this model compiles
+        (CPU), else eager. input_ids [B, Q] -> hidden [B, Q, hidden]."""
         if self.compiled is not None:
-            hidden = self.compiled(self.model, input_ids, meta, self.cache.k, self.cache.v)
-        else:
-            hidden = self.forward(input_ids, meta)
-        return hidden, meta.write_slots, meta.write_pos
+            return self.compiled(self.model, input_ids, meta, self.cache.k, self.cache.v)
+        return self.forward(input_ids, meta)
 
     def warm_up(self, query_lens: list[int]) -> None:
         """Compile (CPU) the uniform forwards of these query lengths before serving: one run per compiled variant

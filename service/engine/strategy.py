@@ -29,10 +29,10 @@ What makes it fast to converge is sharing across arms:
   bucket since the drafter last ran, the steps it has been away if longer (at most `switch_horizon`: see
   `_horizon`), and never over more steps than the batch has left at the arm's pace (its longest token budget
   over the tokens a step of the arm emits: a near-uniform rollout switched to the draft model as its last
-  rows finished and paid a whole catch-up for a few steps). Why
-  timed, not inferred: inferred as a step's excess over the cost model's prediction, the first switch's excess
-  was the error of a line fit on a few steps in another bucket; it priced a catch-up token at ~10x its cost
-  and kept the draft model out of a near-uniform rollout's whole full-batch phase.
+  rows finished and paid a whole catch-up for a few steps). Why timed, not inferred: inferred as a step's
+  excess over the cost model's prediction, the first switch's excess was the error of a line fit on a few
+  steps in another bucket; it priced a catch-up token at ~10x its cost and kept the draft model out of a
+  near-uniform rollout's whole full-batch phase.
 - Acceptance: per drafter, one Beta posterior per draft position, of the rate at which a row that reached
   that position accepts it (a row that accepted a of k drafts tried positions 1..a+1 and accepted 1..a).
   One rate for every position (a geometric model) is right for a draft model but not for a suffix table,
