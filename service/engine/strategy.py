@@ -19,20 +19,9 @@ What makes it fast to converge is sharing across arms:
   (the arm's recent seconds there over what the line predicts now for their batch sizes, shrunk towards 1 by
   the number of measurements) absorbs what a line misses; the cost draw's spread shrinks with those
   measurements. Costs are what the engine measured, including the work between two steps.
-- Catch-up: a draft model that did not run the last steps first feeds itself the tokens it missed. Before a
-  step each drafter says how many it would feed beyond what follows its own steps (`catch_up`), and the step
-  reports how long those took (`caught_up`, timed around the pass that fed them). The catch-up is kept out of
-  the arm's cost (one costly catch-up would write the arm off, and the longer it stayed off the costlier the
-  next catch-up: the old strategy sat on plain decoding at full batch for that reason) and learned apart, as
-  seconds per token (each catch-up weighing by its tokens); it is charged to the arms that would pay it, spread
-  over the steps the drafter stayed once switched to lately, or, where the batch has drained into another
-  bucket since the drafter last ran, the steps it has been away if longer (at most `switch_horizon`: see
-  `_horizon`), and never over more steps than the batch has left at the arm's pace (its longest token budget
-  over the tokens a step of the arm emits: a near-uniform rollout switched to the draft model as its last
-  rows finished and paid a whole catch-up for a few steps). Why timed, not inferred: inferred as a step's
-  excess over the cost model's prediction, the first switch's excess was the error of a line fit on a few
-  steps in another bucket; it priced a catch-up token at ~10x its cost and kept the draft model out of a
-  near-uniform rollout's whole full-batch phase.
+- Catch-up: a draft model that did not run the last steps first feeds itself the tokens it missed. That is
+  learned apart from the arm's cost, as seconds per token, and charged to the arms that would pay it, spread over
+  the steps the switch is expected to last (speculative/catch_up.py says how and why).
 - Acceptance: per drafter, one Beta posterior per draft position, of the rate at which a row that reached
   that position accepts it (a row that accepted a of k drafts tried positions 1..a+1 and accepted 1..a).
   One rate for every position (a geometric model) is right for a draft model but not for a suffix table,
@@ -90,8 +79,9 @@ import random
 from collections import Counter
 from dataclasses import dataclass, field, replace
 
+from service.engine.speculative.catch_up import CatchUps
 from service.engine.speculative.cost_model import StepCostModel
-from service.engine.speculative.estimates import Acceptance, Ewma, Measured, Ratio
+from service.engine.speculative.estimates import Acceptance, Measured
 from service.engine.speculative.passes import cut_depth, verify_tokens
 from service.engine.speculative.tokens import assisted_tokens, mean_tokens, tokens_per_row
 
@@ -135,13 +125,7 @@ class AdaptiveStrategy:
     model: StepCostModel = field(init=False)
     accept: dict[str, Acceptance] = field(init=False)
     measured: dict[tuple[int, Strategy], Measured] = field(default_factory=dict)  # per (bucket, arm)
-    switch_horizon: float = 32.0  # a switch's catch-up is spread over at most this many steps of the new arm
-    stays: dict[str, Ewma] = field(default_factory=dict)  # steps a drafter ran in a row once switched to
-    catch_up_cost: dict[str, Ratio] = field(default_factory=dict)  # seconds per token a drafter catches up on
-    _away: dict[str, int] = field(default_factory=dict)  # steps since each drafter last ran
-    _ran_in: dict[str, int] = field(default_factory=dict)  # the bucket each drafter last ran in
-    _stay_of: str | None = None  # the drafter (None: plain) of the steps run in a row lately
-    _run: int = 0  # how many (a new bucket's plain probe does not end them)
+    catch_ups: CatchUps = field(default_factory=CatchUps)  # what a switch to a draft model costs before it drafts
     _plain_buckets: set[int] = field(default_factory=set)
     _deepest: dict[str, int] = field(default_factory=dict)  # deepest k measured, per drafter
     _rng: random.Random = field(init=False)
@@ -250,11 +234,8 @@ class AdaptiveStrategy:
                     if n is not None and more > tokens:
                         tokens, s = more, replace(s, assist=(host, n))
             if s.k and catch_up and catch_up.get(s.drafter):
-                measured = self.catch_up_cost.get(s.drafter)
-                per_token = (measured.value if measured is not None else None) or 0.0  # unmeasured: the next step tells
-                # The batch's steps left at this arm's pace: its longest budget over the tokens a step emits.
-                left = max((steps_left or math.inf) / tokens, 1.0)
-                cost += per_token * catch_up[s.drafter] / min(self._horizon(s.drafter, batch_size), left)
+                left = (steps_left or math.inf) / tokens  # at this arm's pace: its longest budget over a step's tokens
+                cost += self.catch_ups.charge(s.drafter, catch_up[s.drafter], bucket_of(batch_size), left)
             if tokens / cost > best_value:
                 best, best_value = s, tokens / cost
         if best.k and self.accept[best.drafter].trials[0] < self.probe_trials:
@@ -284,18 +265,11 @@ class AdaptiveStrategy:
         verified the drafts of `s.assist`'s host drafter, and `caught_up`: the tokens the drafter fed to catch
         up before drafting (what `choose` was told) and their seconds, part of `seconds`."""
         drafter = s.drafter if s.k else None
-        if drafter is not None or not self.probes_plain(batch_size):  # a plain probe does not end a stay
-            if drafter != self._stay_of and self._stay_of is not None:
-                self.stays.setdefault(self._stay_of, Ewma()).update(self._run, 0.3)
-            self._run = self._run + 1 if drafter == self._stay_of else 1
-            self._stay_of = drafter
-        for d in self.drafters:
-            self._away[d] = 0 if d == drafter else self._away.get(d, 0) + 1
-        if drafter is not None:
-            self._ran_in[drafter] = bucket_of(batch_size)
+        # A new bucket's plain probe does not end a stay.
+        self.catch_ups.step(self.drafters, drafter, bucket_of(batch_size), not self.probes_plain(batch_size))
         tokens, catch_seconds = caught_up
-        if drafter is not None and tokens > 0:
-            self.catch_up_cost.setdefault(drafter, Ratio()).update(catch_seconds, tokens, 0.3)
+        if drafter is not None:
+            self.catch_ups.paid(drafter, tokens, catch_seconds)
         # A drafter's first step ever (first forwards of its model) is no measure of its arm.
         if seconds is not None and (drafter is None or drafter in self._deepest):
             ran = s if ran_k is None or ran_k == s.k else Strategy(s.drafter, ran_k) if ran_k else PLAIN
@@ -328,20 +302,3 @@ class AdaptiveStrategy:
                 trials = [sum(1 for n, m in rows if n >= j and m > j) for j in range(s.k)]
                 if trials[0]:
                     self.accept[d].observe(hits, trials, self.trials_per_step)
-
-    def _horizon(self, drafter: str, batch_size: int) -> float:
-        """Steps a switch's catch-up is spread over: how long the drafter stayed once switched to, lately, or,
-        where the batch has drained into another bucket since it last ran, how long it has been away if longer.
-        A switch pays only if the stay pays it back. Spread over a fixed 32 steps, it looked cheap to Thompson
-        draws among near-tied arms, which switched every few steps and paid a catch-up each time (5% of a
-        near-uniform rollout). A drafter away for long from a bucket the batch has since left is charged over
-        its absence: conditions changed, and if it wins now it is likely to stay; charged by its old short
-        stays it would be locked out. Away as long in the same bucket, it lost there to arms near-tied with it,
-        and a draw that picks it now is noise: charged over its absence, a near-uniform rollout switched back
-        to the draft model after 30 steps of a suffix table at full batch and paid 0.6-1 s (7-10% of the run)
-        to feed it 3,000 tokens, for a step or two."""
-        stay = self.stays.get(drafter)
-        longest = stay.value if stay is not None and stay.value is not None else self.switch_horizon
-        if self._ran_in.get(drafter, bucket_of(batch_size)) != bucket_of(batch_size):
-            longest = max(longest, self._away.get(drafter, 0))
-        return min(max(longest, 1.0), self.switch_horizon)

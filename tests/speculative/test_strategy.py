@@ -127,7 +127,7 @@ def test_never_far_behind_the_best_fixed_arm(shape: str, cost: CostFn) -> None:
     best, adaptive = best_fixed_and_adaptive(shape, constant(0.85), cost)
     # Near-uniform (~100-200 steps at full batch, nothing drains to pay back the steps spent learning) measured
     # 1.6% at most; up to 3.5% while a draft model that had lost to near-tied arms was charged its catch-up over
-    # its whole absence, not over how long it stays (`AdaptiveStrategy._horizon`).
+    # its whole absence, not over how long it stays (`CatchUps.horizon`).
     assert adaptive <= 1.03 * best
 
 
@@ -356,8 +356,8 @@ def test_a_catch_up_is_not_spread_over_more_steps_than_the_batch_has_left() -> N
         s.record(Strategy("draft", 2), 8, 0.012, [2] * 8)
     for _ in range(40):
         s.record(PLAIN, 8, 0.010)
-    s.catch_up_cost["draft"] = Ratio()
-    s.catch_up_cost["draft"].update(0.1, 320, 0.3)  # seconds per token: 0.1 s for 40 tokens of 8 rows
+    s.catch_ups.price["draft"] = Ratio()
+    s.catch_ups.price["draft"].update(0.1, 320, 0.3)  # seconds per token: 0.1 s for 40 tokens of 8 rows
     missed = {"draft": 320}
     assert [s.choose(8, catch_up=missed).drafter for _ in range(20)].count("draft") >= 18
     assert [s.choose(8, room=[1] * 8, catch_up=missed).drafter for _ in range(20)].count(None) >= 18
@@ -409,13 +409,13 @@ def test_a_catch_up_is_priced_per_token_and_kept_out_of_the_arms_cost() -> None:
         s.record(Strategy("draft", 2), 8, 0.012, [2] * 8)
     arm = s.predicted_cost(8, Strategy("draft", 2))
     s.record(Strategy("draft", 2), 8, 0.012 + 0.2, [2] * 8, caught_up=(400, 0.2))
-    assert s.catch_up_cost["draft"].value == pytest.approx(0.2 / 400)
+    assert s.catch_ups.price["draft"].value == pytest.approx(0.2 / 400)
     assert s.predicted_cost(8, Strategy("draft", 2)) == pytest.approx(arm, rel=0.02)
     # Each catch-up weighs by its tokens: after a large one at 1 ms per token the price is 0.88 ms, where an
     # average of per-catch-up prices says 0.65 ms (on a CPU, catch-ups of ~3,000 tokens in near-uniform rollouts
     # cost 2-2.8x the price per token that the small ones before them had set).
     s.record(Strategy("draft", 2), 8, 0.012 + 3.0, [2] * 8, caught_up=(3000, 3.0))
-    assert s.catch_up_cost["draft"].value == pytest.approx((0.7 * 0.2 + 0.3 * 3.0) / (0.7 * 400 + 0.3 * 3000))
+    assert s.catch_ups.price["draft"].value == pytest.approx((0.7 * 0.2 + 0.3 * 3.0) / (0.7 * 400 + 0.3 * 3000))
 
 
 def test_a_table_covering_few_rows_is_valued_at_the_positions_a_packed_pass_computes() -> None:
