@@ -31,7 +31,7 @@ from torch.profiler import ProfilerActivity, profile
 
 from service.engine.kv_cache import KVCache
 from service.engine.runner import CachedModel
-from service.models import packed
+from service.models import attention, packed
 from service.models.llama import CausalLM
 from service.models.loader import load_model
 
@@ -162,8 +162,9 @@ def main(argv: list[str] | None = None) -> int:
         floor[str(b)] = round(ver["linear_gflop"] / peak * 1e3 / dec["ms"], 2)
     sys.stdout.write(json.dumps({
         "bench": "step_profile", "model": name, "dtype": args.dtype, "threads": args.threads, "k": args.k,
-        "compiled": cached.compiled is not None, "attention_kernels": dict(zip(("decode", "verify"),
-                                                                               cached.attn_kernels, strict=True)),
+        "compiled": cached.compiled is not None, "attention_kernels": {
+            kind: attention.pick(cached.attn_kernels, q, args.context + q)
+            for kind, q in (("decode", 1), ("verify", args.k + 1))},
         "context": args.context, "matmul_peak_gflops": round(peak, 1), "steps": rows,
         "verify_over_decode": ratio, "verify_matmul_floor": floor, "loadavg": os.getloadavg(),
     }) + "\n")

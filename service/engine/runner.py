@@ -95,8 +95,9 @@ def to_host(res: SampleResult, seqs: list[Sequence], extra: torch.Tensor | None 
 
 
 PACK_MIN_MACS = 5e8  # a packed forward saves at least this many multiply-adds (a few ms of one CPU core)
-# The sizes the batched compiled variants are compiled at (see `CachedModel.warm_up`): rows, cached positions.
-WARM_UP_ROWS, WARM_UP_POSITIONS = 64, 128
+# The sizes the batched compiled variants are compiled at (see `CachedModel.warm_up`): rows, and cached positions
+# over a short and a long cache (`attention.LONG_KEYS` parts them: each may run its own attention kernel).
+WARM_UP_ROWS, WARM_UP_POSITIONS = 64, (128, 512)
 
 
 class CachedModel:
@@ -110,7 +111,7 @@ class CachedModel:
         self.dtype = next(model.parameters()).dtype
         self.rope = Rope(self.cfg, cache.max_positions, device, self.dtype)
         Hkv = self.cfg.num_kv_heads
-        # (one position per row, more): the attention kernel this machine runs faster for each
+        # The attention kernel this machine runs faster for each kind of step and cache length (`attention.pick`)
         self.attn_kernels = attention.choose(Hkv, self.cfg.num_heads // Hkv, self.cfg.head_dim, self.dtype, device)
         # Decode / verify forwards: replayed as CUDA graphs on a GPU (service/engine/graphs.py), compiled with
         # torch.compile on CPU (service/engine/compiled.py), else eager.
@@ -147,7 +148,7 @@ class CachedModel:
         host.append([[slot_lo + b] * Q for b in range(B)])
         pos, slots = torch.tensor(host, dtype=torch.int64, device=dev).unbind(0)
         kv_len = max(s + n for s, n in zip(starts, q_lens, strict=True))
-        meta = self.meta_for(slot_lo, pos, slots.reshape(-1), kv_len, self.attn_kernels[Q > 1])
+        meta = self.meta_for(slot_lo, pos, slots.reshape(-1), kv_len, attention.pick(self.attn_kernels, Q, kv_len))
         if pack and self.pack_min_saved is not None and B * Q - sum(q_lens) >= self.pack_min_saved:
             packed = torch.tensor([b * Q + j for b, n in enumerate(q_lens) for j in range(n)], device=dev)
             meta.packed = packed
@@ -198,20 +199,21 @@ class CachedModel:
         (batch 1 or more x one position per row or more; other sizes share them). Rows are cache slots from 0,
         written before any sequence owns them: call it before the first request.
 
-        The batched variants compile at a serving size (`WARM_UP_ROWS` rows over `WARM_UP_POSITIONS` cached
-        positions), not the smallest: inductor decides from the sizes a variant is compiled at whether each of its
-        fused loops runs on all threads, and the variant keeps that for every size. Compiled at batch 2 over 2
-        positions, every loop ran on one thread: the demo model in bf16 on 2 threads decoded 18,000 tokens/s at
-        batch 64 and 12,300 at batch 16, against 29,700 and 14,700 compiled at these sizes
-        (bench/engine_throughput.py; batches 2-8 gained 8-15% too)."""
+        The batched variants compile at a serving size (`WARM_UP_ROWS` rows over a short and a long cache,
+        `WARM_UP_POSITIONS`, where each may run its own attention kernel), not the smallest: inductor decides from
+        the sizes a variant is compiled at whether each of its fused loops runs on all threads, and the variant
+        keeps that for every size. Compiled at batch 2 over 2 positions, every loop ran on one thread: the demo
+        model in bf16 on 2 threads decoded 18,000 tokens/s at batch 64 and 12,300 at batch 16, against 29,700 and
+        14,700 compiled at a serving size (bench/engine_throughput.py; batches 2-8 gained 8-15% too)."""
         if self.compiled is None:
             return
         try:
             widest = max(min(q, 2) for q in query_lens)  # sizes 0 and 1 are specialised, not 2
-            start = max(min(WARM_UP_POSITIONS, self.cache.max_positions - 1 - widest), 0)  # the last is scratch
-            for B in sorted({1, min(WARM_UP_ROWS, self.cache.num_slots)}):
-                for Q in sorted({min(q, 2) for q in query_lens}):
-                    self.forward_rows(torch.ones(B, Q, dtype=torch.int64, device=self.device), [start] * B)
+            last = self.cache.max_positions - 1 - widest  # the last position is scratch
+            for start in sorted({max(min(p, last), 0) for p in WARM_UP_POSITIONS}):
+                for B in sorted({1, min(WARM_UP_ROWS, self.cache.num_slots)}):
+                    for Q in sorted({min(q, 2) for q in query_lens}):
+                        self.forward_rows(torch.ones(B, Q, dtype=torch.int64, device=self.device), [start] * B)
         except Exception as exc:  # any failure of the compiler stack: serve eagerly rather than not at all
             logger.warning("torch.compile failed, forwards run eagerly: %s: %s", type(exc).__name__, exc)
             self.compiled = None

@@ -6,14 +6,18 @@
   bf16 caches are converted per layer. At tiny sizes (batch x keys <= `TINY_ROWS_X_KEYS`) it hands over to
   SDPA, whose single call costs less than its dispatches (not in compiled code: no dispatches to save there).
 
-Neither wins everywhere, by a lot, and the winner depends on the number of query positions per row. Demo model,
-bf16, at batch 64 (bench/step_profile.py): decode took 3.5 ms with sdpa and 5.7 ms with bmm on an Intel Xeon
-with AMX (2 threads); on an AMD EPYC (AVX512-BF16, no AMX; 1 thread, 400 cached tokens) decode took 19.3 ms with
-sdpa and 11.1 ms with bmm, while a verify step of 5 positions took 16.9 and 19.2 ms. So `choose` times both on
-the model's own head layout at a decode and a verify shape the first time a layout is installed in a process,
-and from then on every cache-attached forward of that layout runs the faster kernel for its kind of step (the
-runner's `CachedModel` records it in `AttnMeta.kernel`). CUDA always runs `sdpa`. Both kernels compute the same
-attention, rounded differently: every exactness test runs on whichever this machine chose.
+Neither wins everywhere, by a lot, and the winner depends on the number of query positions per row and on how many
+keys they attend to. Demo model, bf16, at batch 64 (bench/step_profile.py): decode took 3.5 ms with sdpa and 5.7 ms
+with bmm on an Intel Xeon with AMX (2 threads); on an AMD EPYC (AVX512-BF16, no AMX; 1 thread, 400 cached tokens)
+decode took 19.3 ms with sdpa and 11.1 ms with bmm, while a verify step of 5 positions took 16.9 and 19.2 ms. The
+same EPYC, 2 threads, the attention of a verify step at batch 64 alone (both kernels interleaved, medians): over 128
+keys bmm 0.37-0.43 ms against sdpa's 0.53-0.66 ms, over 512 keys bmm 2.75-3.07 ms against 2.29-2.39 ms (compiled
+code ranks them alike). So `choose` times both on the model's own head layout, for each kind of step (decode,
+verify) over a short and a long cache (`TIMED_SHAPES`; `LONG_KEYS` parts them), the first time a layout is installed
+in a process, and from then on every cache-attached forward of that layout runs the faster kernel for its kind of
+step and its keys (`pick`; the runner's `CachedModel` records it in `AttnMeta.kernel`). CUDA always runs `sdpa`.
+Both kernels compute the same attention, rounded differently: every exactness test runs on whichever this machine
+chose.
 """
 
 from __future__ import annotations
@@ -29,11 +33,19 @@ logger = logging.getLogger(__name__)
 
 KERNELS = ("sdpa", "bmm")
 TINY_ROWS_X_KEYS = 512
-TIMED_SHAPES = ((32, 1, 256), (64, 5, 512))  # (batch, query positions, keys): a decode and a verify step (a
-# large one: large batches over long caches take most of a rollout's verify time)
+# (batch, query positions, keys): decode and verify steps over a short and a long cache, in the order of `Kernels`
+TIMED_SHAPES = ((32, 1, 128), (32, 1, 512), (64, 5, 128), (64, 5, 512))
+LONG_KEYS = 256  # a step attending to more keys than this runs the kernel timed over the long cache
 WIN_MARGIN = 0.9  # bmm must take under this fraction of sdpa's time to be chosen (sdpa is one call)
 
-_chosen: dict[tuple, tuple[str, str]] = {}  # (device type, dtype, Hkv, G, D) -> (decode, verify) kernels
+# The kernel for decode over a short cache, decode over a long one, verify (or prefill) short, verify long
+Kernels = tuple[str, str, str, str]
+_chosen: dict[tuple, Kernels] = {}  # (device type, dtype, Hkv, G, D) -> kernels
+
+
+def pick(kernels: Kernels, query_len: int, num_keys: int) -> str:
+    """The kernel for a forward of `query_len` positions per row attending to up to `num_keys` keys."""
+    return kernels[2 * (query_len > 1) + (num_keys > LONG_KEYS)]
 
 
 def mask_dtype(kernel: str, model_dtype: torch.dtype) -> torch.dtype:
@@ -59,11 +71,11 @@ def cached_attention(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, 
 
 
 def choose(num_kv_heads: int, group: int, head_dim: int, dtype: torch.dtype, device: torch.device,
-           timer: Timer | None = None) -> tuple[str, str]:
-    """The kernels for this head layout on this device, (one query position per row: decode, more: verify and
-    prefill): `sdpa` on CUDA; on CPU, each the faster one at its shape in `TIMED_SHAPES` (timed once)."""
+           timer: Timer | None = None) -> Kernels:
+    """The kernels for this head layout on this device (see `Kernels`): `sdpa` on CUDA; on CPU, each the faster
+    one at its shape in `TIMED_SHAPES` (timed once)."""
     if device.type != "cpu":
-        return ("sdpa", "sdpa")
+        return ("sdpa",) * 4
     key = (device.type, dtype, num_kv_heads, group, head_dim)
     if key not in _chosen:
         timer = timer or (lambda fn: median_seconds(fn, reps=5))
@@ -79,8 +91,9 @@ def choose(num_kv_heads: int, group: int, head_dim: int, dtype: torch.dtype, dev
                     bias = torch.zeros(B, num_kv_heads, group * Q, L, dtype=mask_dtype(kernel, dtype))
                     took[kernel] = timer(lambda a=(q, keys, values, bias, kernel): cached_attention(*a))
                 chosen.append("bmm" if took["bmm"] < WIN_MARGIN * took["sdpa"] else "sdpa")
-                report.append(f"{Q} per row: sdpa {took['sdpa'] * 1e3:.2f} ms, bmm {took['bmm'] * 1e3:.2f} ms")
-        _chosen[key] = (chosen[0], chosen[1])
-        logger.info("attention over the cache (%s, %d KV heads x %d, head_dim %d): decode %s, verify %s (%s)",
-                    dtype, num_kv_heads, group, head_dim, *_chosen[key], "; ".join(report))
+                report.append(f"{Q} per row over {L} keys: sdpa {took['sdpa'] * 1e3:.2f} ms, "
+                              f"bmm {took['bmm'] * 1e3:.2f} ms")
+        _chosen[key] = (chosen[0], chosen[1], chosen[2], chosen[3])
+        logger.info("attention over the cache (%s, %d KV heads x %d, head_dim %d): decode %s / %s, verify %s / %s "
+                    "(short / long cache; %s)", dtype, num_kv_heads, group, head_dim, *_chosen[key], "; ".join(report))
     return _chosen[key]

@@ -54,7 +54,7 @@ def test_compiled_before_the_first_request_and_never_again_for_a_push(target, dr
     """Start-up compiles the decode and verify variants; serving them (any batch, any k, any cache length, with
     either attention kernel), pushing a new target and starting a second engine of the same layout compile
     nothing more."""
-    monkeypatch.setattr(attention, "choose", lambda *a, **kw: (kernel, kernel))
+    monkeypatch.setattr(attention, "choose", lambda *a, **kw: (kernel,) * 4)
     engine = engine_on(target, False, drafter=f"{draft},suffix")
     start = compiled.compiles()
     engine.generate(PROMPTS, GREEDY)
@@ -70,6 +70,19 @@ def test_compiled_before_the_first_request_and_never_again_for_a_push(target, dr
     # The pushed weights are what the compiled code computes with (parameters are inputs, not constants).
     assert_same_up_to_near_ties(engine_on(other, True, drafter=f"{draft},suffix").generate(PROMPTS, GREEDY), got,
                                 atol=1e-4)
+
+
+def test_kernels_for_long_caches_are_compiled_before_the_first_request_too(target, draft, monkeypatch):
+    """Where decode and verify over a long cache run other attention kernels than over a short one, start-up
+    compiles those variants as well: a rollout whose rows grow past `attention.LONG_KEYS` compiles nothing."""
+    monkeypatch.setattr(attention, "choose", lambda *a, **kw: ("bmm", "sdpa", "sdpa", "bmm"))
+    engine = LLMEngine(EngineConfig(model=str(target), max_model_len=attention.LONG_KEYS + 64, max_num_seqs=4,
+                                    drafter=str(draft), spec="fixed", spec_k=3))
+    start = compiled.compiles()
+    prompts = [[7 + i] * (attention.LONG_KEYS - 20) for i in range(3)]
+    out = engine.generate(prompts, SamplingParams(temperature=0, max_tokens=40, ignore_eos=True))
+    assert all(len(o.outputs[0].token_ids) == 40 for o in out) and engine.stats.spec_drafts > 0
+    assert compiled.compiles() == start
 
 
 def test_compiled_decode_steps_write_the_engines_cache(target):
