@@ -15,7 +15,8 @@ How it is cut:
   compile nothing (their parameters are inputs, never constants baked into the code).
 - Shapes are dynamic (batch, positions per row, cached length), so nothing is padded: on a CPU padded rows and
   keys cost as much as real ones. Dynamo specialises sizes of 1, so a layout compiles four variants: batch 1
-  or more x one position per row (decode) or more (verify). The engine compiles them at start-up
+  or more x one position per row (decode) or more (verify), each once more where its attention kernel over a long
+  cache differs from a short one's (service/models/attention.py). The engine compiles them at start-up
   (`warm_up`), for the target and a draft model, on rows whose cache is not in use yet, the batched ones at a
   serving size (inductor picks from those sizes which loops run on all threads); a variant compiled later
   (the first verify after a drafter push, say) marks its step as not timed for the adaptive strategy
