@@ -208,11 +208,14 @@ class CachedModel:
         if self.compiled is None:
             return
         try:
-            widest = max(min(q, 2) for q in query_lens)  # sizes 0 and 1 are specialised, not 2
-            last = self.cache.max_positions - 1 - widest  # the last position is scratch
-            for start in sorted({max(min(p, last), 0) for p in WARM_UP_POSITIONS}):
+            widths = sorted({min(q, 2) for q in query_lens})  # sizes 0 and 1 are specialised, not 2
+            last = self.cache.max_positions - 1 - widths[-1]  # the last position is scratch
+            short, long = (max(min(p, last), 0) for p in WARM_UP_POSITIONS)
+            # The long cache only where one of its kernels differs (else the same variants: nothing to compile).
+            kernels = [attention.pick(self.attn_kernels, Q, start + Q) for Q in widths for start in (short, long)]
+            for start in (short, long) if kernels[0::2] != kernels[1::2] else (short,):
                 for B in sorted({1, min(WARM_UP_ROWS, self.cache.num_slots)}):
-                    for Q in sorted({min(q, 2) for q in query_lens}):
+                    for Q in widths:
                         self.forward_rows(torch.ones(B, Q, dtype=torch.int64, device=self.device), [start] * B)
         except Exception as exc:  # any failure of the compiler stack: serve eagerly rather than not at all
             logger.warning("torch.compile failed, forwards run eagerly: %s: %s", type(exc).__name__, exc)
