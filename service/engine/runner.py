@@ -15,7 +15,7 @@ from service.engine.compiled import available as compiled_available
 from service.engine.compiled import compiled_forward, compiles
 from service.engine.graphs import StepGraphs
 from service.engine.kv_cache import KVCache
-from service.engine.sampler import SampleResult, SamplingBatch, sample
+from service.engine.sampler import SampleResult, SamplingBatch, SamplingRows, int_tensor, sample
 from service.engine.scheduler import SchedulerOutput, SlotCopy
 from service.engine.sequence import Sequence
 from service.engine.speculative.passes import cut_depth, packs
@@ -142,13 +142,17 @@ class CachedModel:
         eager forwards only)."""
         B, Q = len(starts), width or max(q_lens)
         dev = self.device
-        scratch = self.cache.scratch_pos
-        # Positions and cache slots of every new token in one host tensor [2, B, Q].
-        host = [[[s + j if j < n else scratch for j in range(Q)] for s, n in zip(starts, q_lens, strict=True)]]
-        host.append([[slot_lo + b] * Q for b in range(B)])
-        pos, slots = torch.tensor(host, dtype=torch.int64, device=dev).unbind(0)
+        # Positions [B, Q] and the cache slot of each new token [B * Q] as tensors of their own: a view into a
+        # shared one has a storage offset, which the compiled forward takes as a size (see compiled.py).
+        if all(n == Q for n in q_lens):  # decode and verify steps: no padding, built from `starts` alone
+            pos = int_tensor(starts, dev)[:, None] + torch.arange(Q, device=dev)
+        else:
+            scratch = self.cache.scratch_pos
+            pos = torch.tensor([[s + j if j < n else scratch for j in range(Q)] for s, n in zip(starts, q_lens,
+                                strict=True)], dtype=torch.int64, device=dev)
+        slots = torch.arange(slot_lo, slot_lo + B, device=dev).repeat_interleave(Q)
         kv_len = max(s + n for s, n in zip(starts, q_lens, strict=True))
-        meta = self.meta_for(slot_lo, pos, slots.reshape(-1), kv_len, attention.pick(self.attn_kernels, Q, kv_len))
+        meta = self.meta_for(slot_lo, pos, slots, kv_len, attention.pick(self.attn_kernels, Q, kv_len))
         if pack and self.pack_min_saved is not None and B * Q - sum(q_lens) >= self.pack_min_saved:
             packed = torch.tensor([b * Q + j for b, n in enumerate(q_lens) for j in range(n)], device=dev)
             meta.packed = packed
@@ -251,6 +255,7 @@ class ModelRunner:
         self.drafters: list[Drafter] = []  # every drafter that keeps per-slot state follows slot copies
         self.prefill_drafters: list[Drafter] = []  # the drafters that may run see the prompts with the target
         self._depths: list[int] = []  # the verify depths captured at start-up (CUDA graphs)
+        self.sampling = SamplingRows(self.cfg.vocab_size, device)  # decode and verify steps' sampling parameters
 
     @property
     def model(self) -> CausalLM:
@@ -361,7 +366,7 @@ class ModelRunner:
     def _decode(self, seqs: list[Sequence]) -> StepResult:
         ids = torch.tensor([[s.last_token] for s in seqs], dtype=torch.int64, device=self.device)
         logits = self.model.logits(self.forward_rows(ids, [s.num_cached for s in seqs])[:, 0])  # [B, V]
-        sb = SamplingBatch.build(seqs, self.cfg.vocab_size, self.device)
+        sb = self.sampling.build(seqs)
         return StepResult.plain(seqs, to_host(sample(logits, sb), seqs))
 
     def _speculative(self, seqs: list[Sequence], drafter: Drafter, k: int, assist: tuple[Drafter, int] | None = None,
@@ -371,7 +376,7 @@ class ModelRunner:
         `room`: each row's drafts are cut to it (the rest could not be emitted)."""
         B = len(seqs)
         prev_num_tokens = [s.num_tokens for s in seqs]
-        sb = SamplingBatch.build(seqs, self.cfg.vocab_size, self.device)
+        sb = self.sampling.build(seqs)
         t0 = time.perf_counter()
         draft = drafter.propose(seqs, k, sb)
         caught_up, use = draft.caught_up, None

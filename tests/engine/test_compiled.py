@@ -86,6 +86,21 @@ def test_kernels_for_long_caches_are_compiled_before_the_first_request_too(targe
     assert compiled.compiles() == start
 
 
+def test_sizes_equal_by_chance_at_warm_up_stay_apart(tmp_path):
+    """With 8 cache slots the batched variants compile at 8 rows, whose decode writes 8 slots. Where such sizes
+    became one (torch's duck sizing: a storage offset of 8 into the positions' tensor taken as the slot count),
+    every batch of another size compiled its variant mid-rollout, with its loops chosen for that size. A layout
+    no other test compiles, so no variant of an earlier test can serve these steps."""
+    model = make_checkpoint("llama", tied=False, hidden_size=48, head_dim=12, intermediate_size=96,
+                            root=tmp_path)
+    engine = LLMEngine(EngineConfig(model=str(model), max_model_len=64, max_num_seqs=8))
+    start = compiled.compiles()
+    for rows in (3, 8, 5):
+        out = engine.generate([[5 + i, 6, 7] for i in range(rows)], GREEDY)
+        assert len(out) == rows
+    assert compiled.compiles() == start
+
+
 def test_compiled_decode_steps_write_the_engines_cache(target):
     engine = engine_on(target, False)
     cache = engine.runner.cache

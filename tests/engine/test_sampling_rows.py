@@ -1,0 +1,40 @@
+"""`SamplingRows`: the sampling parameters of a decode batch are built once while its sequences stay the same."""
+
+from __future__ import annotations
+
+import torch
+
+from service.engine.sampler import SamplingBatch, SamplingRows
+from service.engine.sequence import Sequence
+from service.params import SamplingParams
+
+
+def seq(params: SamplingParams, seed: int) -> Sequence:
+    return Sequence("r", 0, [1, 2, 3], params, seed)
+
+
+def fields(sb: SamplingBatch) -> list:
+    return [getattr(sb, f).tolist() if isinstance(getattr(sb, f), torch.Tensor) else getattr(sb, f)
+            for f in SamplingBatch.__slots__]
+
+
+def test_only_the_output_positions_are_rebuilt_while_the_sequences_stay():
+    rows = SamplingRows(vocab_size=100, device=torch.device("cpu"))
+    a = seq(SamplingParams(temperature=0.7, top_p=0.9, seed=1), 11)
+    b = seq(SamplingParams(temperature=0), 12)
+    first = rows.build([a, b])
+    a.output_token_ids += [5, 6]
+    b.output_token_ids += [7]
+    again = rows.build([a, b])
+    assert again.counters.tolist() == [2, 1] and again.temperature is first.temperature
+    assert fields(again) == fields(SamplingBatch.build([a, b], 100, torch.device("cpu")))
+
+
+def test_a_batch_of_other_sequences_gets_their_parameters():
+    rows = SamplingRows(vocab_size=100, device=torch.device("cpu"))
+    a = seq(SamplingParams(temperature=0.7, seed=1), 11)
+    b = seq(SamplingParams(temperature=0), 12)
+    c = seq(SamplingParams(temperature=1.3, top_k=5, min_p=0.1, seed=2), 13)  # same batch size, other rows
+    rows.build([a, b])
+    for batch in ([a, c], [c, a], [a, b]):
+        assert fields(rows.build(batch)) == fields(SamplingBatch.build(batch, 100, torch.device("cpu")))
