@@ -22,27 +22,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-
-def solve(a: list[list[float]], y: list[float]) -> list[float]:
-    """Solve a x = y (small dense system) by Gaussian elimination with partial pivoting."""
-    n = len(y)
-    m = [[*row, y[i]] for i, row in enumerate(a)]
-    for c in range(n):
-        p = max(range(c, n), key=lambda r: abs(m[r][c]))
-        if abs(m[p][c]) < 1e-300:
-            continue
-        m[c], m[p] = m[p], m[c]
-        for r in range(c + 1, n):
-            f = m[r][c] / m[c][c]
-            if f:
-                for j in range(c, n + 1):
-                    m[r][j] -= f * m[c][j]
-    x = [0.0] * n
-    for c in reversed(range(n)):
-        if abs(m[c][c]) < 1e-300:
-            continue
-        x[c] = (m[c][n] - sum(m[c][j] * x[j] for j in range(c + 1, n))) / m[c][c]
-    return x
+import numpy as np
 
 
 @dataclass(slots=True)
@@ -52,15 +32,25 @@ class StepCostModel:
     prior_marginal: float = 0.3  # one draft position costs this fraction of a plain step, a priori
     prior_rows: float = 32.0  # a priori, a plain step of this many rows costs twice a one-row step
     prior_weight: float = 0.05  # strength of the priors, in measured steps
-    _ata: list[list[float]] = field(init=False)
-    _aty: list[float] = field(init=False)
+    _ata: np.ndarray = field(init=False)  # [n, n] weighted, faded sums of phi phi^T over measured steps
+    _aty: np.ndarray = field(init=False)  # [n] and of phi * seconds
+    _prior: np.ndarray = field(init=False)  # [n, n] the priors' penalty, per unit of their weight
     _theta: list[float] | None = field(init=False, default=None)
     _scale: float | None = field(init=False, default=None)  # typical step cost, for scale-free priors
 
     def __post_init__(self) -> None:
         n = 4 + 2 * len(self.drafters)
-        self._ata = [[0.0] * n for _ in range(n)]
-        self._aty = [0.0] * n
+        self._ata, self._aty = np.zeros((n, n)), np.zeros(n)
+        # Each prior adds (r . theta)^2: b = a / prior_rows, u = prior_marginal * a, v = prior_marginal * b, each
+        # drafter's own terms 0; and a tiny ridge keeps unseen drafters' parameters defined.
+        rows = [{1: self.prior_rows, 0: -1.0}, {2: 1.0, 0: -self.prior_marginal},
+                {3: self.prior_rows, 1: -self.prior_marginal * self.prior_rows}]
+        rows += [{i: 1.0 if i % 2 == 0 else self.prior_rows} for i in range(4, n)]
+        self._prior = 1e-9 * np.eye(n)
+        for r in rows:
+            v = np.zeros(n)
+            v[list(r)] = list(r.values())
+            self._prior += np.outer(v, v)
 
     def _features(self, drafter: str | None, k: int, batch: int, tokens: int | None = None) -> list[float]:
         phi = [1.0, float(batch)] + [0.0] * (2 + 2 * len(self.drafters))
@@ -74,12 +64,10 @@ class StepCostModel:
         """One measured step; `tokens`: the draft positions its verify pass computed (default batch * k)."""
         if seconds <= 0:
             return
-        phi = self._features(drafter, k, batch, tokens)
+        phi = np.array(self._features(drafter, k, batch, tokens))
         w = 1.0 / (seconds * seconds)
-        for i, row in enumerate(self._ata):
-            self._aty[i] = self.forget * self._aty[i] + w * phi[i] * seconds
-            for j in range(len(row)):
-                row[j] = self.forget * row[j] + w * phi[i] * phi[j]
+        self._aty = self.forget * self._aty + (w * seconds) * phi
+        self._ata = self.forget * self._ata + w * np.outer(phi, phi)
         # Cost per row-equivalent, so the prior weighs the same whatever batch this step had.
         unit = seconds * (1 + 1 / self.prior_rows) / (1 + batch / self.prior_rows)
         self._scale = unit if self._scale is None else 0.9 * self._scale + 0.1 * unit
@@ -92,23 +80,9 @@ class StepCostModel:
     def theta(self) -> list[float]:
         if self._theta is None:
             n = len(self._aty)
-            ata = [row[:] for row in self._ata]
             lam = self.prior_weight / (self._scale or 1.0) ** 2
-
-            def penalise(r: dict[int, float]) -> None:  # adds lam * (r . theta)^2
-                for i, ri in r.items():
-                    for j, rj in r.items():
-                        ata[i][j] += lam * ri * rj
-
-            penalise({1: self.prior_rows, 0: -1.0})
-            penalise({2: 1.0, 0: -self.prior_marginal})
-            penalise({3: self.prior_rows, 1: -self.prior_marginal * self.prior_rows})
-            for d in range(len(self.drafters)):
-                penalise({4 + 2 * d: 1.0})
-                penalise({5 + 2 * d: self.prior_rows})
-            for i in range(n):
-                ata[i][i] += 1e-9 * lam  # keeps unseen drafters' parameters defined
-            theta = solve(ata, self._aty)
+            ata = self._ata + lam * self._prior
+            theta = np.linalg.solve(ata, self._aty)
             # A drafter's own work costs nothing or more. Fit freely, a draft model's own term went below 0
             # whenever its steps were all that measured the verify term, which then priced the verify passes of
             # a drafter never run (a suffix table) above the draft model's whole step: it was never tried.
@@ -117,10 +91,9 @@ class StepCostModel:
                 negative = [i for i in range(4, n) if theta[i] < 0]
                 if not negative:
                     break
-                for i in negative:
-                    ata[i][i] += 1e6 * lam
-                theta = solve(ata, self._aty)
-            self._theta = theta
+                ata[negative, negative] += 1e6 * lam
+                theta = np.linalg.solve(ata, self._aty)
+            self._theta = theta.tolist()
         return self._theta
 
     def predict(self, drafter: str | None, k: int, batch: int, tokens: int | None = None) -> float:
