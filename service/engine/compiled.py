@@ -21,12 +21,13 @@ How it is cut:
   serving size (inductor picks from those sizes which loops run on all threads); a variant compiled later
   (the first verify after a drafter push, say) marks its step as not timed for the adaptive strategy
   (`compiles()` counts them).
-- Sizes equal by chance at warm-up stay separate sizes (`use_duck_shape` off): torch otherwise takes two
-  equal sizes for one and guards on it. With as many cache slots as warm-up rows, the slot count and the
-  offset of the slot indices into one tensor with the positions (64 and 64 in bench/engine_throughput.py)
-  became one size: every batch of another size compiled its own variant mid-rollout, at that size, and the
-  batch-64 steps after a batch of 16 ran it (the demo model decoded 18,000 tokens/s at batch 64 instead of
-  25,000-29,000). The runner's position and slot tensors also have their own storage.
+- No input is a view at an offset into another tensor (the runner builds positions and cache slots as tensors
+  of their own): dynamic shapes make a storage offset a size, and torch takes sizes equal at compile time for
+  one (duck sizing). The slot indices were a view at offset B x Q into one tensor with the positions; with as
+  many cache slots as warm-up rows (the default 64) that offset became the slot count, so every batch of
+  another size compiled its own variant mid-rollout, at that size, and the batch-64 steps after a batch of 16
+  ran it (the demo model decoded 17,600-25,600 tokens/s at batch 64 instead of 24,500-29,200). Duck sizing
+  itself stays: turned off, batch 1 and batch 64 decoded 3-5% slower (four alternating runs).
 - Only uniform forwards (every row appends the same number of tokens: decode, verify, a draft model's decode)
   are compiled. Prefill and a draft model's catch-up (rows of different lengths) stay eager, as does the
   EAGLE head.
@@ -104,11 +105,9 @@ def _compiled() -> Callable[..., torch.Tensor]:
 def compiled_forward(model: CausalLM, input_ids: torch.Tensor, meta: AttnMeta, k_cache: torch.Tensor,
                      v_cache: torch.Tensor) -> torch.Tensor:
     """The process's compiled cached forward: input_ids [B, Q] -> hidden [B, Q, hidden]."""
-    dynamo, shapes = torch._dynamo.config, torch.fx.experimental._config  # per-thread: each thread sets its own
-    if dynamo.recompile_limit < RECOMPILE_LIMIT:
+    dynamo = torch._dynamo.config
+    if dynamo.recompile_limit < RECOMPILE_LIMIT:  # a per-thread setting: each serving thread raises its own
         dynamo.recompile_limit = RECOMPILE_LIMIT
-    if shapes.use_duck_shape:  # sizes equal by chance at warm-up are not one size (see the module docstring)
-        shapes.use_duck_shape = False
     return _compiled()(model, input_ids, meta, k_cache, v_cache)
 
 
