@@ -364,7 +364,7 @@ class ModelRunner:
         return StepResult.plain(seqs, to_host(sample(logits[row_of], sb), seqs))
 
     def _decode(self, seqs: list[Sequence]) -> StepResult:
-        ids = torch.tensor([[s.last_token] for s in seqs], dtype=torch.int64, device=self.device)
+        ids = int_tensor([s.last_token for s in seqs], self.device)[:, None]  # [B, 1]
         logits = self.model.logits(self.forward_rows(ids, [s.num_cached for s in seqs])[:, 0])  # [B, V]
         sb = self.sampling.build(seqs)
         return StepResult.plain(seqs, to_host(sample(logits, sb), seqs))
@@ -396,7 +396,7 @@ class ModelRunner:
                 return None
             k = cut_depth(draft.longest, k, self._depths if self.target.graphs is not None else None)
             draft = draft.cut(k)
-        last = torch.tensor([[s.last_token] for s in seqs], dtype=torch.int64, device=self.device)
+        last = int_tensor([s.last_token for s in seqs], self.device)[:, None]  # [B, 1]
         ids = torch.cat([last, draft.tokens], dim=1)  # [B, k + 1]
         starts = [s.num_cached for s in seqs]
         if self.packs_verify(draft.row_lengths, k):
