@@ -24,6 +24,7 @@ from service.engine.runner import ModelRunner, StepResult, TokenResult
 from service.engine.scheduler import Scheduler, SchedulerOutput
 from service.engine.sequence import Request, RequestOutput, Sequence, StepOutput, completion_of
 from service.engine.speculative.estimates import Ewma
+from service.engine.speculative.shadow import shadow_trials
 from service.engine.stats import EngineStats, StepRecord
 from service.engine.strategy import PLAIN, AdaptiveStrategy, Strategy
 from service.models.llama import CausalLM
@@ -70,6 +71,7 @@ class LLMEngine:
                                                            num_slots, config.seed)
         self._last_step_end: float | None = None
         self._between_steps = Ewma()
+        self._drafts: dict[str, list[list[int]]] = {}  # what each host drafter had for the step's rows
         self.runner.drafters = list(self.drafters.values())
         fixed = None
         if config.spec == "off" or not self.drafters:
@@ -207,10 +209,12 @@ class LLMEngine:
     def _choose(self, seqs: list[Sequence], room: list[int] | None) -> Strategy:
         """The strategy's pick, told beforehand what drafters that propose on the host have for each row, each
         row's room and how many tokens each drafter would catch up on."""
+        self._drafts = {}
         if self.strategy.fixed is not None or not self.strategy.drafters or self.strategy.probes_plain(len(seqs)):
             return self.strategy.choose(len(seqs))  # no proposals needed: nothing to ask the drafters
         depth = max(self.strategy.depths())
-        proposals = {name: n for name, d in self.drafters.items() if (n := d.lookahead(seqs, depth)) is not None}
+        self._drafts = {name: n for name, d in self.drafters.items() if (n := d.lookahead(seqs, depth)) is not None}
+        proposals = {name: [len(row) for row in drafts] for name, drafts in self._drafts.items()}
         catch_up = {name: n for name, d in self.drafters.items() if (n := d.catch_up(seqs))}
         return self.strategy.choose(len(seqs), proposals, room, catch_up)
 
@@ -223,7 +227,7 @@ class LLMEngine:
         if batch.kind == "decode":
             cost = None if result.captured else seconds + self.between_steps_s
             self.strategy.record(strategy, B, cost, result.num_accepted or None, result.k, result.num_drafted or None,
-                                 result.assisted or None, result.caught_up)
+                                 result.assisted or None, result.caught_up, self._shadow(strategy, result))
         if not result.k:
             self.stats.record_step(batch.kind, batch, B, seconds)
             return
@@ -232,6 +236,21 @@ class LLMEngine:
                             sum(result.num_accepted), emitted, result.draft_seconds, seconds - result.draft_seconds)
         self.stats.record_step("spec", batch, B, seconds, record)
         self.stats.add_accepted_per_position([sum(1 for a in result.num_accepted if a > j) for j in range(result.k)])
+
+    def _shadow(self, strategy: Strategy, result: StepResult) -> dict[str, list[tuple[int, int]]]:
+        """Per host drafter, its drafts this step did not verify set against the tokens the rows emitted
+        (speculative/shadow.py)."""
+        if not self._drafts:
+            return {}
+        emitted = [seq.tokens_from(prev) for seq, prev in zip(result.seqs, result.prev_num_tokens, strict=True)]
+        out = {}
+        for name, drafts in self._drafts.items():
+            if len(drafts) != len(emitted) or name == strategy.drafter:
+                continue  # its drafts ran (or the batch changed since the choice)
+            assisted = strategy.assist is not None and strategy.assist[0] == name and result.assisted
+            verified = result.assisted if assisted else [False] * len(emitted)
+            out[name] = shadow_trials(drafts, emitted, verified)
+        return out
 
     @property
     def drafter_version(self) -> str:

@@ -31,7 +31,9 @@ What makes it fast to converge is sharing across arms:
   the first k measured extrapolates to the rest. Every speculative step of any k feeds them (one step
   counts for at most `trials_per_step` rows, since a batch's rows are not independent). Counts are
   discounted every step, so a drafter that has not run for a while becomes uncertain again and gets
-  re-tried when it may have recovered.
+  re-tried when it may have recovered. A drafter that proposes on the host (a suffix table) needs no re-try:
+  on the steps that do not verify its drafts, they are set against the tokens the rows emitted, which tells
+  what it would have had accepted (speculative/shadow.py says why that is its acceptance in distribution).
 - Collapse: when the newest step (or, at small batches where one step holds few trials, the newest few)
   is far outside the posterior, pooled over positions (a policy push made the drafter stale), the
   posterior restarts from those steps, so the strategy leaves a collapsed drafter after one step instead
@@ -258,12 +260,15 @@ class AdaptiveStrategy:
 
     def record(self, s: Strategy, batch_size: int, seconds: float | None, num_accepted: list[int] | None = None,
                ran_k: int | None = None, num_drafted: list[int] | None = None,
-               assisted: list[bool] | None = None, caught_up: tuple[int, float] = (0, 0.0)) -> None:
+               assisted: list[bool] | None = None, caught_up: tuple[int, float] = (0, 0.0),
+               shadow: dict[str, list[tuple[int, int]]] | None = None) -> None:
         """One step's measurement: its wall seconds (None: not a measure of its cost, e.g. it captured a CUDA
         graph), num_accepted and num_drafted (default: k) per row for speculative steps, `ran_k`, the depth
         verified when the runner cut the verify pass to the longest proposal, `assisted`, the rows that
-        verified the drafts of `s.assist`'s host drafter, and `caught_up`: the tokens the drafter fed to catch
-        up before drafting (what `choose` was told) and their seconds, part of `seconds`."""
+        verified the drafts of `s.assist`'s host drafter, `caught_up`: the tokens the drafter fed to catch
+        up before drafting (what `choose` was told) and their seconds, part of `seconds`, and `shadow`: per
+        host drafter, (num_accepted, num_drafted) of the rows whose drafts this step did not verify, set
+        against the tokens they emitted (speculative/shadow.py)."""
         drafter = s.drafter if s.k else None
         # A new bucket's plain probe does not end a stay.
         self.catch_ups.step(self.drafters, drafter, bucket_of(batch_size), not self.probes_plain(batch_size))
@@ -288,17 +293,21 @@ class AdaptiveStrategy:
             self._plain_buckets.add(bucket_of(batch_size))
         for a in self.accept.values():
             a.fade(self.discount)
+        by_drafter: dict[str, list[tuple[int, int]]] = {}
         if drafter is not None and num_accepted:
             drafted = num_drafted or [s.k] * len(num_accepted)
             host = s.assist[0] if s.assist and assisted else None
-            by_drafter: dict[str, list[tuple[int, int]]] = {}
             for i, row in enumerate(zip(num_accepted, drafted, strict=True)):
                 by_drafter.setdefault(host if host is not None and assisted[i] else drafter, []).append(row)
-            for d, rows in by_drafter.items():
-                # Draft j + 1 was tried by the rows that accepted the j drafts before it and proposed it, and
-                # accepted by those that accepted more than j. A draft a row's drafter did not propose is no
-                # trial: the choice knew the row had none (see `proposals` in `choose`).
-                hits = [sum(1 for n, _ in rows if n > j) for j in range(s.k)]
-                trials = [sum(1 for n, m in rows if n >= j and m > j) for j in range(s.k)]
-                if trials[0]:
-                    self.accept[d].observe(hits, trials, self.trials_per_step)
+        for d, rows in (shadow or {}).items():
+            if d in self.accept:
+                by_drafter.setdefault(d, []).extend(rows)
+        for d, rows in by_drafter.items():
+            # Draft j + 1 was tried by the rows that accepted the j drafts before it and proposed it, and
+            # accepted by those that accepted more than j. A draft a row's drafter did not propose is no
+            # trial: the choice knew the row had none (see `proposals` in `choose`).
+            depth = max((m for _, m in rows), default=0)
+            hits = [sum(1 for n, _ in rows if n > j) for j in range(depth)]
+            trials = [sum(1 for n, m in rows if n >= j and m > j) for j in range(depth)]
+            if depth and trials[0]:
+                self.accept[d].observe(hits, trials, self.trials_per_step)

@@ -199,6 +199,7 @@ def test_a_drafter_says_what_it_will_catch_up_on_and_times_it(target, drafters, 
     proposal."""
     engine = LLMEngine(EngineConfig(model=str(target), max_model_len=256, drafter=drafters[name]))
     calls, record = [], AdaptiveStrategy.record
+    CAUGHT_UP = 7  # record(s, batch_size, seconds, num_accepted, ran_k, num_drafted, assisted, caught_up, shadow)
     monkeypatch.setattr(AdaptiveStrategy, "record", lambda self, *a: (calls.append(a), record(self, *a))[1])
     engine.strategy.fixed = PLAIN
     for p in PROMPTS:
@@ -214,12 +215,12 @@ def test_a_drafter_says_what_it_will_catch_up_on_and_times_it(target, drafters, 
     assert drafter.catch_up(seqs) == missed
     engine.strategy.fixed = Strategy(key, 3)
     engine.step()
-    tokens, seconds = calls[-1][-1]
+    tokens, seconds = calls[-1][CAUGHT_UP]
     assert tokens == missed and seconds > 0
     assert drafter.catch_up(seqs) == 0  # caught up: the next step feeds what its own step left
     engine.step()
-    assert calls[-1][-1] == (0, 0.0)
-    assert calls[-2][0].name == f"{key}:k=3" and calls[0][-1] == (0, 0.0)
+    assert calls[-1][CAUGHT_UP] == (0, 0.0)
+    assert calls[-2][0].name == f"{key}:k=3" and calls[0][CAUGHT_UP] == (0, 0.0)
     if name == "eagle":  # (a draft model lets one token pass: its own step may leave two to feed)
         engine.strategy.fixed = PLAIN
         engine.step()
@@ -310,6 +311,54 @@ def test_the_strategy_knows_what_the_suffix_table_has_for_each_row_before_it_cho
     for a, b in zip(base, got, strict=True):
         assert b.outputs[0].token_ids == a.outputs[0].token_ids
 
+
+def test_a_suffix_tables_drafts_are_measured_on_the_steps_another_drafter_ran(target, drafters, monkeypatch):
+    """Steps that run the draft model still tell the strategy what the suffix table would have had accepted:
+    each row's table drafts set against the tokens it emitted. Recomputed here from the final outputs: the
+    draft model is the target itself, so greedy k = 2 steps emit min(3, tokens left) tokens per row. The
+    second pass repeats the prompts, so the table (holding the first pass's rollouts) has them right."""
+    params = SamplingParams(temperature=0, max_tokens=30, ignore_eos=True)
+    _, base = run(target, PROMPTS, params)
+    engine = LLMEngine(EngineConfig(model=str(target), max_model_len=256, max_num_seqs=16,
+                                    drafter=f"{drafters['self']},suffix"))
+    lookahead, record = type(engine.drafters["suffix"]).lookahead, AdaptiveStrategy.record
+    looked, shadows = [], []
+
+    def looking(self, seqs, k):
+        drafts = lookahead(self, seqs, k)
+        looked.append([(seq, seq.num_tokens, list(d)) for seq, d in zip(seqs, drafts, strict=True)])
+        return drafts
+
+    def recording(self, s, batch_size, seconds, *args, **kw):
+        shadows.append(kw.get("shadow", args[5] if len(args) > 5 else None))
+        return record(self, s, batch_size, seconds, *args, **kw)
+
+    monkeypatch.setattr(type(engine.drafters["suffix"]), "lookahead", looking)
+    monkeypatch.setattr(AdaptiveStrategy, "record", recording)
+    monkeypatch.setattr(AdaptiveStrategy, "probes_plain", lambda self, batch_size: False)
+    monkeypatch.setattr(AdaptiveStrategy, "choose", lambda self, *a, **kw: Strategy("draft", 2))
+    for _ in range(2):
+        got = engine.generate(PROMPTS, params)
+        for a, b in zip(base, got, strict=True):
+            assert b.outputs[0].token_ids == a.outputs[0].token_ids
+    assert len(looked) == len(shadows) and engine.strategy.accept["draft"].trials[0] > 0
+    hits = trials = 0
+    for rows, shadow in zip(looked, shadows, strict=True):
+        want = []
+        for seq, start, drafts in rows:
+            tokens = seq.prompt_token_ids + seq.output_token_ids
+            new = tokens[start : start + 3]  # what this step emitted
+            observed = min(len(drafts), len(new))
+            matched = next((j for j in range(observed) if drafts[j] != new[j]), observed)
+            if drafts:
+                want.append((matched, observed))
+        assert shadow == {"suffix": want}
+        hits, trials = hits + sum(m > 0 for m, _ in want), trials + len(want)
+    assert trials > 20 and 0 < hits < trials  # the first pass's table misses some
+    second = [m == o for rows, shadow in zip(looked, shadows, strict=True) if rows[0][0].request_id in
+              {r.request_id for r in got} for m, o in shadow["suffix"]]
+    assert second and all(second)  # the rollouts of the first pass repeated
+    assert engine.strategy.acceptance("suffix")[0] > 0.8  # never run: its prior, 0.6, without these
 
 def test_rows_a_table_has_enough_drafts_for_take_them_with_their_lengths():
     from service.engine.speculative.verify import DraftProposal

@@ -436,3 +436,56 @@ def test_a_table_covering_few_rows_is_valued_at_the_positions_a_packed_pass_comp
         strategy.record(s, 64, seconds, acc, s.k, [min(n, s.k) for n in proposals] if s.k else None)
         chosen.append(s)
     assert sum(s == Strategy("suffix", 8) for s in chosen[-30:]) >= 25, chosen[-30:]
+
+
+def table_comes_back(shadow: bool) -> list[Strategy]:
+    """Tail steps (batch 4) where the suffix table proposes 8 drafts for every row and each is right at 0.1,
+    then steps of 16 rows where its drafts are right at 0.97; the draft model's at 0.7 throughout (GPU-like
+    costs: deep speculation pays at both sizes).
+    With `shadow`, steps that do not run the table still report what its drafts would have had accepted (the
+    engine sets them against the tokens the rows emitted). Returns the arms of the full-batch steps."""
+    strategy = AdaptiveStrategy(["draft", "suffix"], seed=0)
+    rng = random.Random(0)
+    chosen = []
+    for step in range(160):
+        batch, table_alpha = (4, 0.1) if step < 100 else (16, 0.97)
+        proposals = {"suffix": [8] * batch}
+        s = strategy.choose(batch, proposals)
+        alpha = table_alpha if s.drafter == "suffix" else 0.7
+        acc = accepted_counts(batch, s.k, alpha, rng) if s.k else None
+        emitted = [a + 1 for a in acc] if acc else [1] * batch
+        table_rows = None
+        if shadow and s.drafter != "suffix":  # the table's drafts against the emitted tokens
+            table_rows = {"suffix": [(min(a, e), e) for a, e in
+                                     zip(accepted_counts(batch, 8, table_alpha, rng), emitted, strict=True)]}
+        strategy.record(s, batch, launch_bound_cost(batch, s.drafter, s.k), acc, s.k,
+                        [s.k] * batch if s.k else None, shadow=table_rows)
+        if step >= 100:
+            chosen.append(s)
+    return chosen
+
+
+def test_a_table_written_off_in_the_tail_is_back_as_soon_as_its_drafts_are_right() -> None:
+    """Measured on every step, the table's drafts are verified again from the step after they are right again
+    (alone or assisting the draft model); measured only when it runs, it waits until its tail counts have
+    faded (what we had: a GRPO run's draft model ran ~300 steps at 8,000 tokens/s where the table gave 21,000).
+    """
+
+    def table(arms: list[Strategy]) -> list[bool]:  # steps that verify the table's drafts (alone or assisting)
+        return [s.drafter == "suffix" or s.assist is not None for s in arms]
+
+    fed = table_comes_back(shadow=True)
+    assert all(table(fed[1:])), [s.name for s in fed]
+    assert sum(s.drafter == "suffix" and s.k >= 6 for s in fed[-40:]) >= 35, [s.name for s in fed]
+    starved = table_comes_back(shadow=False)
+    assert sum(table(starved[:20])) < 5, [s.name for s in starved]
+
+
+def test_shadow_trials_count_the_drafts_that_match_what_a_row_emitted() -> None:
+    from service.engine.speculative.shadow import shadow_trials
+
+    drafts = [[5, 6, 7], [5, 6, 7], [], [5, 6, 7], [9]]
+    emitted = [[5, 6], [5, 8, 7, 1], [3], [5, 6, 7, 8], [4]]
+    verified = [False, False, False, True, False]
+    # Row 0: both observed drafts match; row 1: the second does not; row 2 had none; row 3 ran; row 4 missed.
+    assert shadow_trials(drafts, emitted, verified) == [(2, 2), (1, 3), (0, 1)]

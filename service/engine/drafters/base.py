@@ -24,9 +24,9 @@ class Drafter(ABC):
     def propose(self, seqs: list[Sequence], k: int, sb: SamplingBatch) -> DraftProposal:
         """Draft tokens [B, k] for sequences in slot order, with their distributions (None = one-hot)."""
 
-    def lookahead(self, seqs: list[Sequence], k: int) -> list[int] | None:
-        """How many drafts (up to k) `propose` would give each row, where the drafter knows that on the host
-        before the step (a suffix table); None where only proposing tells (a draft model)."""
+    def lookahead(self, seqs: list[Sequence], k: int) -> list[list[int]] | None:
+        """The drafts (up to k) `propose` would give each row, where the drafter knows them on the host before
+        the step (a suffix table); None where only proposing tells (a draft model)."""
         return None
 
     def catch_up(self, seqs: list[Sequence]) -> int:

@@ -121,8 +121,8 @@ class SuffixDrafter(Drafter):
         self._ahead = (key, k, conts)
         return conts
 
-    def lookahead(self, seqs: list[Sequence], k: int) -> list[int]:
-        return [len(c) for c in self._continuations(seqs, k)]
+    def lookahead(self, seqs: list[Sequence], k: int) -> list[list[int]]:
+        return self._continuations(seqs, k)
 
     def propose(self, seqs: list[Sequence], k: int, sb: SamplingBatch) -> DraftProposal:
         rows, lengths = [], []
