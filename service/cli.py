@@ -31,6 +31,9 @@ def _engine_args(p: argparse.ArgumentParser) -> None:
                    help="decode and verify steps run eagerly: no CUDA graphs on a GPU (either backend), no "
                    "torch.compile on CPU (native backend; saves its start-up compile)")
     p.add_argument("--threads", type=int, default=int(_env("threads", "0")) or None, help="torch CPU threads")
+    p.add_argument("--strategy-trace", default=_env("strategy_trace"), metavar="PATH",
+                   help="append one JSON line per decode step to PATH: the adaptive strategy's choice, its cost "
+                   "and what it believed (native backend)")
 
 
 def _model_dir(args: argparse.Namespace) -> str:
@@ -50,6 +53,7 @@ def _engine_config(args: argparse.Namespace):
         max_num_seqs=args.max_num_seqs, kv_cache_memory_gb=args.kv_cache_gb, seed=args.seed,
         max_num_batched_tokens=max(8192, args.max_model_len), spec=args.spec, spec_k=args.spec_k,
         num_threads=args.threads, drafter=getattr(args, "drafter", "none"), enforce_eager=args.enforce_eager,
+        strategy_trace=args.strategy_trace,
     )
 
 

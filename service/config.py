@@ -139,6 +139,9 @@ class EngineConfig:
     # Run decode and verify forwards eagerly: no CUDA graphs on a GPU (service/engine/graphs.py), no torch.compile
     # on CPU (service/engine/compiled.py)
     enforce_eager: bool = False
+    # Append one JSON line per decode step to this file: the strategy's choice, its cost and what it believed
+    # (service/engine/trace.py; native backend)
+    strategy_trace: str | None = None
     extra: dict[str, Any] = field(default_factory=dict)
 
     def __post_init__(self) -> None:

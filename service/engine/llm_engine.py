@@ -14,7 +14,7 @@ from torch import nn
 from tqdm import tqdm
 
 from service.backend.base import StatsSnapshot
-from service.config import EngineConfig, ModelConfig
+from service.config import ConfigError, EngineConfig, ModelConfig
 from service.engine.drafters import build_drafters, expand_auto
 from service.engine.drafters.base import Drafter
 from service.engine.drafters.draft_model import DraftModelDrafter
@@ -27,6 +27,7 @@ from service.engine.speculative.estimates import Ewma
 from service.engine.speculative.shadow import shadow_trials
 from service.engine.stats import EngineStats, StepRecord
 from service.engine.strategy import PLAIN, AdaptiveStrategy, Strategy
+from service.engine.trace import StepTrace
 from service.models.llama import CausalLM
 from service.models.loader import load_model
 from service.params import SamplingError, SamplingParams, sample_seed
@@ -72,6 +73,7 @@ class LLMEngine:
         self._last_step_end: float | None = None
         self._between_steps = Ewma()
         self._drafts: dict[str, list[list[int]]] = {}  # what each host drafter had for the step's rows
+        self.trace = self._open_trace(config.strategy_trace)
         self.runner.drafters = list(self.drafters.values())
         fixed = None
         if config.spec == "off" or not self.drafters:
@@ -226,8 +228,11 @@ class LLMEngine:
         self.last_strategy = strategy.name
         if batch.kind == "decode":
             cost = None if result.captured else seconds + self.between_steps_s
+            shadow = self._shadow(strategy, result)
+            if self.trace is not None:
+                self._trace_step(strategy, result, seconds, cost, shadow)
             self.strategy.record(strategy, B, cost, result.num_accepted or None, result.k, result.num_drafted or None,
-                                 result.assisted or None, result.caught_up, self._shadow(strategy, result))
+                                 result.assisted or None, result.caught_up, shadow)
         if not result.k:
             self.stats.record_step(batch.kind, batch, B, seconds)
             return
@@ -251,6 +256,32 @@ class LLMEngine:
             verified = result.assisted if assisted else [False] * len(emitted)
             out[name] = shadow_trials(drafts, emitted, verified)
         return out
+
+    @staticmethod
+    def _open_trace(path: str | None) -> StepTrace | None:
+        if not path:
+            return None
+        try:
+            return StepTrace(path)
+        except OSError as exc:
+            raise ConfigError(f"cannot open the strategy trace {path!r}: {exc}") from exc
+
+    def _trace_step(self, strategy: Strategy, result: StepResult, seconds: float, cost: float | None,
+                    shadow: dict[str, list[tuple[int, int]]]) -> None:
+        """One line of the strategy trace (service/engine/trace.py): the step as the strategy is told of it, and
+        the acceptance it believed when it chose (per drafter, the posterior mean per draft position)."""
+        self.trace.write({
+            "batch": len(result.seqs), "arm": strategy.name, "ran_k": result.k, "seconds": round(seconds, 6),
+            "cost_seconds": None if cost is None else round(cost, 6),
+            "emitted": sum(s.num_tokens - t for s, t in zip(result.seqs, result.prev_num_tokens, strict=True)),
+            "accepted": sum(result.num_accepted), "drafted": sum(result.num_drafted),
+            "assisted": sum(result.assisted), "caught_up": [result.caught_up[0], round(result.caught_up[1], 6)],
+            "proposed": {name: sum(1 for row in drafts if row) for name, drafts in self._drafts.items()},
+            "shadow": {name: [sum(m for m, _ in rows), sum(o for _, o in rows)] for name, rows in shadow.items()},
+            "acceptance": {d: [round(a, 3) for a in self.strategy.acceptance(d)] for d in self.strategy.drafters},
+        })
+        if not self.trace.active:
+            self.trace = None
 
     @property
     def drafter_version(self) -> str:

@@ -59,6 +59,9 @@ class VllmBackend(RolloutBackend):
                  hooks: Hooks | None = None, admission: Admission | None = None) -> None:
         if not config.model:
             raise ValueError("EngineConfig.model must name a model folder")
+        if config.strategy_trace:
+            logger.warning("--strategy-trace traces the native backend's adaptive strategy; vLLM runs a fixed k: "
+                           "nothing is traced")
         self.config = config
         self.vcfg = vllm_config or VllmConfig()
         self.metrics = metrics

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import json
 import shutil
 
 import pytest
@@ -359,6 +360,35 @@ def test_a_suffix_tables_drafts_are_measured_on_the_steps_another_drafter_ran(ta
               {r.request_id for r in got} for m, o in shadow["suffix"]]
     assert second and all(second)  # the rollouts of the first pass repeated
     assert engine.strategy.acceptance("suffix")[0] > 0.8  # never run: its prior, 0.6, without these
+
+def test_the_strategy_trace_has_one_line_per_decode_step(target, drafters, tmp_path):
+    """--strategy-trace: one JSON line per decode step, which together account for every token the steps
+    emitted; a suffix arm's step reports no shadow rows for the table (its drafts ran). A trace file that
+    breaks stops the trace, not the engine; one that cannot be opened is a configuration error."""
+    from service.config import ConfigError
+
+    path = tmp_path / "trace.jsonl"
+    engine = LLMEngine(EngineConfig(model=str(target), max_model_len=256, max_num_seqs=16,
+                                    drafter=f"{drafters['llama']},suffix", strategy_trace=str(path)))
+    params = SamplingParams(temperature=1.0, max_tokens=30, ignore_eos=True, seed=3)
+    got = engine.generate(PROMPTS * 2, params)
+    lines = [json.loads(line) for line in path.read_text().splitlines()]
+    decode = [r for r in engine.stats.recent if r.kind != "prefill"]
+    assert len(lines) == len(decode) > 0
+    outputs = sum(len(r.outputs[0].token_ids) for r in got)
+    assert sum(line["emitted"] for line in lines) == outputs - len(got)  # a prefill emits each row's first token
+    arms = {a.name for a in engine.strategy.arms}
+    for line in lines:
+        assert line["arm"].split("+")[0] in arms and line["batch"] >= 1 and line["seconds"] > 0, line
+        assert set(line["acceptance"]) == {"draft", "suffix"}
+        if line["arm"].startswith("suffix"):
+            assert "suffix" not in line["shadow"] and line["drafted"] > 0, line
+    assert any(line["shadow"].get("suffix", [0, 0])[1] for line in lines)
+    engine.trace._file.close()  # the file breaks under the engine
+    engine.generate(PROMPTS, params)
+    assert engine.trace is None
+    with pytest.raises(ConfigError, match="strategy trace"):
+        LLMEngine(EngineConfig(model=str(target), max_model_len=256, strategy_trace=str(tmp_path)))
 
 def test_rows_a_table_has_enough_drafts_for_take_them_with_their_lengths():
     from service.engine.speculative.verify import DraftProposal
