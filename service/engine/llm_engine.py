@@ -236,9 +236,9 @@ class LLMEngine:
         if not result.k:
             self.stats.record_step(batch.kind, batch, B, seconds)
             return
-        emitted = sum(s.num_tokens - t for s, t in zip(result.seqs, result.prev_num_tokens, strict=True))
         record = StepRecord("spec", B, seconds, strategy.name, result.k, sum(result.num_drafted),
-                            sum(result.num_accepted), emitted, result.draft_seconds, seconds - result.draft_seconds)
+                            sum(result.num_accepted), result.num_emitted(), result.draft_seconds,
+                            seconds - result.draft_seconds)
         self.stats.record_step("spec", batch, B, seconds, record)
         self.stats.add_accepted_per_position([sum(1 for a in result.num_accepted if a > j) for j in range(result.k)])
 
@@ -273,7 +273,7 @@ class LLMEngine:
         self.trace.write({
             "batch": len(result.seqs), "arm": strategy.name, "ran_k": result.k, "seconds": round(seconds, 6),
             "cost_seconds": None if cost is None else round(cost, 6),
-            "emitted": sum(s.num_tokens - t for s, t in zip(result.seqs, result.prev_num_tokens, strict=True)),
+            "emitted": result.num_emitted(),
             "accepted": sum(result.num_accepted), "drafted": sum(result.num_drafted),
             "assisted": sum(result.assisted), "caught_up": [result.caught_up[0], round(result.caught_up[1], 6)],
             "proposed": {name: sum(1 for row in drafts if row) for name, drafts in self._drafts.items()},

@@ -52,6 +52,10 @@ class StepResult:
     def plain(cls, seqs: list[Sequence], results: list[TokenResult]) -> StepResult:
         return cls(seqs, [[r] for r in results], [s.num_tokens for s in seqs])
 
+    def num_emitted(self) -> int:
+        """Tokens the step's sequences gained (after postprocessing: stops cut a row's tokens short)."""
+        return sum(s.num_tokens - t for s, t in zip(self.seqs, self.prev_num_tokens, strict=True))
+
 
 @dataclass(slots=True)
 class TokenResult:
