@@ -45,6 +45,24 @@ def _chunk(rid: str, c: Any) -> TokenChunk:
                       list(c.raw_logprobs), [dict(zip(t.token_ids, t.logprobs, strict=True)) for t in c.top_logprobs])
 
 
+async def _outcome(call: grpc.Future) -> Any:
+    """Await a blocking-API call without blocking the event loop; cancelling the awaiting task cancels the RPC."""
+    loop = asyncio.get_running_loop()
+    done = loop.create_future()
+
+    def wake(_: grpc.Future) -> None:
+        with contextlib.suppress(RuntimeError):  # the loop has closed: nobody is waiting
+            loop.call_soon_threadsafe(lambda: done.done() or done.set_result(None))
+
+    call.add_done_callback(wake)
+    try:
+        await done
+    except asyncio.CancelledError:
+        call.cancel()
+        raise
+    return call.result()  # raises the RPC's error (a grpc.RpcError) if it failed
+
+
 def _push_result(r: Any) -> PushResult:
     return PushResult(r.role, r.version, r.bytes, r.seconds, r.swap_seconds, r.wait_seconds, list(r.aborted))
 
@@ -59,18 +77,18 @@ class AsyncSpecrollClient:
         self.retries, self.backoff_s, self.timeout_s = retries, backoff_s, timeout_s
         self._admin = (("authorization", f"Bearer {admin_token}"),) if admin_token else ()
         self._api = (("authorization", f"Bearer {api_token or admin_token}"),) if (api_token or admin_token) else ()
-        self._channel = grpc.aio.insecure_channel(target, options=[
-            ("grpc.max_send_message_length", max_message_bytes),
-            ("grpc.max_receive_message_length", max_message_bytes),
-            ("grpc.http2.max_frame_size", 16 * 2**20 - 1), ("grpc.http2.write_buffer_size", 64 * 2**20)])
+        self._options = [("grpc.max_send_message_length", max_message_bytes),
+                         ("grpc.max_receive_message_length", max_message_bytes),
+                         ("grpc.http2.max_frame_size", 16 * 2**20 - 1), ("grpc.http2.write_buffer_size", 64 * 2**20)]
+        self._channel = grpc.aio.insecure_channel(target, options=self._options)
         self._stub = pb2_grpc.RolloutStub(self._channel)
         self._health = health_pb2_grpc.HealthStub(self._channel)
-        self._push = self._channel.stream_unary("/specroll.v1.Rollout/PushWeights",
-                                                request_serializer=wt.serialize_push,
-                                                response_deserializer=pb2.WeightsReply.FromString)
+        self._push_channel: grpc.Channel | None = None  # blocking, opened by the first push: see push_weights
 
     async def close(self) -> None:
         await self._channel.close()
+        if self._push_channel is not None:
+            self._push_channel.close()
 
     async def __aenter__(self) -> AsyncSpecrollClient:
         return self
@@ -192,20 +210,21 @@ class AsyncSpecrollClient:
         manifest = wt.manifest(tensors, role, version, mode)
 
         async def call() -> Any:
-            # Written message by message, stopping once the server has answered: the server refuses a bad push
-            # after its manifest, and a write after that would hide its status behind INTERNAL (grpc#36066).
-            rpc = self._push(metadata=self._admin, timeout=self.timeout_s)
-            with contextlib.suppress(grpc.RpcError, asyncio.InvalidStateError):  # ended early: its status follows
-                for msg in itertools.chain([pb2.PushWeightsRequest(manifest=manifest)],
-                                           wt.iter_chunks(tensors, chunk_bytes)):
-                    if rpc.done():
-                        break
-                    await rpc.write(msg)
-                else:
-                    await rpc.done_writing()
-            return await rpc
+            head = pb2.PushWeightsRequest(manifest=manifest)
+            requests = itertools.chain([head], wt.iter_chunks(tensors, chunk_bytes))
+            return await _outcome(self._push_rpc().future(requests, metadata=self._admin, timeout=self.timeout_s))
 
         return _push_result(await self._retry(call))
+
+    def _push_rpc(self) -> grpc.StreamUnaryMultiCallable:
+        """A push runs on grpc's blocking API, not on asyncio's. The server refuses a bad push (no token, a wrong
+        manifest) as soon as it knows, while the client is still sending; grpc's asyncio client then reports
+        INTERNAL "Internal error from Core" in place of the server's status in about 1 push in 50 (a late write
+        overwrites it: grpc/grpc#36066). The blocking client stops sending and keeps the server's status."""
+        if self._push_channel is None:
+            self._push_channel = grpc.insecure_channel(self.target, options=self._options)
+        return self._push_channel.stream_unary("/specroll.v1.Rollout/PushWeights", request_serializer=wt.serialize_push,
+                                               response_deserializer=pb2.WeightsReply.FromString)
 
     async def load_weights(self, path: str, version: str, *, role: str = "target", mode: str = "wait") -> PushResult:
         req = pb2.LoadWeightsRequest(role=role, version=version, path=str(path), mode=mode)
