@@ -15,7 +15,17 @@ import pytest
 import torch
 from helpers import make_checkpoint
 from safetensors.torch import save
-from service_utils import ADMIN, auth, checkpoint_tensors, engine_config, perturbed, start_server, write_checkpoint
+from service_utils import (
+    ADMIN,
+    MAX_MODEL_LEN,
+    MAX_NUM_SEQS,
+    auth,
+    checkpoint_tensors,
+    engine_config,
+    perturbed,
+    start_server,
+    write_checkpoint,
+)
 
 from client import AsyncSpecrollClient, Sample, SpecrollClient
 from client import weights as wt
@@ -325,6 +335,39 @@ def test_cancelled_push_changes_nothing(server, client, base, new):
     assert client.server_info().policy_version == "good-2" and probe(client) == before
     client.push_weights(new, "after-cancel", mode="keep")  # the role lock was released
     assert client.server_info().policy_version == "after-cancel"
+
+
+def test_a_push_its_caller_cancels_is_cancelled_on_the_server(server, client, base, new):
+    """A push in `wait` mode is held while a rollout runs; cancelling the task that awaits it must end the RPC on
+    the server (no swap once the rollout finishes; the role lock free for the next push)."""
+    client.push_weights(base, "before-cancel", mode="keep")
+
+    async def cancel_while_held() -> bool:
+        async with AsyncSpecrollClient(server.grpc_target, admin_token=ADMIN) as c:
+            running = asyncio.Event()
+
+            async def rollout() -> None:
+                async for _ in c.stream(PROBE, n=MAX_NUM_SEQS, max_tokens=MAX_MODEL_LEN - len(PROBE),
+                                        temperature=1.0, ignore_eos=True):
+                    running.set()
+
+            task = asyncio.create_task(rollout())
+            await asyncio.wait_for(running.wait(), 60)
+            push = asyncio.create_task(c.push_weights(new, "cancelled-while-held", mode="wait"))
+            await asyncio.sleep(0.2)
+            held = not push.done()
+            push.cancel()
+            await asyncio.gather(push, return_exceptions=True)
+            await task
+            return held
+
+    for _ in range(5):  # the rollout can end before the push is cancelled on a fast machine: then try again
+        if asyncio.run(cancel_while_held()):
+            break
+    else:
+        pytest.skip("the rollout always ended within 0.2 s of the push")
+    assert client.server_info().policy_version == "before-cancel"
+    assert client.push_weights(base, "after-held-cancel", mode="wait").version == "after-held-cancel"
 
 
 # -- uploads and folder loads -------------------------------------------------------------------------
