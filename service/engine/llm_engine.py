@@ -278,7 +278,8 @@ class LLMEngine:
             "assisted": sum(result.assisted), "caught_up": [result.caught_up[0], round(result.caught_up[1], 6)],
             "proposed": {name: sum(1 for row in drafts if row) for name, drafts in self._drafts.items()},
             "shadow": {name: [sum(m for m, _ in rows), sum(o for _, o in rows)] for name, rows in shadow.items()},
-            "acceptance": {d: [round(a, 3) for a in self.strategy.acceptance(d)] for d in self.strategy.drafters},
+            "acceptance": {d: [round(a, 3) for a in self.strategy.acceptance(d, len(result.seqs))]
+                           for d in self.strategy.drafters},
         })
         if not self.trace.active:
             self.trace = None

@@ -29,15 +29,19 @@ What makes it fast to converge is sharing across arms:
   one rate, its 50% matches look like a 50% per-token rate, and deep drafts, which pay most on the tail,
   look worthless. A position never measured takes the rate drawn for the one before it as its prior, so
   the first k measured extrapolates to the rest. Every speculative step of any k feeds them (one step
-  counts for at most `trials_per_step` rows, since a batch's rows are not independent). Counts are
+  counts for at most `trials_per_step` rows, since a batch's rows are not independent). Each batch bucket keeps
+  its own counts as well, shrunk towards the pooled rates (`bucket_trials` pseudo-trials): rows at full batch are
+  early in their responses and the tail's deep in long ones, and in a GRPO run (bench/e2e.py) a suffix table's
+  drafts were accepted at 0.78 at full batch and 0.25 in the tail, a draft model's at 0.83 and 0.6-0.7. Counts are
   discounted every step, so a drafter that has not run for a while becomes uncertain again and gets
   re-tried when it may have recovered. A drafter that proposes on the host (a suffix table) needs no re-try:
   on the steps that do not verify its drafts, they are set against the tokens the rows emitted, which tells
   what it would have had accepted (speculative/shadow.py says why that is its acceptance in distribution).
 - Collapse: when the newest step (or, at small batches where one step holds few trials, the newest few)
-  is far outside the posterior, pooled over positions (a policy push made the drafter stale), the
+  is far outside what its bucket expects, pooled over positions (a policy push made the drafter stale), the
   posterior restarts from those steps, so the strategy leaves a collapsed drafter after one step instead
-  of after a slow decay.
+  of after a slow decay. Not before the bucket has counts of its own: a tail where the drafter is poorer than
+  at full batch is no collapse.
 Three rules keep exploration cheap: a new bucket starts with one plain step until two buckets have had one (a
 plain step is never a costly mistake, and it separates the target's cost from the drafters' in the model;
 after two, the line knows it, and a plain probe in every bucket was a third of the steps of a near-uniform
@@ -118,6 +122,7 @@ class AdaptiveStrategy:
     prior_trials: float = 2.0  # weight of prior_alpha, in trials
     discount: float = 0.995  # per step, on acceptance counts
     trials_per_step: float = 48.0  # one step counts for at most this many trials (rows are not independent)
+    bucket_trials: float = 16.0  # a bucket's acceptance is its counts and the pooled rate worth this many trials
     probe_trials: float = 8.0  # a drafter with fewer trials at its first position is barely known: probed
     cost_spread: float = 0.05  # relative spread of an unmeasured arm's cost draw
     seed: int = 0
@@ -135,7 +140,7 @@ class AdaptiveStrategy:
     def __post_init__(self) -> None:
         self._rng = random.Random(self.seed)
         self.model = StepCostModel(list(self.drafters))
-        self.accept = {d: Acceptance.empty(max(self.ks)) for d in self.drafters}
+        self.accept = {d: Acceptance.empty(max(self.ks), self.bucket_trials) for d in self.drafters}
 
     def depths(self) -> tuple[int, ...]:
         """The draft depths this strategy may run (what the engine captures or compiles verify forwards for)."""
@@ -147,15 +152,18 @@ class AdaptiveStrategy:
     def arms(self) -> list[Strategy]:
         return [PLAIN] + [Strategy(d, k) for d in self.drafters for k in self.ks]
 
-    def acceptance(self, drafter: str) -> list[float]:
-        """Posterior mean acceptance per draft position (conditional on reaching it)."""
-        return self.accept[drafter].rates(self.prior_alpha, self.prior_trials)
+    def acceptance(self, drafter: str, batch_size: int | None = None) -> list[float]:
+        """Posterior mean acceptance per draft position (conditional on reaching it): pooled over batch sizes,
+        or that of `batch_size`'s bucket."""
+        bucket = bucket_of(batch_size) if batch_size else None
+        return self.accept[drafter].rates(self.prior_alpha, self.prior_trials, bucket=bucket)
 
     tokens_per_row = staticmethod(tokens_per_row)
 
-    def expected_tokens(self, s: Strategy, proposals: list[int] | None = None) -> float:
+    def expected_tokens(self, s: Strategy, proposals: list[int] | None = None, batch_size: int | None = None) -> float:
         """Expected tokens per row; `proposals`: each row's proposal length, where the drafter knows it."""
-        return mean_tokens(self.acceptance(s.drafter) if s.k else None, s.k, Counter(proposals) if proposals else None)
+        alpha = self.acceptance(s.drafter, batch_size) if s.k else None
+        return mean_tokens(alpha, s.k, Counter(proposals) if proposals else None)
 
     def verified(self, s: Strategy, proposals: list[int] | None) -> Strategy:
         """The arm the runner runs for s: a verify pass cut to the longest proposal (none: plain), rounded up
@@ -191,7 +199,8 @@ class AdaptiveStrategy:
     def predicted_throughput(self, batch_size: int, s: Strategy, proposals: list[int] | None = None) -> float:
         ran = self.verified(s, proposals)
         tokens = self._tokens(ran, batch_size, Counter(proposals) if proposals else None)
-        return batch_size * self.expected_tokens(ran, proposals) / self.predicted_cost(batch_size, ran, tokens)
+        cost = self.predicted_cost(batch_size, ran, tokens)
+        return batch_size * self.expected_tokens(ran, proposals, batch_size) / cost
 
     def choose(self, batch_size: int, proposals: dict[str, list[int]] | None = None,
                room: list[int] | None = None, catch_up: dict[str, int] | None = None) -> Strategy:
@@ -213,7 +222,8 @@ class AdaptiveStrategy:
             room = None  # binds no arm
         caps = self._caps(proposals, room)
         rows = {d: Counter(n) for d, n in caps.items() if n}  # drafts -> rows
-        alpha = {d: self.accept[d].rates(self.prior_alpha, self.prior_trials, self._rng) for d in self.drafters}
+        alpha = {d: self.accept[d].rates(self.prior_alpha, self.prior_trials, self._rng, bucket_of(batch_size))
+                 for d in self.drafters}
         best, best_value, seen = PLAIN, -1.0, set()
         # (proposal, room) -> rows, per host drafter: what an assisted draft model's rows would verify
         hosts = {d: Counter(zip(n, room or [max(self.ks)] * len(n), strict=True))
@@ -310,4 +320,4 @@ class AdaptiveStrategy:
             hits = [sum(1 for n, _ in rows if n > j) for j in range(depth)]
             trials = [sum(1 for n, m in rows if n >= j and m > j) for j in range(depth)]
             if depth and trials[0]:
-                self.accept[d].observe(hits, trials, self.trials_per_step)
+                self.accept[d].observe(hits, trials, self.trials_per_step, bucket_of(batch_size))

@@ -176,6 +176,28 @@ def test_generalises_across_buckets(cost: CostFn) -> None:
         assert strategy.predicted_cost(16, s) == pytest.approx(cost(16, s.drafter, s.k), rel=0.25)
 
 
+def test_each_bucket_has_its_own_acceptance() -> None:
+    """Rows at full batch are early in their responses, tail rows deep in long ones: in a GRPO run (bench/e2e.py)
+    a suffix table's drafts were accepted at 0.78 at full batch and 0.25 in the tail, a draft model's at 0.83
+    and 0.6-0.7. Here drafter a is right at full batch and wrong in the tail, b middling in both: rollout after
+    rollout, the strategy runs a at full batch and b in the tail. Pooled, the tail's few trials at 0.2 could
+    not move a's rate, or, taken for a collapse, wrote a off at full batch too."""
+    strategy = AdaptiveStrategy(["a", "b"], seed=0)
+    rng = random.Random(0)
+    alpha = {("a", 64): 0.9, ("a", 2): 0.2, ("b", 64): 0.6, ("b", 2): 0.6}
+    picks: dict[int, list[str | None]] = {64: [], 2: []}
+    for _ in range(4):  # a full batch, then its drained tail
+        for batch, steps in ((64, 30), (2, 60)):
+            for _ in range(steps):
+                s = strategy.choose(batch)
+                acc = accepted_counts(batch, s.k, alpha[s.drafter, batch], rng) if s.k else None
+                strategy.record(s, batch, launch_bound_cost(batch, s.drafter, s.k), acc)
+                picks[batch].append(s.drafter)
+    # a: ~1,800 tokens/s at full batch (b ~1,440); b: ~190 in the tail (a ~110). Each phase after its first steps:
+    assert sum(d == "a" for d in picks[64][-30 * 3:]) >= 0.85 * 90, picks[64]
+    assert sum(d == "b" for d in picks[2][-60 * 3:]) >= 0.85 * 180, picks[2]
+
+
 def collapse_run(batch: int, seed: int = 2) -> list[Strategy]:
     """400 steps at one batch size; the drafter's acceptance collapses at step 100 and recovers at 200."""
     strategy = AdaptiveStrategy(["draft"], seed=seed)
@@ -466,19 +488,20 @@ def table_comes_back(shadow: bool) -> list[Strategy]:
 
 
 def test_a_table_written_off_in_the_tail_is_back_as_soon_as_its_drafts_are_right() -> None:
-    """Measured on every step, the table's drafts are verified again from the step after they are right again
-    (alone or assisting the draft model); measured only when it runs, it waits until its tail counts have
-    faded (what we had: a GRPO run's draft model ran ~300 steps at 8,000 tokens/s where the table gave 21,000).
-    """
+    """Measured on every step, the table's drafts are verified again from the second step after they are right
+    again (alone or assisting the draft model: the new bucket's first step is its plain probe, and its one
+    step of shadow rows weighs as much as the pooled rate); measured only when it runs, it waits until its tail
+    counts have faded (what we had: a GRPO run's draft model ran ~300 steps at 8,000 tokens/s where the table
+    gave 21,000)."""
 
     def table(arms: list[Strategy]) -> list[bool]:  # steps that verify the table's drafts (alone or assisting)
         return [s.drafter == "suffix" or s.assist is not None for s in arms]
 
     fed = table_comes_back(shadow=True)
-    assert all(table(fed[1:])), [s.name for s in fed]
+    assert all(table(fed[2:])), [s.name for s in fed]
     assert sum(s.drafter == "suffix" and s.k >= 6 for s in fed[-40:]) >= 35, [s.name for s in fed]
     starved = table_comes_back(shadow=False)
-    assert sum(table(starved[:20])) < 5, [s.name for s in starved]
+    assert sum(table(starved[:10])) < 3, [s.name for s in starved]
 
 
 def test_shadow_trials_count_the_drafts_that_match_what_a_row_emitted() -> None:
