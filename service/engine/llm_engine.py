@@ -252,8 +252,8 @@ class LLMEngine:
         for name, drafts in self._drafts.items():
             if len(drafts) != len(emitted) or name == strategy.drafter:
                 continue  # its drafts ran (or the batch changed since the choice)
-            assisted = strategy.assist is not None and strategy.assist[0] == name and result.assisted
-            verified = result.assisted if assisted else [False] * len(emitted)
+            assisted_by = strategy.assist is not None and strategy.assist[0] == name  # its drafts ran on some rows
+            verified = result.assisted if assisted_by and result.assisted else [False] * len(emitted)
             out[name] = shadow_trials(drafts, emitted, verified)
         return out
 
