@@ -110,11 +110,13 @@ def workload(shape: str, n_prompts: int, per_prompt: int, median: int, sigma: fl
 
 
 def run(target: Path, drafter: str, spec: str, k: int, prompts, lengths, per_prompt: int, max_len: int,
-        threads: int, stale_draft: Path | None = None, device: str = "cpu", eager: bool = False) -> dict:
-    """One rollout; with `stale_draft`, the draft model is replaced by it once half the tokens are out."""
+        threads: int, stale_draft: Path | None = None, device: str = "cpu", eager: bool = False,
+        trace_path: Path | None = None) -> dict:
+    """One rollout; with `stale_draft`, the draft model is replaced by it once half the tokens are out. With
+    `trace_path`, the engine writes its strategy trace there (service/engine/trace.py)."""
     engine = LLMEngine(EngineConfig(model=str(target), drafter=drafter, spec=spec, spec_k=k, max_model_len=max_len,
                                     max_num_seqs=len(lengths), num_threads=threads, seed=0, device=device,
-                                    enforce_eager=eager))
+                                    enforce_eager=eager, strategy_trace=str(trace_path) if trace_path else None))
     warm = SamplingParams(temperature=1.0, max_tokens=8, seed=1, ignore_eos=True)
     engine.generate([prompts[0]] * 4, warm)  # warm-up, also primes the strategy's plain-cost estimates
     for i, n in enumerate(lengths):
@@ -193,6 +195,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--threads", type=int, default=None)
     ap.add_argument("--device", default="cpu", help="cpu or cuda[:N]")
     ap.add_argument("--enforce-eager", action="store_true", help="no CUDA graphs (GPU), no torch.compile (CPU)")
+    ap.add_argument("--strategy-trace", type=Path, default=None, metavar="DIR",
+                    help="write each adaptive run's strategy trace to DIR/trace_<workload>_<round>.jsonl")
     ap.add_argument("--quick", action="store_true", help="small sizes for a smoke run")
     ap.add_argument("--seed", type=int, default=0)
     args = ap.parse_args(argv)
@@ -231,8 +235,12 @@ def main(argv: list[str] | None = None) -> int:
             # Repeats go round the configs, so a drift in the machine's speed hits every config alike.
             rounds = [c for _ in range(args.repeats) for c in configs]
             for name, drafter, spec, k in tqdm(rounds, desc=shape, file=sys.stderr):
+                trace = None
+                if args.strategy_trace and spec == "adaptive":
+                    args.strategy_trace.mkdir(parents=True, exist_ok=True)
+                    trace = args.strategy_trace / f"trace_{shape}_{len(runs[name])}.jsonl"
                 r = run(target, drafter, spec, k, prompts, lengths, args.per_prompt, 40 + max(lengths), args.threads,
-                        stale if shape == "collapse" else None, args.device, args.enforce_eager)
+                        stale if shape == "collapse" else None, args.device, args.enforce_eager, trace)
                 runs[name].append(r)
                 logger.warning("%s %s: %s", shape, name, {k: v for k, v in r.items() if k != "trace"})
             results = {name: median_run(rs) for name, rs in runs.items()}

@@ -4,6 +4,7 @@ summary's ratios follow from the reported seconds, and the per-workload PNG is w
 from __future__ import annotations
 
 import json
+from collections import Counter
 
 import pytest
 
@@ -12,7 +13,8 @@ from bench import spec_decode
 
 def test_quick_run_reports_median_runs_ratios_and_a_plot(tmp_path, capsys) -> None:
     code = spec_decode.main(["--quick", "--workloads", "long_tail", "--configs", "off,k=2,adaptive",
-                             "--repeats", "2", "--plot-dir", str(tmp_path), "--threads", "1"])
+                             "--repeats", "2", "--plot-dir", str(tmp_path), "--threads", "1",
+                             "--strategy-trace", str(tmp_path / "traces")])
     assert code == 0
     summary = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
     w = summary["workloads"]["long_tail"]
@@ -35,6 +37,12 @@ def test_quick_run_reports_median_runs_ratios_and_a_plot(tmp_path, capsys) -> No
         results["k=2"]["seconds"] / w["bucket_oracle_seconds"], rel=0.01)  # the JSON rounds the seconds
     assert (tmp_path / "spec_decode_long_tail.png").stat().st_size > 0
     assert "start" in summary["loadavg"] and summary["threads"] == 1
+    # One strategy trace per adaptive run; the median run's decode steps are the last lines of one of them.
+    traces = sorted((tmp_path / "traces").iterdir())
+    assert [t.name for t in traces] == ["trace_long_tail_0.jsonl", "trace_long_tail_1.jsonl"]
+    want = Counter(results["adaptive"]["strategies"])
+    tails = [[json.loads(line)["arm"] for line in t.read_text().splitlines()][-want.total():] for t in traces]
+    assert want in [Counter(tail) for tail in tails]
 
 
 def test_an_empty_plot_dir_writes_no_plot(tmp_path, monkeypatch, capsys) -> None:

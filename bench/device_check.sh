@@ -1,0 +1,34 @@
+#!/usr/bin/env bash
+# A GPU loan's checks in one call (see bench/README.md): the `cuda` tests, then the GPU benches.
+#   bash bench/device_check.sh OUT_DIR [tests|spec|graphs ...]   (default: all three, in that order)
+# Writes cuda_tests.log, spec_decode_cuda.json with its four PNGs, cuda_graphs.json and bench.log
+# (the benches' stderr) into OUT_DIR. Each stage has its own time limit, so one that hangs leaves the others
+# their time and what it wrote comes back.
+set -uo pipefail
+out=${1:?usage: device_check.sh OUT_DIR [tests|spec|graphs ...]}
+shift
+stages=("${@:-tests spec graphs}")
+read -r -a stages <<<"${stages[*]}"
+export PYTHONUNBUFFERED=1 PYTHONDONTWRITEBYTECODE=1
+mkdir -p "$out"
+nvidia-smi -L
+python3 -c 'import torch; print("torch", torch.__version__, torch.cuda.get_device_name())'
+status=0
+for stage in "${stages[@]}"; do
+  start=$(date +%s)
+  case $stage in
+    tests)
+      timeout 210 python3 -m pytest -q -p no:cacheprovider -m cuda --timeout 150 tests/engine 2>&1 \
+        | tee "$out/cuda_tests.log" ;;
+    spec)
+      timeout 240 python3 -m bench.spec_decode --device cuda --plot-dir "$out" \
+        >"$out/spec_decode_cuda.json" 2>>"$out/bench.log" ;;
+    graphs)
+      timeout 120 python3 -m bench.cuda_graphs >"$out/cuda_graphs.json" 2>>"$out/bench.log" ;;
+    *) echo "unknown stage $stage" >&2; exit 2 ;;
+  esac
+  rc=$?
+  echo "stage $stage: rc $rc in $(( $(date +%s) - start )) s"
+  [ "$rc" -eq 0 ] || status=1
+done
+exit $status
