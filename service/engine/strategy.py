@@ -89,7 +89,7 @@ from service.engine.speculative.catch_up import CatchUps
 from service.engine.speculative.cost_model import StepCostModel
 from service.engine.speculative.estimates import Acceptance, Measured
 from service.engine.speculative.passes import cut_depth, verify_tokens
-from service.engine.speculative.tokens import assisted_tokens, mean_tokens, tokens_per_row
+from service.engine.speculative.tokens import assisted_from, by_drafts, mean_from, mean_tokens, tokens_per_row
 
 
 @dataclass(frozen=True, slots=True)
@@ -224,6 +224,7 @@ class AdaptiveStrategy:
         rows = {d: Counter(n) for d, n in caps.items() if n}  # drafts -> rows
         alpha = {d: self.accept[d].rates(self.prior_alpha, self.prior_trials, self._rng, bucket_of(batch_size))
                  for d in self.drafters}
+        tables = {d: by_drafts(a, max(self.ks)) for d, a in alpha.items()}  # expected tokens by drafts per row
         best, best_value, seen = PLAIN, -1.0, set()
         # (proposal, room) -> rows, per host drafter: what an assisted draft model's rows would verify
         hosts = {d: Counter(zip(n, room or [max(self.ks)] * len(n), strict=True))
@@ -239,10 +240,10 @@ class AdaptiveStrategy:
             noise = math.exp(self._rng.gauss(0.0, self.cost_spread / math.sqrt(1 + n)))
             width = self._tokens(s, batch_size, rows.get(s.drafter)) if s.k else 0
             cost = self.model.predict(s.drafter, s.k, batch_size, width) * corr * noise
-            tokens = mean_tokens(alpha.get(s.drafter), s.k, rows.get(s.drafter))
+            tokens = mean_from(tables[s.drafter], s.k, rows.get(s.drafter)) if s.k else 1.0
             if s.k and s.drafter not in proposals:  # a draft model: assisted by a host drafter where it pays
                 for host, pairs in hosts.items():
-                    more, n = assisted_tokens(alpha[s.drafter], s.k, alpha[host], pairs)
+                    more, n = assisted_from(tables[s.drafter], s.k, tables[host], pairs)
                     if n is not None and more > tokens:
                         tokens, s = more, replace(s, assist=(host, n))
             if s.k and catch_up and catch_up.get(s.drafter):

@@ -512,3 +512,18 @@ def test_shadow_trials_count_the_drafts_that_match_what_a_row_emitted() -> None:
     verified = [False, False, False, True, False]
     # Row 0: both observed drafts match; row 1: the second does not; row 2 had none; row 3 ran; row 4 missed.
     assert shadow_trials(drafts, emitted, verified) == [(2, 2), (1, 3), (0, 1)]
+
+
+def test_token_tables_give_what_the_per_call_sums_give() -> None:
+    """The strategy reads expected tokens off one table per drafter (as long as the deepest k) for every arm."""
+    from service.engine.speculative.tokens import assisted_from, by_drafts, mean_from, mean_tokens
+
+    own, host = [0.9, 0.7, 0.6, 0.5], [0.95, 0.9, 0.9, 0.85, 0.8, 0.8, 0.7, 0.6]
+    rows = Counter({0: 3, 2: 5, 8: 1})
+    pairs = Counter({(8, 8): 2, (1, 8): 1, (0, 3): 4, (5, 2): 1})
+    for k in (1, 2, 3, 4, 6, 8):
+        assert mean_from(by_drafts(own, 8), k, rows) == pytest.approx(mean_tokens(own, k, rows))
+        assert mean_from(by_drafts(own, 8), k, None) == pytest.approx(tokens_per_row(own, k))
+        assert assisted_from(by_drafts(own, 8), k, by_drafts(host, 8), pairs) == pytest.approx(
+            assisted_tokens(own, k, host, pairs))
+    assert by_drafts(0.5, 3) == pytest.approx([1.0, 1.5, 1.75, 1.875])

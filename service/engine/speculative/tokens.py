@@ -13,21 +13,32 @@ from collections import Counter
 def tokens_per_row(alpha: float | list[float], k: int) -> float:
     """Expected tokens a row emits with k drafts, from one rate for every position (geometric) or one per
     position (past the positions given, the deepest one's rate)."""
-    total = reach = 1.0
+    return by_drafts(alpha, k)[k]
+
+
+def by_drafts(alpha: float | list[float], k: int) -> list[float]:
+    """Expected tokens a row emits with 0, 1, ..., k drafts (`tokens_per_row` for each, in one pass)."""
+    out = [1.0]
+    reach = 1.0
     for j in range(k):
         reach *= min(max(alpha if isinstance(alpha, float) else alpha[min(j, len(alpha) - 1)], 0.0), 1.0)
-        total += reach
-    return total
+        out.append(out[-1] + reach)
+    return out
 
 
 def mean_tokens(alpha: list[float] | None, k: int, rows: Counter[int] | None) -> float:
     """Expected tokens per row with k drafts; `rows`: how many rows have each proposal length (a row gets at most
     its proposal's drafts), or None when every row gets k."""
+    return mean_from(by_drafts(alpha, k) if k else [1.0], k, rows)
+
+
+def mean_from(table: list[float], k: int, rows: Counter[int] | None) -> float:
+    """`mean_tokens` from the drafter's `by_drafts` table (k or longer)."""
     if not k:
         return 1.0
     if rows is None:
-        return tokens_per_row(alpha, k)
-    return sum(c * tokens_per_row(alpha, min(k, n)) for n, c in rows.items()) / sum(rows.values())
+        return table[k]
+    return sum(c * table[min(k, n)] for n, c in rows.items()) / sum(rows.values())
 
 
 def assisted_tokens(alpha: list[float], k: int, host_alpha: list[float],
@@ -37,10 +48,14 @@ def assisted_tokens(alpha: list[float], k: int, host_alpha: list[float],
     grow with the proposal's length). `host_rows` counts the rows per (host proposal length, room), the room
     being the most drafts a row can still emit. Returns the expected tokens per row and that `n` (None: no row
     gains)."""
-    own = tokens_per_row(alpha, k)
-    n = next((n for n in range(1, k + 1) if tokens_per_row(host_alpha, n) > own), None)
+    return assisted_from(by_drafts(alpha, k), k, by_drafts(host_alpha, k), host_rows)
+
+
+def assisted_from(own: list[float], k: int, host: list[float],
+                  host_rows: Counter[tuple[int, int]]) -> tuple[float, int | None]:
+    """`assisted_tokens` from the two drafters' `by_drafts` tables (k or longer)."""
+    n = next((n for n in range(1, k + 1) if host[n] > own[k]), None)
     if n is None:
-        return own, None
-    total = sum(c * (tokens_per_row(host_alpha, min(k, m, r)) if m >= n else tokens_per_row(alpha, min(k, r)))
-                for (m, r), c in host_rows.items())
+        return own[k], None
+    total = sum(c * (host[min(k, m, r)] if m >= n else own[min(k, r)]) for (m, r), c in host_rows.items())
     return total / sum(host_rows.values()), n
