@@ -7,8 +7,8 @@
 set -uo pipefail
 out=${1:?usage: device_check.sh OUT_DIR [tests|spec|graphs ...]}
 shift
-stages=("${@:-tests spec graphs}")
-read -r -a stages <<<"${stages[*]}"
+stages=("$@")
+[ ${#stages[@]} -gt 0 ] || stages=(tests spec graphs)
 export PYTHONUNBUFFERED=1 PYTHONDONTWRITEBYTECODE=1
 mkdir -p "$out"
 nvidia-smi -L
