@@ -7,7 +7,7 @@ generates `--new-tokens` sampled tokens (temperature 1, fixed seeds, end-of-sequ
 tokens/s = generated tokens / wall seconds of one `generate` call (prefill included), best of `--repeats`
 after a warm-up that also captures the graphs. Needs CUDA.
 
-    python -m bench.cuda_graphs [--model DIR] [--dtype bfloat16] [--batches 1,16,64] > docs/cuda_graphs.json
+    python -m bench.cuda_graphs [--model DIR] [--batches 1,16,64] [--out FILE] > docs/cuda_graphs.json
 
 stdout: one JSON line with tokens/s per (mode, batch) and the graphs/eager ratios.
 """
@@ -20,6 +20,7 @@ import logging
 import os
 import sys
 import time
+from pathlib import Path
 
 import torch
 from tqdm import tqdm
@@ -67,6 +68,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--modes", default=",".join(MODES))
     ap.add_argument("--new-tokens", type=int, default=128)
     ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--out", type=Path, default=None,
+                    help="also write the JSON here, rewritten after every (mode, batch) with `complete` false until "
+                         "the end, so a run stopped at a time limit keeps what it measured")
     args = ap.parse_args(argv)
     logging.basicConfig(level=logging.WARNING, stream=sys.stderr)
     if not torch.cuda.is_available():
@@ -90,7 +94,12 @@ def main(argv: list[str] | None = None) -> int:
             out["tokens_per_s"][f"{mode}_b{batch}"] = row
             out["graphs_over_eager"][f"{mode}_b{batch}"] = round(row["graphs"] / row["eager"], 2)
             logger.warning("%s batch %d: %s", mode, batch, row)
+            if args.out:
+                args.out.write_text(json.dumps(out | {"complete": False}) + "\n")
     out["loadavg_end"] = os.getloadavg()[0]
+    out["complete"] = True
+    if args.out:
+        args.out.write_text(json.dumps(out) + "\n")
     sys.stdout.write(json.dumps(out) + "\n")
     return 0
 
