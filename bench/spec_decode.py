@@ -211,6 +211,8 @@ def main(argv: list[str] | None = None) -> int:
     unknown = set(shapes) - set(WORKLOADS)
     if unknown:
         raise SystemExit(f"unknown workloads {sorted(unknown)}; choose from {WORKLOADS}")
+    if args.strategy_trace:
+        args.strategy_trace.mkdir(parents=True, exist_ok=True)
     load_start = os.getloadavg()
     summary: dict = {
         "bench": "spec_decode", "threads": args.threads or torch.get_num_threads(), "device": args.device,
@@ -237,7 +239,6 @@ def main(argv: list[str] | None = None) -> int:
             for name, drafter, spec, k in tqdm(rounds, desc=shape, file=sys.stderr):
                 trace = None
                 if args.strategy_trace and spec == "adaptive":
-                    args.strategy_trace.mkdir(parents=True, exist_ok=True)
                     trace = args.strategy_trace / f"trace_{shape}_{len(runs[name])}.jsonl"
                 r = run(target, drafter, spec, k, prompts, lengths, args.per_prompt, 40 + max(lengths), args.threads,
                         stale if shape == "collapse" else None, args.device, args.enforce_eager, trace)

@@ -10,7 +10,14 @@ from collections.abc import Callable
 import pytest
 
 from service.engine.speculative.estimates import Ratio
-from service.engine.speculative.tokens import assisted_tokens, tokens_per_row
+from service.engine.speculative.tokens import (
+    assisted_from,
+    assisted_tokens,
+    by_drafts,
+    mean_from,
+    mean_tokens,
+    tokens_per_row,
+)
 from service.engine.strategy import PLAIN, AdaptiveStrategy, Strategy, bucket_of
 
 CostFn = Callable[[int, str | None, int], float]
@@ -516,8 +523,6 @@ def test_shadow_trials_count_the_drafts_that_match_what_a_row_emitted() -> None:
 
 def test_token_tables_give_what_the_per_call_sums_give() -> None:
     """The strategy reads expected tokens off one table per drafter (as long as the deepest k) for every arm."""
-    from service.engine.speculative.tokens import assisted_from, by_drafts, mean_from, mean_tokens
-
     own, host = [0.9, 0.7, 0.6, 0.5], [0.95, 0.9, 0.9, 0.85, 0.8, 0.8, 0.7, 0.6]
     rows = Counter({0: 3, 2: 5, 8: 1})
     pairs = Counter({(8, 8): 2, (1, 8): 1, (0, 3): 4, (5, 2): 1})
