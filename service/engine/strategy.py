@@ -15,10 +15,10 @@ What makes it fast to converge is sharing across arms:
 - Cost: one online least-squares model of step cost for all arms and batch sizes (`StepCostModel`: target a +
   b*B, k * (u + v*B) for a verify pass k positions wider, shared by every drafter, plus k * (u_d + v_d*B) for
   the drafter's own work). Two measured arms of a drafter in any buckets predict all its ks in every bucket,
-  and one drafter's steps price the verify passes of the others. Per (bucket, arm), a correction factor
-  (the arm's recent seconds there over what the line predicts now for their batch sizes, shrunk towards 1 by
-  the number of measurements) absorbs what a line misses; the cost draw's spread shrinks with those
-  measurements. Costs are what the engine measured, including the work between two steps.
+  and one drafter's steps price the verify passes of the others. Per (bucket, arm), a correction absorbs what
+  a line misses; the cost draw's spread shrinks with the arm's measurements there, and one stalled step does not
+  shut an arm out (speculative/arm_costs.py). Costs are what the engine measured, including the work between two
+  steps.
 - Catch-up: a draft model that did not run the last steps first feeds itself the tokens it missed. That is
   learned apart from the arm's cost, as seconds per token, and charged to the arms that would pay it, spread over
   the steps the switch is expected to last (speculative/catch_up.py says how and why).
@@ -85,9 +85,10 @@ import random
 from collections import Counter
 from dataclasses import dataclass, field, replace
 
+from service.engine.speculative.arm_costs import Arm, ArmCosts
 from service.engine.speculative.catch_up import CatchUps
 from service.engine.speculative.cost_model import StepCostModel
-from service.engine.speculative.estimates import Acceptance, Measured
+from service.engine.speculative.estimates import Acceptance
 from service.engine.speculative.passes import cut_depth, verify_tokens
 from service.engine.speculative.tokens import assisted_from, by_drafts, mean_from, mean_tokens, tokens_per_row
 
@@ -114,6 +115,10 @@ def bucket_of(batch_size: int) -> int:
     return 1 << max(batch_size - 1, 0).bit_length()
 
 
+def arm_of(batch_size: int, s: Strategy) -> Arm:
+    return bucket_of(batch_size), s.drafter if s.k else None, s.k
+
+
 @dataclass(slots=True)
 class AdaptiveStrategy:
     drafters: list[str]
@@ -129,9 +134,8 @@ class AdaptiveStrategy:
     fixed: Strategy | None = None  # set to pin one strategy (k = 0 pins plain decoding)
     rounds_to_ks: bool = False  # the runner verifies a cut pass at the next depth in `ks` (CUDA graphs)
     pack_min_saved: int | None = None  # the runner packs verify passes (see `packs`); None: never
-    model: StepCostModel = field(init=False)
+    costs: ArmCosts = field(init=False)  # the cost line and each (bucket, arm)'s correction to it
     accept: dict[str, Acceptance] = field(init=False)
-    measured: dict[tuple[int, Strategy], Measured] = field(default_factory=dict)  # per (bucket, arm)
     catch_ups: CatchUps = field(default_factory=CatchUps)  # what a switch to a draft model costs before it drafts
     _plain_buckets: set[int] = field(default_factory=set)
     _deepest: dict[str, int] = field(default_factory=dict)  # deepest k measured, per drafter
@@ -139,7 +143,7 @@ class AdaptiveStrategy:
 
     def __post_init__(self) -> None:
         self._rng = random.Random(self.seed)
-        self.model = StepCostModel(list(self.drafters))
+        self.costs = ArmCosts(StepCostModel(list(self.drafters)), self.cost_spread)
         self.accept = {d: Acceptance.empty(max(self.ks), self.bucket_trials) for d in self.drafters}
 
     def depths(self) -> tuple[int, ...]:
@@ -175,20 +179,9 @@ class AdaptiveStrategy:
             return PLAIN
         return Strategy(s.drafter, cut_depth(longest, s.k, self.ks if self.rounds_to_ks else None))
 
-    def _correction(self, batch_size: int, s: Strategy) -> tuple[float, int]:
-        """What the line misses for this arm in this bucket (measured / predicted, shrunk towards 1 by the
-        number of measurements), and that number. Against the line as it is now: a ratio taken when a step
-        was recorded would keep the error of the line of that time (while still its prior, it made the first
-        draft k = 2 step look 74% dearer than the line learnt a step later, and k = 2 was never run again)."""
-        m = self.measured.get((bucket_of(batch_size), s))
-        if m is None or m.seconds.value is None:
-            return 1.0, 0
-        ratio = m.seconds.value / self.model.predict(s.drafter, s.k, round(m.batch.value), round(m.tokens.value))
-        return 1.0 + (ratio - 1.0) * m.seconds.n / (m.seconds.n + 2), m.seconds.n
-
     def predicted_cost(self, batch_size: int, s: Strategy, tokens: int | None = None) -> float:
         """Seconds of a step of arm s; `tokens`: the draft positions it verifies (default batch_size * k)."""
-        return self.model.predict(s.drafter, s.k, batch_size, tokens) * self._correction(batch_size, s)[0]
+        return self.costs.predict(arm_of(batch_size, s), batch_size, tokens)
 
     def _tokens(self, s: Strategy, batch_size: int, rows: Counter[int] | None) -> int:
         """The draft positions arm s verifies, given its drafter's proposal length -> rows, where known."""
@@ -236,10 +229,8 @@ class AdaptiveStrategy:
             seen.add(s)
             if s.k > 2 * self._deepest.get(s.drafter, self.ks[0]):
                 continue  # deeper than twice the deepest measured k: its cost is an extrapolation
-            corr, n = self._correction(batch_size, s)
-            noise = math.exp(self._rng.gauss(0.0, self.cost_spread / math.sqrt(1 + n)))
             width = self._tokens(s, batch_size, rows.get(s.drafter)) if s.k else 0
-            cost = self.model.predict(s.drafter, s.k, batch_size, width) * corr * noise
+            cost = self.costs.draw(arm_of(batch_size, s), batch_size, width, self._rng)
             tokens = mean_from(tables[s.drafter], s.k, rows.get(s.drafter)) if s.k else 1.0
             if s.k and s.drafter not in proposals:  # a draft model: assisted by a host drafter where it pays
                 for host, pairs in hosts.items():
@@ -293,9 +284,7 @@ class AdaptiveStrategy:
             if ran.k and num_drafted:
                 drafted = sum(min(n, ran.k) for n in num_drafted)
                 width = verify_tokens(drafted, batch_size, ran.k, self.pack_min_saved)
-            self.measured.setdefault((bucket_of(batch_size), ran), Measured()).update(
-                batch_size, seconds - catch_seconds, width)
-            self.model.record(ran.drafter if ran.k else None, ran.k, batch_size, seconds - catch_seconds, width)
+            self.costs.record(arm_of(batch_size, ran), batch_size, seconds - catch_seconds, width)
         if drafter is not None:
             ran_with = [drafter] + ([s.assist[0]] if s.assist and assisted and any(assisted) else [])
             for d in ran_with:  # an assisting host's drafts were verified at k too

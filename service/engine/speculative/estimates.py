@@ -1,5 +1,5 @@
-"""What the adaptive strategy measures, per drafter and per arm: discounted acceptance posteriors per draft
-position, and exponentially weighted step costs. Torch-free."""
+"""What the adaptive strategy measures per drafter: discounted acceptance posteriors per draft position (arms'
+step costs: arm_costs.py). Torch-free."""
 
 from __future__ import annotations
 
@@ -34,21 +34,6 @@ class Ratio:
     @property
     def value(self) -> float | None:
         return self.num.value / self.den.value if self.den.value else None
-
-
-@dataclass(slots=True)
-class Measured:
-    """Recent steps of one arm in one bucket: their mean batch size, seconds and draft positions verified
-    (exponentially weighted)."""
-
-    batch: Ewma = field(default_factory=Ewma)
-    seconds: Ewma = field(default_factory=Ewma)
-    tokens: Ewma = field(default_factory=Ewma)  # draft positions verified
-
-    def update(self, batch_size: int, seconds: float, tokens: int) -> None:
-        self.batch.update(batch_size, 0.3)
-        self.seconds.update(seconds, 0.3)
-        self.tokens.update(tokens, 0.3)
 
 
 @dataclass(slots=True)

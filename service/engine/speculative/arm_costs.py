@@ -1,0 +1,89 @@
+"""What an arm's step costs in a batch bucket, as the adaptive strategy draws it. Torch-free.
+
+One line for all arms and buckets (`StepCostModel`) and, per (bucket, arm), a correction: the arm's recent
+seconds there over what the line predicts now for their batch sizes and widths, shrunk towards 1 by the number
+of measurements (`correction`). Against the line as it is now: a ratio taken when a step was recorded keeps the
+error of the line of that time (while still its prior, it made the first draft k = 2 step look 74% dearer than
+the line learnt a step later, and k = 2 was never run again).
+
+Stalls. A step is slowed by whatever else runs on the machine, never sped up. Priced at one measurement that
+was a stall, the best arm of a bucket was never run there again (scripted: a 6x stall on the first k = 4 step,
+k = 4 best by ~10%, ran 0 of the last 100 steps against ~100 without it; tests/speculative/test_strategy.py).
+So:
+- an arm measured once at over `STALL` times the line draws its correction anywhere between 1 and that price
+  (as likely stalled as dear), at the quantile of the same draw that sets its noise: one draw, one optimism, and
+  no extra random numbers, so the strategy's other draws are unchanged;
+- a step under 1 / `STALL` of the arm's mean before (per row) says that mean was a stall: it is forgotten.
+"""
+
+from __future__ import annotations
+
+import math
+import random
+from dataclasses import dataclass, field
+
+from service.engine.speculative.cost_model import StepCostModel
+from service.engine.speculative.estimates import Ewma
+
+STALL = 2.0  # one step this many times the line may be a stall; one this many times cheaper per row than the
+# arm's mean before says that mean was one
+Arm = tuple[int, str | None, int]  # (bucket, drafter, k)
+
+
+@dataclass(slots=True)
+class Measured:
+    """Recent steps of one arm in one bucket: their mean batch size, seconds and draft positions verified
+    (exponentially weighted)."""
+
+    batch: Ewma = field(default_factory=Ewma)
+    seconds: Ewma = field(default_factory=Ewma)
+    tokens: Ewma = field(default_factory=Ewma)  # draft positions verified
+
+    def update(self, batch_size: int, seconds: float, tokens: int) -> None:
+        self.batch.update(batch_size, 0.3)
+        self.seconds.update(seconds, 0.3)
+        self.tokens.update(tokens, 0.3)
+
+
+@dataclass(slots=True)
+class ArmCosts:
+    model: StepCostModel
+    spread: float = 0.05  # relative spread of an unmeasured arm's cost draw; shrinks with measurements
+    measured: dict[Arm, Measured] = field(default_factory=dict)
+
+    def _ratio(self, arm: Arm) -> tuple[float, int]:
+        """The arm's recent seconds over what the line predicts now for them, and its measurements."""
+        m = self.measured.get(arm)
+        if m is None or m.seconds.value is None:
+            return 1.0, 0
+        _, drafter, k = arm
+        predicted = self.model.predict(drafter, k, round(m.batch.value), round(m.tokens.value))
+        return m.seconds.value / predicted, m.seconds.n
+
+    def correction(self, arm: Arm) -> tuple[float, int]:
+        """What the line misses for this arm (measured / predicted, shrunk towards 1), and its measurements."""
+        ratio, n = self._ratio(arm)
+        return 1.0 + (ratio - 1.0) * n / (n + 2), n
+
+    def predict(self, arm: Arm, batch_size: int, tokens: int | None = None) -> float:
+        """Seconds of a step; `tokens`: the draft positions it verifies (default batch_size * k)."""
+        _, drafter, k = arm
+        return self.model.predict(drafter, k, batch_size, tokens) * self.correction(arm)[0]
+
+    def draw(self, arm: Arm, batch_size: int, tokens: int, rng: random.Random) -> float:
+        """A draw of a step's seconds from what is known of the arm (the module docstring says how)."""
+        ratio, n = self._ratio(arm)
+        corr = 1.0 + (ratio - 1.0) * n / (n + 2)
+        z = rng.gauss(0.0, 1.0)
+        if n == 1 and ratio > STALL:
+            corr **= 0.5 * math.erfc(-z / math.sqrt(2))  # the draw's quantile
+        _, drafter, k = arm
+        return self.model.predict(drafter, k, batch_size, tokens) * corr * math.exp(z * self.spread / math.sqrt(1 + n))
+
+    def record(self, arm: Arm, batch_size: int, seconds: float, tokens: int) -> None:
+        m = self.measured.get(arm)
+        if m is not None and m.seconds.value > STALL * seconds * m.batch.value / batch_size:
+            del self.measured[arm]  # what it measured before was a stall
+        self.measured.setdefault(arm, Measured()).update(batch_size, seconds, tokens)
+        _, drafter, k = arm
+        self.model.record(drafter, k, batch_size, seconds, tokens)
