@@ -29,8 +29,8 @@ from pathlib import Path
 import torch
 from torch.profiler import ProfilerActivity, profile
 
+from service.engine.cached_model import CachedModel
 from service.engine.kv_cache import KVCache
-from service.engine.runner import CachedModel
 from service.models import attention, packed
 from service.models.llama import CausalLM
 from service.models.loader import load_model

@@ -44,7 +44,7 @@ from typing import TYPE_CHECKING
 import torch
 
 if TYPE_CHECKING:
-    from service.engine.runner import CachedModel
+    from service.engine.cached_model import CachedModel
 
 logger = logging.getLogger(__name__)
 

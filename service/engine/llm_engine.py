@@ -14,7 +14,7 @@ from torch import nn
 from tqdm import tqdm
 
 from service.backend.base import StatsSnapshot
-from service.config import ConfigError, EngineConfig, ModelConfig
+from service.config import EngineConfig, ModelConfig
 from service.engine.drafters import build_drafters, expand_auto
 from service.engine.drafters.base import Drafter
 from service.engine.drafters.draft_model import DraftModelDrafter
@@ -24,10 +24,9 @@ from service.engine.runner import ModelRunner, StepResult, TokenResult
 from service.engine.scheduler import Scheduler, SchedulerOutput
 from service.engine.sequence import Request, RequestOutput, Sequence, StepOutput, completion_of
 from service.engine.speculative.estimates import Ewma
-from service.engine.speculative.shadow import shadow_trials
 from service.engine.stats import EngineStats, StepRecord
 from service.engine.strategy import PLAIN, AdaptiveStrategy, Strategy
-from service.engine.trace import StepTrace
+from service.engine.strategy_driver import StrategyDriver, open_trace
 from service.models.llama import CausalLM
 from service.models.loader import load_model
 from service.params import SamplingError, SamplingParams, sample_seed
@@ -72,8 +71,7 @@ class LLMEngine:
                                                            num_slots, config.seed)
         self._last_step_end: float | None = None
         self._between_steps = Ewma()
-        self._drafts: dict[str, list[list[int]]] = {}  # what each host drafter had for the step's rows
-        self.trace = self._open_trace(config.strategy_trace)
+        trace = open_trace(config.strategy_trace)
         self.runner.drafters = list(self.drafters.values())
         fixed = None
         if config.spec == "off" or not self.drafters:
@@ -83,6 +81,7 @@ class LLMEngine:
         self.strategy = AdaptiveStrategy(list(self.drafters), fixed=fixed, seed=config.seed,
                                          rounds_to_ks=self.runner.target.graphs is not None,
                                          pack_min_saved=self.runner.target.pack_min_saved)
+        self.driver = StrategyDriver(self.strategy, self.drafters, trace)
         may_run = set(self.drafters) if fixed is None else {fixed.drafter} if fixed.k else set()
         self.runner.prefill_drafters = [d for name, d in self.drafters.items() if name in may_run]
         t0 = time.perf_counter()  # CUDA graphs (GPU) or compiled forwards (CPU) before the first step
@@ -201,24 +200,12 @@ class LLMEngine:
         if batch.kind == "decode":
             if self.strategy.depths():  # each row's most drafts it can still emit: its tokens left, less one
                 room = [max(s.tokens_left(self.config.max_model_len) - 1, 0) for s in batch.seqs]
-            strategy = self._choose(batch.seqs, room)
+            strategy = self.driver.choose(batch.seqs, room)
         host = self.drafters.get(strategy.assist[0]) if strategy.assist else None
         result = self.runner.execute(batch, strategy, self.drafters.get(strategy.drafter), host, room)
         outputs += self._postprocess(result)
         self._record(batch, strategy, result, time.perf_counter() - start)
         return outputs
-
-    def _choose(self, seqs: list[Sequence], room: list[int] | None) -> Strategy:
-        """The strategy's pick, told beforehand what drafters that propose on the host have for each row, each
-        row's room and how many tokens each drafter would catch up on."""
-        self._drafts = {}
-        if self.strategy.fixed is not None or not self.strategy.drafters or self.strategy.probes_plain(len(seqs)):
-            return self.strategy.choose(len(seqs))  # no proposals needed: nothing to ask the drafters
-        depth = max(self.strategy.depths())
-        self._drafts = {name: n for name, d in self.drafters.items() if (n := d.lookahead(seqs, depth)) is not None}
-        proposals = {name: [len(row) for row in drafts] for name, drafts in self._drafts.items()}
-        catch_up = {name: n for name, d in self.drafters.items() if (n := d.catch_up(seqs))}
-        return self.strategy.choose(len(seqs), proposals, room, catch_up)
 
     def _record(self, batch: SchedulerOutput, strategy: Strategy, result: StepResult, seconds: float) -> None:
         """Feedback for the strategy (what this choice cost), counters for the metrics."""
@@ -227,12 +214,7 @@ class LLMEngine:
             strategy = PLAIN
         self.last_strategy = strategy.name
         if batch.kind == "decode":
-            cost = None if result.captured else seconds + self.between_steps_s
-            shadow = self._shadow(strategy, result)
-            if self.trace is not None:
-                self._trace_step(strategy, result, seconds, cost, shadow)
-            self.strategy.record(strategy, B, cost, result.num_accepted or None, result.k, result.num_drafted or None,
-                                 result.assisted or None, result.caught_up, shadow)
+            self.driver.feedback(strategy, result, seconds, None if result.captured else seconds + self.between_steps_s)
         if not result.k:
             self.stats.record_step(batch.kind, batch, B, seconds)
             return
@@ -241,48 +223,6 @@ class LLMEngine:
                             seconds - result.draft_seconds)
         self.stats.record_step("spec", batch, B, seconds, record)
         self.stats.add_accepted_per_position([sum(1 for a in result.num_accepted if a > j) for j in range(result.k)])
-
-    def _shadow(self, strategy: Strategy, result: StepResult) -> dict[str, list[tuple[int, int]]]:
-        """Per host drafter, its drafts this step did not verify set against the tokens the rows emitted
-        (speculative/shadow.py)."""
-        if not self._drafts:
-            return {}
-        emitted = [seq.tokens_from(prev) for seq, prev in zip(result.seqs, result.prev_num_tokens, strict=True)]
-        out = {}
-        for name, drafts in self._drafts.items():
-            if len(drafts) != len(emitted) or name == strategy.drafter:
-                continue  # its drafts ran (or the batch changed since the choice)
-            assisted_by = strategy.assist is not None and strategy.assist[0] == name  # its drafts ran on some rows
-            verified = result.assisted if assisted_by and result.assisted else [False] * len(emitted)
-            out[name] = shadow_trials(drafts, emitted, verified)
-        return out
-
-    @staticmethod
-    def _open_trace(path: str | None) -> StepTrace | None:
-        if not path:
-            return None
-        try:
-            return StepTrace(path)
-        except OSError as exc:
-            raise ConfigError(f"cannot open the strategy trace {path!r}: {exc}") from exc
-
-    def _trace_step(self, strategy: Strategy, result: StepResult, seconds: float, cost: float | None,
-                    shadow: dict[str, list[tuple[int, int]]]) -> None:
-        """One line of the strategy trace (service/engine/trace.py): the step as the strategy is told of it, and
-        the acceptance it believed when it chose (per drafter, the posterior mean per draft position)."""
-        self.trace.write({
-            "batch": len(result.seqs), "arm": strategy.name, "ran_k": result.k, "seconds": round(seconds, 6),
-            "cost_seconds": None if cost is None else round(cost, 6),
-            "emitted": result.num_emitted(),
-            "accepted": sum(result.num_accepted), "drafted": sum(result.num_drafted),
-            "assisted": sum(result.assisted), "caught_up": [result.caught_up[0], round(result.caught_up[1], 6)],
-            "proposed": {name: sum(1 for row in drafts if row) for name, drafts in self._drafts.items()},
-            "shadow": {name: [sum(m for m, _ in rows), sum(o for _, o in rows)] for name, rows in shadow.items()},
-            "acceptance": {d: [round(a, 3) for a in self.strategy.acceptance(d, len(result.seqs))]
-                           for d in self.strategy.drafters},
-        })
-        if not self.trace.active:
-            self.trace = None
 
     @property
     def drafter_version(self) -> str:

@@ -15,7 +15,7 @@ keys bmm 0.37-0.43 ms against sdpa's 0.53-0.66 ms, over 512 keys bmm 2.75-3.07 m
 code ranks them alike). So `choose` times both on the model's own head layout, for each kind of step (decode,
 verify) over a short and a long cache (`TIMED_SHAPES`; `LONG_KEYS` parts them), the first time a layout is installed
 in a process, and from then on every cache-attached forward of that layout runs the faster kernel for its kind of
-step and its keys (`pick`; the runner's `CachedModel` records it in `AttnMeta.kernel`). CUDA always runs `sdpa`.
+step and its keys (`pick`; `CachedModel` records it in `AttnMeta.kernel`). CUDA always runs `sdpa`.
 Both kernels compute the same attention, rounded differently: every exactness test runs on whichever this machine
 chose.
 """

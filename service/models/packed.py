@@ -25,8 +25,8 @@ The choice is kept for the process (every engine on the model's layout serves wi
   `F.linear` runs, minus its reorder: bit-identical (tested). Elsewhere packed bf16 measured slower.
 
 Autograd never sees a packed weight: with gradients enabled a layer is a plain `nn.Linear`. `pack_linears`
-runs whenever a model is installed for serving (the runner's `CachedModel`); a model whose weights are
-changed in place must be packed again.
+runs whenever a model is installed for serving (`CachedModel`, service/engine/cached_model.py); a model whose
+weights are changed in place must be packed again.
 """
 
 from __future__ import annotations

@@ -61,8 +61,8 @@ def test_the_faster_kernel_is_chosen_per_kind_of_step_and_cache_length_once_per_
 
 
 def test_each_kind_of_step_runs_its_kernel(monkeypatch, tiny_qwen2):
+    from service.engine.cached_model import CachedModel
     from service.engine.kv_cache import KVCache
-    from service.engine.runner import CachedModel
     from service.models.loader import load_model
 
     monkeypatch.setattr(attention, "choose", lambda *args, **kw: ("bmm", "sdpa", "sdpa", "bmm"))

@@ -13,9 +13,9 @@ import torch
 import torch.nn.functional as F
 
 from service.config import EngineConfig
+from service.engine.cached_model import CachedModel
 from service.engine.kv_cache import KVCache
 from service.engine.llm_engine import LLMEngine
-from service.engine.runner import CachedModel
 from service.models import packed
 from service.models.loader import load_model
 from service.models.packed import ROW_CLASSES, Linear, pack_linears

@@ -10,12 +10,12 @@ import pytest
 import torch
 from helpers import make_checkpoint
 
-import service.engine.runner as runner_module
+import service.engine.cached_model as cached_model_module
 import service.engine.speculative.passes as passes_module
 from service.config import EngineConfig
+from service.engine.cached_model import CachedModel
 from service.engine.kv_cache import KVCache
 from service.engine.llm_engine import LLMEngine
-from service.engine.runner import CachedModel
 from service.engine.speculative.passes import packs, verify_tokens
 from service.models.loader import load_model
 from service.params import SamplingParams
@@ -75,7 +75,7 @@ def test_the_engine_packs_a_verify_pass_with_the_same_tokens_and_logprobs(monkey
     outs, widths = {}, {}
     for pack_at in (0.0, 1.0):  # never packed, packed wherever a row has fewer drafts than the pass
         monkeypatch.setattr(passes_module, "PACK_AT", pack_at)
-        monkeypatch.setattr(runner_module, "PACK_MIN_MACS", 1.0)  # the tiny model packs wherever it may
+        monkeypatch.setattr(cached_model_module, "PACK_MIN_MACS", 1.0)  # the tiny model packs wherever it may
         engine = LLMEngine(EngineConfig(model=str(target), max_model_len=256, max_num_seqs=16, drafter="suffix",
                                         spec="fixed", spec_k=8))
         forward, seen = engine.runner.target.forward, []

@@ -384,9 +384,9 @@ def test_the_strategy_trace_has_one_line_per_decode_step(target, drafters, tmp_p
         if line["arm"].startswith("suffix"):
             assert "suffix" not in line["shadow"] and line["drafted"] > 0, line
     assert any(line["shadow"].get("suffix", [0, 0])[1] for line in lines)
-    engine.trace._file.close()  # the file breaks under the engine
+    engine.driver.trace._file.close()  # the file breaks under the engine
     engine.generate(PROMPTS, params)
-    assert engine.trace is None
+    assert engine.driver.trace is None
     with pytest.raises(ConfigError, match="strategy trace"):
         LLMEngine(EngineConfig(model=str(target), max_model_len=256, strategy_trace=str(tmp_path)))
 

@@ -9,7 +9,7 @@ from service.config import ConfigError, ModelConfig
 from service.engine.drafters.base import Drafter
 
 if TYPE_CHECKING:
-    from service.engine.runner import CachedModel
+    from service.engine.cached_model import CachedModel
 
 
 def expand_auto(spec: str, model_dir: Path) -> str:

@@ -20,9 +20,9 @@ from safetensors.torch import load_file
 from torch import nn
 
 from service.config import ModelConfig
+from service.engine.cached_model import CachedModel
 from service.engine.drafters.base import Drafter, clock
 from service.engine.kv_cache import KVCache
-from service.engine.runner import CachedModel
 from service.engine.sampler import SamplingBatch, draw_draft
 from service.engine.scheduler import SlotCopy
 from service.engine.sequence import Sequence

@@ -1,0 +1,91 @@
+"""The engine's side of the adaptive strategy, around each decode step.
+
+Before the step (`choose`): what each drafter that proposes on the host (a suffix table) has for each row, each
+row's room and how many tokens each drafter would catch up on, so the strategy values every arm on what it would
+verify. After it (`feedback`): what the step cost and had accepted, and each host drafter's drafts the step did
+not verify set against the tokens the rows emitted (speculative/shadow.py); written to the strategy trace as well
+where one is open (service/engine/trace.py).
+"""
+
+from __future__ import annotations
+
+from service.config import ConfigError
+from service.engine.drafters.base import Drafter
+from service.engine.runner import StepResult
+from service.engine.sequence import Sequence
+from service.engine.speculative.shadow import shadow_trials
+from service.engine.strategy import AdaptiveStrategy, Strategy
+from service.engine.trace import StepTrace
+
+Shadow = dict[str, list[tuple[int, int]]]  # host drafter -> (num_accepted, num_drafted) per row not verified
+
+
+def open_trace(path: str | None) -> StepTrace | None:
+    if not path:
+        return None
+    try:
+        return StepTrace(path)
+    except OSError as exc:
+        raise ConfigError(f"cannot open the strategy trace {path!r}: {exc}") from exc
+
+
+class StrategyDriver:
+    def __init__(self, strategy: AdaptiveStrategy, drafters: dict[str, Drafter], trace: StepTrace | None) -> None:
+        self.strategy = strategy
+        self.drafters = drafters
+        self.trace = trace
+        self._drafts: dict[str, list[list[int]]] = {}  # what each host drafter had for the step's rows
+
+    def choose(self, seqs: list[Sequence], room: list[int] | None) -> Strategy:
+        """The strategy's pick, told beforehand what drafters that propose on the host have for each row, each
+        row's room and how many tokens each drafter would catch up on."""
+        self._drafts = {}
+        if self.strategy.fixed is not None or not self.strategy.drafters or self.strategy.probes_plain(len(seqs)):
+            return self.strategy.choose(len(seqs))  # no proposals needed: nothing to ask the drafters
+        depth = max(self.strategy.depths())
+        self._drafts = {name: n for name, d in self.drafters.items() if (n := d.lookahead(seqs, depth)) is not None}
+        proposals = {name: [len(row) for row in drafts] for name, drafts in self._drafts.items()}
+        catch_up = {name: n for name, d in self.drafters.items() if (n := d.catch_up(seqs))}
+        return self.strategy.choose(len(seqs), proposals, room, catch_up)
+
+    def feedback(self, strategy: Strategy, result: StepResult, seconds: float, cost: float | None) -> None:
+        """A decode step's measurement for the strategy: `strategy`, the arm that ran (plain where the drafter
+        proposed nothing), `cost`, its seconds with the work between two steps (None: no measure of its cost,
+        e.g. it captured a CUDA graph)."""
+        shadow = self._shadow(strategy, result)
+        if self.trace is not None:
+            self._trace_step(strategy, result, seconds, cost, shadow)
+        self.strategy.record(strategy, len(result.seqs), cost, result.num_accepted or None, result.k,
+                             result.num_drafted or None, result.assisted or None, result.caught_up, shadow)
+
+    def _shadow(self, strategy: Strategy, result: StepResult) -> Shadow:
+        """Per host drafter, its drafts this step did not verify set against the tokens the rows emitted."""
+        if not self._drafts:
+            return {}
+        emitted = [seq.tokens_from(prev) for seq, prev in zip(result.seqs, result.prev_num_tokens, strict=True)]
+        out = {}
+        for name, drafts in self._drafts.items():
+            if len(drafts) != len(emitted) or name == strategy.drafter:
+                continue  # its drafts ran (or the batch changed since the choice)
+            assisted_by = strategy.assist is not None and strategy.assist[0] == name  # its drafts ran on some rows
+            verified = result.assisted if assisted_by and result.assisted else [False] * len(emitted)
+            out[name] = shadow_trials(drafts, emitted, verified)
+        return out
+
+    def _trace_step(self, strategy: Strategy, result: StepResult, seconds: float, cost: float | None,
+                    shadow: Shadow) -> None:
+        """One line of the strategy trace: the step as the strategy is told of it, and the acceptance it believed
+        when it chose (per drafter, the posterior mean per draft position)."""
+        self.trace.write({
+            "batch": len(result.seqs), "arm": strategy.name, "ran_k": result.k, "seconds": round(seconds, 6),
+            "cost_seconds": None if cost is None else round(cost, 6),
+            "emitted": result.num_emitted(),
+            "accepted": sum(result.num_accepted), "drafted": sum(result.num_drafted),
+            "assisted": sum(result.assisted), "caught_up": [result.caught_up[0], round(result.caught_up[1], 6)],
+            "proposed": {name: sum(1 for row in drafts if row) for name, drafts in self._drafts.items()},
+            "shadow": {name: [sum(m for m, _ in rows), sum(o for _, o in rows)] for name, rows in shadow.items()},
+            "acceptance": {d: [round(a, 3) for a in self.strategy.acceptance(d, len(result.seqs))]
+                           for d in self.strategy.drafters},
+        })
+        if not self.trace.active:
+            self.trace = None
