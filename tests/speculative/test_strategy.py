@@ -9,6 +9,8 @@ from collections.abc import Callable
 
 import pytest
 
+from service.engine.speculative.arm_costs import ArmCosts
+from service.engine.speculative.cost_model import StepCostModel
 from service.engine.speculative.estimates import Ratio
 from service.engine.speculative.tokens import (
     assisted_from,
@@ -569,3 +571,15 @@ def test_one_stalled_step_does_not_shut_the_best_arm_out(seed: int) -> None:
     assert 4 in chosen[first + 1 : first + 40]  # run again soon
     assert sum(k == 4 for k in chosen[-100:]) >= 90
     assert sum(k == 4 for k in stalled_run(seed, stall=1.0)[-100:]) >= 90  # and nothing lost without a stall
+
+
+def test_a_cheap_step_forgets_a_stall_but_not_a_smaller_batch() -> None:
+    """A step at twice the rows for the same seconds (a GPU's flat cost) is no sign that the arm's mean was a
+    stall: both are set against the line. A step at a quarter of the mean's price, same rows, is."""
+    costs = ArmCosts(StepCostModel(["draft"]))
+    arm = (64, "draft", 4)
+    costs.record(arm, 33, 0.050, 33 * 4)
+    costs.record(arm, 64, 0.048, 64 * 4)
+    assert costs.correction(arm)[1] == 2
+    costs.record(arm, 64, 0.012, 64 * 4)
+    assert costs.correction(arm)[1] == 1

@@ -13,7 +13,8 @@ So:
 - an arm measured once at over `STALL` times the line draws its correction anywhere between 1 and that price
   (as likely stalled as dear), at the quantile of the same draw that sets its noise: one draw, one optimism, and
   no extra random numbers, so the strategy's other draws are unchanged;
-- a step under 1 / `STALL` of the arm's mean before (per row) says that mean was a stall: it is forgotten.
+- a step under 1 / `STALL` of the arm's mean before, both against the line, says that mean was a stall: it is
+  forgotten.
 """
 
 from __future__ import annotations
@@ -25,8 +26,8 @@ from dataclasses import dataclass, field
 from service.engine.speculative.cost_model import StepCostModel
 from service.engine.speculative.estimates import Ewma
 
-STALL = 2.0  # one step this many times the line may be a stall; one this many times cheaper per row than the
-# arm's mean before says that mean was one
+STALL = 2.0  # one step this many times the line may be a stall; one this many times cheaper (against the line)
+# than the arm's mean before says that mean was one
 Arm = tuple[int, str | None, int]  # (bucket, drafter, k)
 
 
@@ -63,7 +64,7 @@ class ArmCosts:
     def correction(self, arm: Arm) -> tuple[float, int]:
         """What the line misses for this arm (measured / predicted, shrunk towards 1), and its measurements."""
         ratio, n = self._ratio(arm)
-        return 1.0 + (ratio - 1.0) * n / (n + 2), n
+        return _shrunk(ratio, n), n
 
     def predict(self, arm: Arm, batch_size: int, tokens: int | None = None) -> float:
         """Seconds of a step; `tokens`: the draft positions it verifies (default batch_size * k)."""
@@ -73,7 +74,7 @@ class ArmCosts:
     def draw(self, arm: Arm, batch_size: int, tokens: int, rng: random.Random) -> float:
         """A draw of a step's seconds from what is known of the arm (the module docstring says how)."""
         ratio, n = self._ratio(arm)
-        corr = 1.0 + (ratio - 1.0) * n / (n + 2)
+        corr = _shrunk(ratio, n)
         z = rng.gauss(0.0, 1.0)
         if n == 1 and ratio > STALL:
             corr **= 0.5 * math.erfc(-z / math.sqrt(2))  # the draw's quantile
@@ -81,9 +82,15 @@ class ArmCosts:
         return self.model.predict(drafter, k, batch_size, tokens) * corr * math.exp(z * self.spread / math.sqrt(1 + n))
 
     def record(self, arm: Arm, batch_size: int, seconds: float, tokens: int) -> None:
-        m = self.measured.get(arm)
-        if m is not None and m.seconds.value > STALL * seconds * m.batch.value / batch_size:
-            del self.measured[arm]  # what it measured before was a stall
-        self.measured.setdefault(arm, Measured()).update(batch_size, seconds, tokens)
+        """One measured step of the arm: `tokens`, the draft positions its verify pass computed."""
         _, drafter, k = arm
+        mean_ratio, n = self._ratio(arm)
+        if n and mean_ratio > STALL * seconds / self.model.predict(drafter, k, batch_size, tokens):
+            del self.measured[arm]  # what it measured before was a stall (both against the line as it is now)
+        self.measured.setdefault(arm, Measured()).update(batch_size, seconds, tokens)
         self.model.record(drafter, k, batch_size, seconds, tokens)
+
+
+def _shrunk(ratio: float, n: int) -> float:
+    """A measured / predicted ratio shrunk towards 1 by n measurements (worth two of the line's)."""
+    return 1.0 + (ratio - 1.0) * n / (n + 2)
