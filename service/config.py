@@ -113,6 +113,17 @@ class ModelConfig:
         return cls.from_dict(cfg)
 
     @property
+    def layer_macs(self) -> int:
+        """Multiply-adds of one token through one decoder layer's linear layers (attention's own work aside)."""
+        q, kv = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
+        return self.hidden_size * (2 * q + 2 * kv) + 3 * self.hidden_size * self.intermediate_size
+
+    @property
+    def macs_per_token(self) -> int:
+        """Multiply-adds of one token through the decoder and the LM head (attention's own work aside)."""
+        return self.num_layers * self.layer_macs + self.hidden_size * self.vocab_size
+
+    @property
     def kv_bytes_per_token(self) -> int:
         """Bytes of K and V per token across all layers, per element byte (multiply by dtype size)."""
         return 2 * self.num_layers * self.num_kv_heads * self.head_dim

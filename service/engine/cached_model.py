@@ -48,9 +48,7 @@ class CachedModel:
         # Rows of different lengths run packed (`AttnMeta.packed`, eagerly) where that saves at least this many
         # positions: PACK_MIN_MACS of linear-layer work, more than eager costs over compiled code on a small
         # model. Never where the GPU replays graphs of the padded passes.
-        cfg = self.cfg
-        q, kv = cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim
-        macs = cfg.num_layers * (cfg.hidden_size * (2 * q + 2 * kv) + 3 * cfg.hidden_size * cfg.intermediate_size)
+        macs = self.cfg.num_layers * self.cfg.layer_macs
         self.pack_min_saved = None if self.graphs is not None else max(1, math.ceil(PACK_MIN_MACS / macs))
 
     @property

@@ -80,7 +80,8 @@ class LLMEngine:
             fixed = Strategy(next(iter(self.drafters)), config.spec_k)
         self.strategy = AdaptiveStrategy(list(self.drafters), fixed=fixed, seed=config.seed,
                                          rounds_to_ks=self.runner.target.graphs is not None,
-                                         pack_min_saved=self.runner.target.pack_min_saved)
+                                         pack_min_saved=self.runner.target.pack_min_saved,
+                                         own_costs={name: d.own_cost for name, d in self.drafters.items()})
         self.driver = StrategyDriver(self.strategy, self.drafters, trace)
         may_run = set(self.drafters) if fixed is None else {fixed.drafter} if fixed.k else set()
         self.runner.prefill_drafters = [d for name, d in self.drafters.items() if name in may_run]

@@ -134,6 +134,9 @@ class AdaptiveStrategy:
     fixed: Strategy | None = None  # set to pin one strategy (k = 0 pins plain decoding)
     rounds_to_ks: bool = False  # the runner verifies a cut pass at the next depth in `ks` (CUDA graphs)
     pack_min_saved: int | None = None  # the runner packs verify passes (see `packs`); None: never
+    # Per drafter, a draft position's own work over a target position's, as the engine knows it before measuring
+    # (`Drafter.own_cost`; the cost model's prior): a drafter not named, 0
+    own_costs: dict[str, float] = field(default_factory=dict)
     costs: ArmCosts = field(init=False)  # the cost line and each (bucket, arm)'s correction to it
     accept: dict[str, Acceptance] = field(init=False)
     catch_ups: CatchUps = field(default_factory=CatchUps)  # what a switch to a draft model costs before it drafts
@@ -143,7 +146,8 @@ class AdaptiveStrategy:
 
     def __post_init__(self) -> None:
         self._rng = random.Random(self.seed)
-        self.costs = ArmCosts(StepCostModel(list(self.drafters)), self.cost_spread)
+        own = [self.own_costs.get(d, 0.0) for d in self.drafters]
+        self.costs = ArmCosts(StepCostModel(list(self.drafters), own), self.cost_spread)
         self.accept = {d: Acceptance.empty(max(self.ks), self.bucket_trials) for d in self.drafters}
 
     def depths(self) -> tuple[int, ...]:

@@ -12,7 +12,7 @@ from helpers import make_checkpoint
 from reference import chi_square_pvalue, exact_joint, processed_probs
 from safetensors.torch import load_file, save_file
 
-from service.config import EngineConfig
+from service.config import EngineConfig, ModelConfig
 from service.engine.llm_engine import LLMEngine
 from service.engine.strategy import PLAIN, AdaptiveStrategy, Strategy
 from service.params import SamplingParams
@@ -360,6 +360,19 @@ def test_a_suffix_tables_drafts_are_measured_on_the_steps_another_drafter_ran(ta
               {r.request_id for r in got} for m, o in shadow["suffix"]]
     assert second and all(second)  # the rollouts of the first pass repeated
     assert engine.strategy.acceptance("suffix")[0] > 0.8  # never run: its prior, 0.6, without these
+
+def test_the_strategy_starts_from_each_drafters_share_of_the_targets_work(target, drafters):
+    """Before measuring, a draft position costs the strategy its drafter's multiply-adds over the target's: a
+    draft model's by its config, the EAGLE head's (fc, one layer, the target's LM head), a suffix table's none."""
+    engine = LLMEngine(EngineConfig(model=str(target), max_model_len=256, max_num_seqs=4,
+                                    drafter=f"{drafters['llama']},suffix,eagle"))
+    t, d = ModelConfig.from_dir(target), ModelConfig.from_dir(drafters["llama"])
+    own = engine.strategy.own_costs
+    assert own["draft"] == pytest.approx(d.macs_per_token / t.macs_per_token) and 0 < own["draft"] < own["eagle"] < 1
+    assert own["suffix"] == 0 and engine.strategy.costs.model.own == [own[n] for n in engine.strategy.drafters]
+    cost = {n: engine.strategy.predicted_cost(4, Strategy(n, 2)) for n in ("suffix", "draft", "eagle")}
+    assert cost["suffix"] < cost["draft"] < cost["eagle"]
+
 
 def test_the_strategy_trace_has_one_line_per_decode_step(target, drafters, tmp_path):
     """--strategy-trace: one JSON line per decode step, which together account for every token the steps

@@ -265,6 +265,29 @@ def test_draft_cost_is_learned_per_drafter() -> None:
     assert s.choose(8).drafter == "suffix"  # same acceptance, far cheaper
 
 
+def test_an_unmeasured_draft_model_is_priced_at_its_share_of_the_targets_work() -> None:
+    """Before a draft model's first step, the table's steps price the verify pass and its own forwards cost
+    `own_costs` of a target position each, not nothing (they were priced like a table's)."""
+    def measured(own_costs: dict[str, float]) -> AdaptiveStrategy:
+        s = AdaptiveStrategy(["suffix", "draft"], own_costs=own_costs)
+        for batch in (8, 16, 8, 16):
+            s.record(PLAIN, batch, 0.010 * (1 + batch / 16))
+            s.record(Strategy("suffix", 2), batch, 0.010 * (1 + batch / 16) * 1.2, [2] * batch)
+        return s
+
+    s = measured({"draft": 0.25})
+    plain, table = s.predicted_cost(8, PLAIN), s.predicted_cost(8, Strategy("suffix", 4))
+    assert s.predicted_cost(8, Strategy("draft", 4)) - table == pytest.approx(4 * 0.25 * plain, rel=0.1)
+    s = measured({})
+    table = s.predicted_cost(8, Strategy("suffix", 4))
+    assert s.predicted_cost(8, Strategy("draft", 4)) == pytest.approx(table, rel=1e-3)
+    unmeasured = AdaptiveStrategy(["suffix", "draft"], own_costs={"draft": 0.25})
+    draft, table = (unmeasured.predicted_cost(8, Strategy(d, 2)) for d in ("draft", "suffix"))
+    assert draft / table == pytest.approx((1 + (0.3 + 0.25) * 2) / (1 + 0.3 * 2))  # a plain step's units
+    with pytest.raises(ValueError, match="cost of 0 or more"):
+        AdaptiveStrategy(["draft"], own_costs={"draft": -0.1})
+
+
 def test_deep_drafts_for_a_drafter_that_is_right_or_wrong_for_a_whole_row() -> None:
     """A suffix table either matches a row (and then its drafts are nearly all right) or proposes nothing:
     acceptance is per row, not per token. Rates kept per draft position see that deep drafts pay; one rate

@@ -19,6 +19,9 @@ class Drafter(ABC):
 
     name: str = "drafter"
     version: str = "0"
+    # A draft position's own work over a target position's (multiply-adds), what the strategy assumes until it
+    # measures the drafter: 0 for one that drafts on the host (a suffix table)
+    own_cost: float = 0.0
 
     @abstractmethod
     def propose(self, seqs: list[Sequence], k: int, sb: SamplingBatch) -> DraftProposal:

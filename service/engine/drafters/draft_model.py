@@ -24,7 +24,7 @@ class DraftModelDrafter(Drafter):
     name = "draft"
 
     def __init__(self, model: CausalLM, target_vocab: int, num_slots: int, max_positions: int,
-                 device: torch.device, version: str = "0", compiled: bool = False) -> None:
+                 device: torch.device, version: str = "0", compiled: bool = False, own_cost: float = 0.0) -> None:
         dtype = next(model.parameters()).dtype
         cache = KVCache(model.config, num_slots, max_positions, dtype, device)
         # The draft model with its own KV cache; its k - 1 decode forwards per proposal are graphed (GPU) or
@@ -33,6 +33,7 @@ class DraftModelDrafter(Drafter):
         self.device = device
         self.version = version
         self.target_vocab = target_vocab
+        self.own_cost = own_cost  # what the strategy assumes a draft position costs until measured (base.py)
         self._stale = False  # the weights changed since the last proposal
         self._current: set[int] = set()  # sequences prefilled since then: their cache is the new weights'
 

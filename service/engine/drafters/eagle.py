@@ -85,6 +85,8 @@ class EagleDrafter(Drafter):
         self.own_step: dict[int, int] = {}  # seq_id -> its tokens after the last step the head drafted for
         self.device = device
         self.version = version
+        # A draft position: the fc over [embedding, feature], one decoder layer and the target's LM head
+        self.own_cost = (2 * H * H + head.config.layer_macs + H * target.cfg.vocab_size) / target.cfg.macs_per_token
 
     def swap_head(self, head: EagleHead, version: str) -> None:
         self.head = head.to(device=self.device, dtype=self.target.dtype).eval().requires_grad_(False)

@@ -13,9 +13,13 @@ where it did not pay. All parameters are fit jointly from every measured step, w
 measurement in one batch bucket informs the others. Each step is weighted by 1 / cost^2 (relative error: costs
 span 10x and more across batch sizes) and older steps fade by `forget`, which keeps the fit local to the batch
 sizes and context lengths of the last few dozen steps (a rollout drains slowly). A weak ridge prior ties
-(u, v) to `prior_marginal` x (a, b), each drafter's (u_d, v_d) to 0 and b to a / `prior_rows`, so the fit is
-defined from the first step; it splits what a drafter's steps measure between the shared and its own term
-until a second drafter's steps tell them apart. A drafter's own terms are kept at 0 or more (see `theta`).
+(u, v) to `prior_marginal` x (a, b), each drafter's (u_d, v_d) to `own[d]` x (a, b) and b to a / `prior_rows`,
+so the fit is defined from the first step; it splits what a drafter's steps measure between the shared and its
+own term until a second drafter's steps tell them apart. `own[d]` is what the engine knows of a drafter before
+it runs: a draft position of a draft model costs its multiply-adds over the target's (0.12 for the 1-layer draft
+of bench/spec_decode.py's 12-layer target), one of a host table nothing. Why not 0 for all (what we had): a draft
+model was priced like a table until its first measured step, so the first choice between them was a coin flip. A
+drafter's own terms are kept at 0 or more (see `theta`).
 """
 
 from __future__ import annotations
@@ -28,6 +32,7 @@ import numpy as np
 @dataclass(slots=True)
 class StepCostModel:
     drafters: list[str]
+    own: list[float] | None = None  # per drafter, a draft position's own work over a target position's, a priori
     forget: float = 0.99  # per measured step
     prior_marginal: float = 0.3  # one draft position costs this fraction of a plain step, a priori
     prior_rows: float = 32.0  # a priori, a plain step of this many rows costs twice a one-row step
@@ -40,12 +45,17 @@ class StepCostModel:
 
     def __post_init__(self) -> None:
         n = 4 + 2 * len(self.drafters)
+        if self.own is None:
+            self.own = [0.0] * len(self.drafters)
+        if len(self.own) != len(self.drafters) or min(self.own, default=0.0) < 0:
+            raise ValueError(f"own costs {self.own} do not give each of {self.drafters} a cost of 0 or more")
         self._ata, self._aty = np.zeros((n, n)), np.zeros(n)
         # Each prior adds (r . theta)^2: b = a / prior_rows, u = prior_marginal * a, v = prior_marginal * b, each
-        # drafter's own terms 0; and a tiny ridge keeps unseen drafters' parameters defined.
+        # drafter's (u_d, v_d) = own[d] * (a, b); and a tiny ridge keeps unseen drafters' parameters defined.
         rows = [{1: self.prior_rows, 0: -1.0}, {2: 1.0, 0: -self.prior_marginal},
                 {3: self.prior_rows, 1: -self.prior_marginal * self.prior_rows}]
-        rows += [{i: 1.0 if i % 2 == 0 else self.prior_rows} for i in range(4, n)]
+        for i, own in zip(range(4, n, 2), self.own, strict=True):
+            rows += [{i: 1.0, 0: -own}, {i + 1: self.prior_rows, 1: -own * self.prior_rows}]
         self._prior = 1e-9 * np.eye(n)
         for r in rows:
             v = np.zeros(n)
@@ -99,7 +109,8 @@ class StepCostModel:
     def predict(self, drafter: str | None, k: int, batch: int, tokens: int | None = None) -> float:
         """Predicted seconds of one step (`tokens` as in `record`); 1.0 (any unit) before anything was measured."""
         if not self.measured:
-            return 1.0 * (1 + self.prior_marginal * k)
+            own = self.own[self.drafters.index(drafter)] if drafter is not None and k else 0.0
+            return 1.0 * (1 + (self.prior_marginal + own) * k)
         theta = self.theta()
         phi = self._features(drafter, k, batch, tokens)
         plain = max(theta[0] + theta[1] * batch, 0.05 * self._scale * (1 + batch / self.prior_rows))
