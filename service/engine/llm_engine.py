@@ -71,7 +71,6 @@ class LLMEngine:
                                                            num_slots, config.seed)
         self._last_step_end: float | None = None
         self._between_steps = Ewma()
-        trace = open_trace(config.strategy_trace)
         self.runner.drafters = list(self.drafters.values())
         fixed = None
         if config.spec == "off" or not self.drafters:
@@ -82,7 +81,7 @@ class LLMEngine:
                                          rounds_to_ks=self.runner.target.graphs is not None,
                                          pack_min_saved=self.runner.target.pack_min_saved,
                                          own_costs={name: d.own_cost for name, d in self.drafters.items()})
-        self.driver = StrategyDriver(self.strategy, self.drafters, trace)
+        self.driver = StrategyDriver(self.strategy, self.drafters)
         may_run = set(self.drafters) if fixed is None else {fixed.drafter} if fixed.k else set()
         self.runner.prefill_drafters = [d for name, d in self.drafters.items() if name in may_run]
         t0 = time.perf_counter()  # CUDA graphs (GPU) or compiled forwards (CPU) before the first step
@@ -92,6 +91,7 @@ class LLMEngine:
         self.last_strategy = PLAIN.name  # the label of the last step's choice (metrics, rollout records)
         self.paused = False  # step() does nothing while paused (weight pushes, admin pause)
         self.stats = EngineStats()
+        self.driver.trace = open_trace(config.strategy_trace)  # last: nothing after it can fail and leave it open
 
     # -- requests ---------------------------------------------------------------------------------
     def add_request(

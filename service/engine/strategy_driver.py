@@ -30,7 +30,8 @@ def open_trace(path: str | None) -> StepTrace | None:
 
 
 class StrategyDriver:
-    def __init__(self, strategy: AdaptiveStrategy, drafters: dict[str, Drafter], trace: StepTrace | None) -> None:
+    def __init__(self, strategy: AdaptiveStrategy, drafters: dict[str, Drafter],
+                 trace: StepTrace | None = None) -> None:
         self.strategy = strategy
         self.drafters = drafters
         self.trace = trace
