@@ -453,6 +453,7 @@ def main(argv: list[str] | None = None) -> int:
 
     vllm: EngineResult | None = None
     vllm_error: str | None = None
+    vllm_agree: int | None = None  # leading greedy tokens of prompt 0 (smallest batch) vllm and specroll share
     if args.skip_vllm:
         vllm_error = "skipped"
     elif not args.vllm_python.is_file():
@@ -462,10 +463,9 @@ def main(argv: list[str] | None = None) -> int:
         vllm, vllm_error = run_vllm(args.vllm_python, model_dir, args.dtype, prompt_sets, args.new_tokens,
                                     args.repeats, args.min_seconds, args.vllm_timeout)
         if vllm is not None and vllm.first_tokens:
+            vllm_agree = leading_agreement(ours_res.first_tokens or [], vllm.first_tokens)
             logger.info("vllm vs specroll greedy tokens (%s, batch %d, prompt 0): the first %d of %d agree",
-                        args.dtype, min(args.batches), leading_agreement(ours_res.first_tokens or [],
-                                                                         vllm.first_tokens),
-                        args.new_tokens)
+                        args.dtype, min(args.batches), vllm_agree, args.new_tokens)
 
     ours_tok = ours_res.tok_s()
     hf_tok = hf_res.tok_s() if hf_res else None
@@ -491,6 +491,7 @@ def main(argv: list[str] | None = None) -> int:
         "vllm_info": vllm.info if vllm else None,
         "vllm_error": vllm_error,
         "greedy_match_float32_b1": check,
+        "vllm_greedy_agreement": vllm_agree,  # of new_tokens, in --dtype (bf16 rounding may part them early)
         # Other processes on the machine skew timings (and collapse multi-threaded torch); judge numbers by these.
         "loadavg_1m": [round(load_start, 2), round(os.getloadavg()[0], 2)],
         "versions": {"torch": torch.__version__, "transformers": _version("transformers")},
