@@ -23,6 +23,7 @@ if TYPE_CHECKING:
     from service.engine.drafters.base import Drafter
     from service.engine.strategy import Strategy
 
+
 @dataclass(slots=True)
 class StepResult:
     """What one step produced, plain or speculative: per sequence (slot order) the tokens it emits (1..k+1),

@@ -37,6 +37,7 @@ FRESH_CONNECTION = {"connection": "close"}
 LIMITS = Limits(max_tokens=8, max_n=4, max_prompts=4, max_stop=4, max_request_bytes=2**20,
                 max_upload_bytes=2**20)
 
+
 @dataclass
 class FuzzLog:
     cases: int = 0
@@ -110,7 +111,6 @@ def test_http_api_fuzz_no_server_errors(server: BackgroundServer) -> None:
     assert log.cases >= MIN_CASES
     assert not log.server_errors, "\n".join(log.server_errors[:30])
     _assert_still_serving(base_url)
-
 
 
 ANY_VALUE = st.one_of(

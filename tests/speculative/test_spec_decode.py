@@ -361,6 +361,7 @@ def test_a_suffix_tables_drafts_are_measured_on_the_steps_another_drafter_ran(ta
     assert second and all(second)  # the rollouts of the first pass repeated
     assert engine.strategy.acceptance("suffix")[0] > 0.8  # never run: its prior, 0.6, without these
 
+
 def test_the_strategy_starts_from_each_drafters_share_of_the_targets_work(target, drafters):
     """Before measuring, a draft position costs the strategy its drafter's multiply-adds over the target's: a
     draft model's by its config, the EAGLE head's (fc, one layer, the target's LM head), a suffix table's none."""
@@ -402,6 +403,7 @@ def test_the_strategy_trace_has_one_line_per_decode_step(target, drafters, tmp_p
     assert engine.driver.trace is None
     with pytest.raises(ConfigError, match="strategy trace"):
         LLMEngine(EngineConfig(model=str(target), max_model_len=256, strategy_trace=str(tmp_path)))
+
 
 def test_rows_a_table_has_enough_drafts_for_take_them_with_their_lengths():
     from service.engine.speculative.verify import DraftProposal
