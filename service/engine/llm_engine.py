@@ -204,18 +204,22 @@ class LLMEngine:
             strategy = self.driver.choose(batch.seqs, room)
         host = self.drafters.get(strategy.assist[0]) if strategy.assist else None
         result = self.runner.execute(batch, strategy, self.drafters.get(strategy.drafter), host, room)
+        t_post = time.perf_counter()
         outputs += self._postprocess(result)
-        self._record(batch, strategy, result, time.perf_counter() - start)
+        end = time.perf_counter()
+        self._record(batch, strategy, result, end - start, end - t_post)
         return outputs
 
-    def _record(self, batch: SchedulerOutput, strategy: Strategy, result: StepResult, seconds: float) -> None:
+    def _record(self, batch: SchedulerOutput, strategy: Strategy, result: StepResult, seconds: float,
+                postprocess_s: float) -> None:
         """Feedback for the strategy (what this choice cost), counters for the metrics."""
         B = len(result.seqs)
         if strategy.k and not result.k:  # the drafter proposed nothing for any row: a plain step ran
             strategy = PLAIN
         self.last_strategy = strategy.name
         if batch.kind == "decode":
-            self.driver.feedback(strategy, result, seconds, None if result.captured else seconds + self.between_steps_s)
+            cost = None if result.captured else seconds + self.between_steps_s
+            self.driver.feedback(strategy, result, seconds, cost, postprocess_s)
         if not result.k:
             self.stats.record_step(batch.kind, batch, B, seconds)
             return

@@ -9,6 +9,8 @@ where one is open (service/engine/trace.py).
 
 from __future__ import annotations
 
+import time
+
 from service.config import ConfigError
 from service.engine.drafters.base import Drafter
 from service.engine.runner import StepResult
@@ -36,10 +38,18 @@ class StrategyDriver:
         self.drafters = drafters
         self.trace = trace
         self._drafts: dict[str, list[list[int]]] = {}  # what each host drafter had for the step's rows
+        self._choose_s = 0.0  # the last choice's host seconds (the trace's host_ms)
 
     def choose(self, seqs: list[Sequence], room: list[int] | None) -> Strategy:
         """The strategy's pick, told beforehand what drafters that propose on the host have for each row, each
         row's room and how many tokens each drafter would catch up on."""
+        t0 = time.perf_counter()
+        try:
+            return self._choose(seqs, room)
+        finally:
+            self._choose_s = time.perf_counter() - t0
+
+    def _choose(self, seqs: list[Sequence], room: list[int] | None) -> Strategy:
         self._drafts = {}
         if self.strategy.fixed is not None or not self.strategy.drafters or self.strategy.probes_plain(len(seqs)):
             return self.strategy.choose(len(seqs))  # no proposals needed: nothing to ask the drafters
@@ -49,15 +59,21 @@ class StrategyDriver:
         catch_up = {name: n for name, d in self.drafters.items() if (n := d.catch_up(seqs))}
         return self.strategy.choose(len(seqs), proposals, room, catch_up)
 
-    def feedback(self, strategy: Strategy, result: StepResult, seconds: float, cost: float | None) -> None:
+    def feedback(self, strategy: Strategy, result: StepResult, seconds: float, cost: float | None,
+                 postprocess_s: float = 0.0) -> None:
         """A decode step's measurement for the strategy: `strategy`, the arm that ran (plain where the drafter
         proposed nothing), `cost`, its seconds with the work between two steps (None: no measure of its cost,
-        e.g. it captured a CUDA graph)."""
+        e.g. it captured a CUDA graph), `postprocess_s`, the host seconds of appending its tokens (for the trace)."""
+        t0 = time.perf_counter()
         shadow = self._shadow(strategy, result)
-        if self.trace is not None:
-            self._trace_step(strategy, result, seconds, cost, shadow)
+        # What the strategy believed when it chose (per drafter, the posterior mean per draft position)
+        believed = ({d: self.strategy.acceptance(d, len(result.seqs)) for d in self.strategy.drafters}
+                    if self.trace is not None else {})
         self.strategy.record(strategy, len(result.seqs), cost, result.num_accepted or None, result.k,
                              result.num_drafted or None, result.assisted or None, result.caught_up, shadow)
+        if self.trace is not None:
+            host = {"choose": self._choose_s, "postprocess": postprocess_s, "feedback": time.perf_counter() - t0}
+            self._trace_step(strategy, result, seconds, cost, shadow, believed, host)
 
     def _shadow(self, strategy: Strategy, result: StepResult) -> Shadow:
         """Per host drafter, its drafts this step did not verify set against the tokens the rows emitted."""
@@ -74,9 +90,10 @@ class StrategyDriver:
         return out
 
     def _trace_step(self, strategy: Strategy, result: StepResult, seconds: float, cost: float | None,
-                    shadow: Shadow) -> None:
-        """One line of the strategy trace: the step as the strategy is told of it, and the acceptance it believed
-        when it chose (per drafter, the posterior mean per draft position)."""
+                    shadow: Shadow, believed: dict[str, list[float]], host: dict[str, float]) -> None:
+        """One line of the strategy trace: the step as the strategy is told of it, the acceptance it believed
+        when it chose, and the host seconds of the strategy's and the engine's work around the forwards (`host_ms`:
+        the choice with the host drafters' lookahead, appending the tokens, this feedback)."""
         self.trace.write({
             "batch": len(result.seqs), "arm": strategy.name, "ran_k": result.k, "seconds": round(seconds, 6),
             "cost_seconds": None if cost is None else round(cost, 6),
@@ -85,8 +102,8 @@ class StrategyDriver:
             "assisted": sum(result.assisted), "caught_up": [result.caught_up[0], round(result.caught_up[1], 6)],
             "proposed": {name: sum(1 for row in drafts if row) for name, drafts in self._drafts.items()},
             "shadow": {name: [sum(m for m, _ in rows), sum(o for _, o in rows)] for name, rows in shadow.items()},
-            "acceptance": {d: [round(a, 3) for a in self.strategy.acceptance(d, len(result.seqs))]
-                           for d in self.strategy.drafters},
+            "acceptance": {d: [round(a, 3) for a in rates] for d, rates in believed.items()},
+            "host_ms": {phase: round(s * 1e3, 3) for phase, s in host.items()},
         })
         if not self.trace.active:
             self.trace = None

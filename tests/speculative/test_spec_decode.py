@@ -395,9 +395,14 @@ def test_the_strategy_trace_has_one_line_per_decode_step(target, drafters, tmp_p
     for line in lines:
         assert line["arm"].split("+")[0] in arms and line["batch"] >= 1 and line["seconds"] > 0, line
         assert set(line["acceptance"]) == {"draft", "suffix"}
+        host = line["host_ms"]
+        assert set(host) == {"choose", "postprocess", "feedback"} and min(host.values()) >= 0, line
+        assert host["choose"] + host["postprocess"] <= line["seconds"] * 1e3 + 0.002  # both within the step
         if line["arm"].startswith("suffix"):
             assert "suffix" not in line["shadow"] and line["drafted"] > 0, line
     assert any(line["shadow"].get("suffix", [0, 0])[1] for line in lines)
+    assert all(line["host_ms"]["feedback"] > 0 and line["host_ms"]["postprocess"] > 0 for line in lines)
+    assert any(line["host_ms"]["choose"] > 0 for line in lines)
     engine.driver.trace._file.close()  # the file breaks under the engine
     engine.generate(PROMPTS, params)
     assert engine.driver.trace is None
