@@ -1,8 +1,9 @@
 #!/usr/bin/env bash
 # A GPU loan's checks in one call (see bench/README.md): the `cuda` tests, then the GPU benches.
 #   bash bench/device_check.sh OUT_DIR [tests|spec|graphs ...]   (default: all three, in that order)
-# Writes cuda_tests.log, spec_decode_cuda.json with its four PNGs, cuda_graphs.json and bench.log
-# (the benches' stderr) into OUT_DIR. Each stage has its own time limit, so one that hangs leaves the others
+# Writes cuda_tests.log, spec_decode_cuda.json with its four PNGs and the adaptive runs' strategy traces
+# (traces/: per decode step the arm, its seconds and the host ms around the forwards), cuda_graphs.json and
+# bench.log (the benches' stderr) into OUT_DIR. Each stage has its own time limit, so one that hangs leaves the others
 # their time and what it wrote comes back. The three limits add up to 580 s, inside the device tool's 600 s a call.
 set -uo pipefail
 out=${1:?usage: device_check.sh OUT_DIR [tests|spec|graphs ...]}
@@ -21,7 +22,7 @@ for stage in "${stages[@]}"; do
       timeout 170 python3 -m pytest -q -p no:cacheprovider -m cuda --timeout 150 tests/engine 2>&1 \
         | tee "$out/cuda_tests.log" ;;
     spec)  # 172 s
-      timeout 210 python3 -m bench.spec_decode --device cuda --plot-dir "$out" \
+      timeout 210 python3 -m bench.spec_decode --device cuda --plot-dir "$out" --strategy-trace "$out/traces" \
         >"$out/spec_decode_cuda.json" 2>>"$out/bench.log" ;;
     graphs)  # ~175 s (eager adaptive is slow there); partial results survive the limit (`complete`: false)
       timeout 200 python3 -m bench.cuda_graphs --out "$out/cuda_graphs.json" >/dev/null 2>>"$out/bench.log" ;;
