@@ -288,6 +288,23 @@ def test_an_unmeasured_draft_model_is_priced_at_its_share_of_the_targets_work() 
         AdaptiveStrategy(["draft"], own_costs={"draft": -0.1})
 
 
+def test_a_prediction_is_the_fitted_line_at_the_steps_features() -> None:
+    """`predict` writes the speculative terms out; it must give what the features dot the fit give."""
+    model = StepCostModel(["draft", "suffix"], [0.12, 0.0])
+    rng = random.Random(0)
+    for _ in range(40):
+        drafter = rng.choice([None, "draft", "suffix"])
+        k, batch = (rng.choice([1, 2, 4, 8]) if drafter else 0), rng.randint(1, 64)
+        model.record(drafter, k, batch, 0.01 * (1 + batch / 16) * (1 + 0.3 * k), batch * k if k % 2 else None)
+    theta = model.theta()
+    for drafter, k, batch, tokens in [(None, 0, 64, None), ("draft", 4, 64, None), ("suffix", 8, 16, 40),
+                                      ("draft", 1, 1, None), ("suffix", 3, 7, 9)]:
+        phi = model._features(drafter, k, batch, tokens)
+        plain = max(theta[0] + theta[1] * batch, 0.05 * model._scale * (1 + batch / model.prior_rows))
+        line = plain + max(sum(p * t for p, t in zip(phi[2:], theta[2:], strict=True)), 0.0)
+        assert model.predict(drafter, k, batch, tokens) == pytest.approx(line, rel=1e-12)
+
+
 def test_deep_drafts_for_a_drafter_that_is_right_or_wrong_for_a_whole_row() -> None:
     """A suffix table either matches a row (and then its drafts are nearly all right) or proposes nothing:
     acceptance is per row, not per token. Rates kept per draft position see that deep drafts pay; one rate
