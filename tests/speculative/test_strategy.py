@@ -9,6 +9,7 @@ from collections.abc import Callable
 
 import pytest
 
+from service.engine.speculative import cost_model
 from service.engine.speculative.arm_costs import ArmCosts
 from service.engine.speculative.cost_model import StepCostModel
 from service.engine.speculative.estimates import Ratio
@@ -303,6 +304,23 @@ def test_a_prediction_is_the_fitted_line_at_the_steps_features() -> None:
         plain = max(theta[0] + theta[1] * batch, 0.05 * model._scale * (1 + batch / model.prior_rows))
         line = plain + max(sum(p * t for p, t in zip(phi[2:], theta[2:], strict=True)), 0.0)
         assert model.predict(drafter, k, batch, tokens) == pytest.approx(line, rel=1e-12)
+
+
+def test_a_term_pinned_at_zero_costs_one_more_solve_not_four(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A table's steps that cost no more than their verify pin its own term at 0: the fit takes one more solve
+    for it, not one per drafter term whatever is new (host time on every step of a GPU)."""
+    model = StepCostModel(["draft", "suffix"], [0.12, 0.0])
+    rng = random.Random(0)
+    for _ in range(30):
+        drafter = rng.choice([None, "suffix"])
+        k, batch = (rng.choice([1, 2, 4, 8]) if drafter else 0), rng.randint(1, 64)
+        model.record(drafter, k, batch, 0.01 + 0.001 * k * batch / 8)
+    solves = []
+    solve = cost_model.np.linalg.solve
+    monkeypatch.setattr(cost_model.np.linalg, "solve", lambda a, b: solves.append(1) or solve(a, b))
+    theta = model.theta()
+    assert -1e-8 < theta[6] <= 0  # the table's own term per draft, pinned
+    assert len(solves) == 2
 
 
 def test_deep_drafts_for_a_drafter_that_is_right_or_wrong_for_a_whole_row() -> None:

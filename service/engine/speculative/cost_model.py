@@ -97,10 +97,14 @@ class StepCostModel:
             # whenever its steps were all that measured the verify term, which then priced the verify passes of
             # a drafter never run (a suffix table) above the draft model's whole step: it was never tried.
             # Pinned at 0, the draft model's step is all verify until another drafter's steps tell them apart.
+            # A pinned term stays a hair below 0: only a newly negative one takes another solve (re-solving for the
+            # pinned ones too made every fit with one pinned term five solves).
+            pinned: set[int] = set()
             for _ in range(2 * len(self.drafters)):
-                negative = [i for i in range(4, n) if theta[i] < 0]
+                negative = [i for i in range(4, n) if theta[i] < 0 and i not in pinned]
                 if not negative:
                     break
+                pinned.update(negative)
                 ata[negative, negative] += 1e6 * lam
                 theta = np.linalg.solve(ata, self._aty)
             self._theta = theta.tolist()
