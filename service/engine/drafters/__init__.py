@@ -54,7 +54,6 @@ def build_drafters(spec: str, model_dir: Path, target: CachedModel, num_slots: i
             raise ConfigError(f"draft model vocab {draft_cfg.vocab_size} does not match the target's {vocab}: a "
                               "draft model must share the target's tokenizer")
         model = load_model(path, target.dtype, target.device)
-        drafters["draft"] = DraftModelDrafter(model, vocab, num_slots, target.cache.max_positions, target.device,
-                                              compiled=target.graphs is not None or target.compiled is not None,
-                                              own_cost=draft_cfg.macs_per_token / target.cfg.macs_per_token)
+        drafters["draft"] = DraftModelDrafter(model, target.cfg, num_slots, target.cache.max_positions, target.device,
+                                              compiled=target.graphs is not None or target.compiled is not None)
     return drafters

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import torch
 
+from service.config import ModelConfig
 from service.engine.cached_model import CachedModel
 from service.engine.drafters.base import Drafter, clock
 from service.engine.kv_cache import KVCache
@@ -23,8 +24,8 @@ from service.models.llama import CausalLM
 class DraftModelDrafter(Drafter):
     name = "draft"
 
-    def __init__(self, model: CausalLM, target_vocab: int, num_slots: int, max_positions: int,
-                 device: torch.device, version: str = "0", compiled: bool = False, own_cost: float = 0.0) -> None:
+    def __init__(self, model: CausalLM, target_cfg: ModelConfig, num_slots: int, max_positions: int,
+                 device: torch.device, version: str = "0", compiled: bool = False) -> None:
         dtype = next(model.parameters()).dtype
         cache = KVCache(model.config, num_slots, max_positions, dtype, device)
         # The draft model with its own KV cache; its k - 1 decode forwards per proposal are graphed (GPU) or
@@ -32,8 +33,9 @@ class DraftModelDrafter(Drafter):
         self.cached = CachedModel(model, cache, device, compiled)
         self.device = device
         self.version = version
-        self.target_vocab = target_vocab
-        self.own_cost = own_cost  # what the strategy assumes a draft position costs until measured (base.py)
+        self.target_vocab = target_cfg.vocab_size
+        # What the strategy assumes a draft position costs until it measures one (base.py)
+        self.own_cost = model.config.macs_per_token / target_cfg.macs_per_token
         self._stale = False  # the weights changed since the last proposal
         self._current: set[int] = set()  # sequences prefilled since then: their cache is the new weights'
 
