@@ -19,8 +19,16 @@ export PIP_DISABLE_PIP_VERSION_CHECK=1
 # Debian's own python3 refuses pip installs (PEP 668); this is a throwaway test environment.
 export PIP_BREAK_SYSTEM_PACKAGES=1
 
-# What the installs below have to work with (they write ~4 GB: torch, .venv-vllm (2.4 GB), the image).
+# What the installs below have to work with (they write ~4 GB: torch, .venv-vllm (2.4 GB), the image). Too
+# little is said here, not as an OSError from the middle of a pip install.
 df -h . "${TMPDIR:-/tmp}" 2>/dev/null || true
+need_gb=4
+[[ -x .venv-vllm/bin/python ]] && need_gb=1
+free_gb=$(( $(df -Pk . | awk 'NR == 2 {print $4}') / 1024 / 1024 ))
+if (( free_gb < need_gb )); then
+    echo "scripts/test.sh: ${free_gb} GB free on this disk; the installs and tests need about ${need_gb} GB" >&2
+    exit 1
+fi
 
 echo "==> installing torch (local CPU wheel via find-links)"
 python3 -m pip install -q torch==2.13.0
