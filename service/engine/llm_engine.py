@@ -17,15 +17,13 @@ from service.backend.base import StatsSnapshot
 from service.config import EngineConfig, ModelConfig
 from service.engine.drafters import build_drafters, expand_auto
 from service.engine.drafters.base import Drafter
-from service.engine.drafters.draft_model import DraftModelDrafter
-from service.engine.drafters.eagle import EagleDrafter
 from service.engine.kv_cache import KVCache, slots_for_budget
 from service.engine.runner import ModelRunner, StepResult, TokenResult
 from service.engine.scheduler import Scheduler, SchedulerOutput
-from service.engine.sequence import Request, RequestOutput, Sequence, StepOutput, completion_of
+from service.engine.sequence import Request, RequestOutput, Sequence, StepOutput, check_request, completion_of
 from service.engine.speculative.estimates import Ewma
 from service.engine.stats import EngineStats, StepRecord
-from service.engine.strategy import PLAIN, AdaptiveStrategy, Strategy
+from service.engine.strategy import PLAIN, Strategy
 from service.engine.strategy_driver import StrategyDriver, open_trace
 from service.models.llama import CausalLM
 from service.models.loader import load_model
@@ -72,18 +70,10 @@ class LLMEngine:
         self._last_step_end: float | None = None
         self._between_steps = Ewma()
         self.runner.drafters = list(self.drafters.values())
-        fixed = None
-        if config.spec == "off" or not self.drafters:
-            fixed = PLAIN
-        elif config.spec == "fixed":
-            fixed = Strategy(next(iter(self.drafters)), config.spec_k)
-        self.strategy = AdaptiveStrategy(list(self.drafters), fixed=fixed, seed=config.seed,
-                                         rounds_to_ks=self.runner.target.graphs is not None,
-                                         pack_min_saved=self.runner.target.pack_min_saved,
-                                         own_costs={name: d.own_cost for name, d in self.drafters.items()})
-        self.driver = StrategyDriver(self.strategy, self.drafters)
-        may_run = set(self.drafters) if fixed is None else {fixed.drafter} if fixed.k else set()
-        self.runner.prefill_drafters = [d for name, d in self.drafters.items() if name in may_run]
+        self.driver = StrategyDriver.configured(config.spec, config.spec_k, config.seed, self.drafters,
+                                                self.runner.target)
+        self.strategy = self.driver.strategy
+        self.runner.prefill_drafters = self.driver.may_run()
         t0 = time.perf_counter()  # CUDA graphs (GPU) or compiled forwards (CPU) before the first step
         if n := self.runner.prepare(self.strategy.depths()):
             how = "captured" if self.runner.target.graphs is not None else "compiled"
@@ -103,18 +93,8 @@ class LLMEngine:
     ) -> str:
         params = params or SamplingParams()
         prompt = [int(t) for t in prompt_token_ids]
-        vocab, max_len = self.model_config.vocab_size, self.config.max_model_len
-        if not prompt:
-            raise SamplingError("prompt must contain at least one token")
-        if len(prompt) >= max_len:
-            raise SamplingError(f"prompt has {len(prompt)} tokens; max_model_len is {max_len}")
-        bad = [t for t in prompt if not 0 <= t < vocab]
-        if bad:
-            raise SamplingError(f"prompt token ids out of range [0, {vocab}): {bad[:5]}")
-        if params.top_logprobs > vocab:  # one request must never fail the batch it runs in
-            raise SamplingError(f"top_logprobs={params.top_logprobs} exceeds the vocabulary size {vocab}")
-        if params.n > self.scheduler.num_slots:
-            raise SamplingError(f"n={params.n} exceeds the {self.scheduler.num_slots} sequences the cache holds")
+        check_request(prompt, params, self.model_config.vocab_size, self.config.max_model_len,
+                      self.scheduler.num_slots)
         request_id = request_id or uuid.uuid4().hex
         if request_id in self.requests:
             raise SamplingError(f"request id {request_id!r} is already in use")
@@ -233,16 +213,15 @@ class LLMEngine:
     def drafter_version(self) -> str:
         return ",".join(f"{n}@{d.version}" for n, d in self.drafters.items()) or "none"
 
+    def _weighted_drafter(self) -> Drafter | None:
+        return next((d for d in self.drafters.values() if d.weights_kind), None)
+
     def swap_drafter(self, module: nn.Module, version: str) -> None:
         """Serve new drafter weights (a draft model or an EAGLE head) from the next step on (between steps)."""
-        for drafter in self.drafters.values():
-            if isinstance(drafter, DraftModelDrafter):
-                drafter.swap_model(module, str(version))
-                return
-            if isinstance(drafter, EagleDrafter):
-                drafter.swap_head(module, str(version))
-                return
-        raise ValueError(f"no drafter with weights; drafters: {sorted(self.drafters)}")
+        drafter = self._weighted_drafter()
+        if drafter is None:
+            raise ValueError(f"no drafter with weights; drafters: {sorted(self.drafters)}")
+        drafter.swap_weights(module, str(version))
 
     def _postprocess(self, result: StepResult) -> list[StepOutput]:
         """Append each sequence's new tokens in order, stopping exactly where plain decoding would."""
@@ -259,7 +238,7 @@ class LLMEngine:
                                  seq.request_id)
                 self.fail_request(seq.request_id, f"request failed: {exc}")
                 continue
-            outputs.append(self._emit(seq, drafter_version))
+            outputs.append(seq.emit(self.policy_version, drafter_version))
         self._forget_finished(seqs)
         return outputs
 
@@ -288,25 +267,12 @@ class LLMEngine:
         failures, self.failures = self.failures, {}
         return failures
 
-    def _emit(self, seq: Sequence, drafter_version: str | None = None) -> StepOutput:
-        start, seq.num_emitted = seq.num_emitted, len(seq.output_token_ids)
-        p = seq.params
-        return StepOutput(
-            request_id=seq.request_id, index=seq.index,
-            new_token_ids=seq.output_token_ids[start:], new_logprobs=seq.logprobs[start:],
-            finished=seq.is_finished, finish_reason=seq.finish_reason.value if seq.finish_reason else None,
-            new_raw_logprobs=seq.raw_logprobs[start:] if p.raw_logprobs else None,
-            new_top_logprobs=seq.top_logprobs[start:] if p.top_logprobs else None,
-            policy_version=self.policy_version, drafter_version=drafter_version or self.drafter_version,
-            num_prompt_tokens=len(seq.prompt_token_ids), num_output_tokens=len(seq.output_token_ids),
-        )
-
     def _drain_aborted(self) -> list[StepOutput]:
         aborted, self._aborted = self._aborted, []
         for seq in aborted:
             for d in self.runner.drafters:
                 d.observe(seq)
-        outputs = [self._emit(s) for s in aborted]
+        outputs = [s.emit(self.policy_version, self.drafter_version) for s in aborted]
         self._forget_finished(aborted)
         return outputs
 
@@ -330,12 +296,8 @@ class LLMEngine:
 
     def drafter_weights(self) -> tuple[str, nn.Module] | None:
         """The drafter that has weights (kind "draft_model" or "eagle", its serving module), or None."""
-        for drafter in self.drafters.values():
-            if isinstance(drafter, DraftModelDrafter):
-                return "draft_model", drafter.cached.model
-            if isinstance(drafter, EagleDrafter):
-                return "eagle", drafter.head
-        return None
+        drafter = self._weighted_drafter()
+        return None if drafter is None else (drafter.weights_kind, drafter.weights())
 
     def generate(
         self,

@@ -12,11 +12,12 @@ from __future__ import annotations
 import time
 
 from service.config import ConfigError
+from service.engine.cached_model import CachedModel
 from service.engine.drafters.base import Drafter
 from service.engine.runner import StepResult
 from service.engine.sequence import Sequence
 from service.engine.speculative.shadow import shadow_trials
-from service.engine.strategy import AdaptiveStrategy, Strategy
+from service.engine.strategy import PLAIN, AdaptiveStrategy, Strategy
 from service.engine.trace import StepTrace
 
 Shadow = dict[str, list[tuple[int, int]]]  # host drafter -> (num_accepted, num_drafted) per row not verified
@@ -39,6 +40,26 @@ class StrategyDriver:
         self.trace = trace
         self._drafts: dict[str, list[list[int]]] = {}  # what each host drafter had for the step's rows
         self._choose_s = 0.0  # the last choice's host seconds (the trace's host_ms)
+
+    @classmethod
+    def configured(cls, spec: str, spec_k: int, seed: int, drafters: dict[str, Drafter],
+                   target: CachedModel) -> StrategyDriver:
+        """The engine's strategy for `--spec` off / fixed (the first drafter at `spec_k`) / adaptive."""
+        fixed = None
+        if spec == "off" or not drafters:
+            fixed = PLAIN
+        elif spec == "fixed":
+            fixed = Strategy(next(iter(drafters)), spec_k)
+        strategy = AdaptiveStrategy(list(drafters), fixed=fixed, seed=seed, rounds_to_ks=target.graphs is not None,
+                                    pack_min_saved=target.pack_min_saved,
+                                    own_costs={name: d.own_cost for name, d in drafters.items()})
+        return cls(strategy, drafters)
+
+    def may_run(self) -> list[Drafter]:
+        """The drafters a step may run (those that prefill with the target)."""
+        fixed = self.strategy.fixed
+        names = set(self.drafters) if fixed is None else {fixed.drafter} if fixed.k else set()
+        return [d for name, d in self.drafters.items() if name in names]
 
     def choose(self, seqs: list[Sequence], room: list[int] | None) -> Strategy:
         """The strategy's pick, told beforehand what drafters that propose on the host have for each row, each

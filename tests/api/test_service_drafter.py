@@ -9,9 +9,6 @@ from helpers import make_checkpoint
 from service_utils import ADMIN, checkpoint_tensors, perturbed, start_server
 
 from client import AsyncSpecrollClient, FailedPrecondition, InvalidArgument, Sample, SpecrollClient
-from service.engine.llm_engine import LLMEngine
-
-pytestmark = pytest.mark.skipif(not hasattr(LLMEngine, "swap_drafter"), reason="engine has no swap_drafter yet")
 
 
 @pytest.fixture(scope="module")

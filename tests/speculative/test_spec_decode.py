@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 import json
 import shutil
@@ -373,6 +374,29 @@ def test_the_strategy_starts_from_each_drafters_share_of_the_targets_work(target
     assert own["suffix"] == 0 and engine.strategy.costs.model.own == [own[n] for n in engine.strategy.drafters]
     cost = {n: engine.strategy.predicted_cost(4, Strategy(n, 2)) for n in ("suffix", "draft", "eagle")}
     assert cost["suffix"] < cost["draft"] < cost["eagle"]
+
+
+@pytest.mark.parametrize("name, kind", [("llama", "draft_model"), ("eagle", "eagle"), ("suffix", None)])
+def test_a_push_finds_the_drafter_with_weights(target, drafters, name, kind):
+    """The engine hands a push the drafter that has weights, behind a suffix table listed first, and serves the
+    pushed module from then on; with no such drafter it has none to give and refuses a swap."""
+    engine = LLMEngine(EngineConfig(model=str(target), max_model_len=256, max_num_seqs=4,
+                                    drafter=",".join(dict.fromkeys(["suffix", drafters[name]]))))
+    found = engine.drafter_weights()
+    if kind is None:
+        assert found is None
+        with pytest.raises(ValueError, match="no drafter with weights"):
+            engine.swap_drafter(torch.nn.Linear(2, 2), "1")
+        return
+    assert found is not None and found[0] == kind
+    pushed = copy.deepcopy(found[1])
+    engine.swap_drafter(pushed, "7")
+    assert engine.drafter_weights() == (kind, pushed) and "@7" in engine.drafter_version
+    params = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
+    _, base = run(target, PROMPTS[:2], params)
+    engine.strategy.fixed = Strategy(next(n for n, d in engine.drafters.items() if d.weights_kind), 3)
+    got = engine.generate(PROMPTS[:2], params)
+    assert [o.outputs[0].token_ids for o in got] == [o.outputs[0].token_ids for o in base]
 
 
 def test_the_strategy_trace_has_one_line_per_decode_step(target, drafters, tmp_path):

@@ -1,5 +1,5 @@
 """Without Redis the server keeps rollouts in memory and trains its own drafter in-process: a draft model
-(swapped through engine.swap_drafter) and an EAGLE head (swapped through EagleDrafter.swap_head)."""
+(swapped through engine.swap_drafter) and an EAGLE head (swapped through EagleDrafter.swap_weights)."""
 
 from __future__ import annotations
 

@@ -6,6 +6,7 @@ import time
 from abc import ABC, abstractmethod
 
 import torch
+from torch import nn
 
 from service.engine.sampler import SamplingBatch
 from service.engine.scheduler import SlotCopy
@@ -22,6 +23,8 @@ class Drafter(ABC):
     # A draft position's own work over a target position's (multiply-adds), what the strategy assumes until it
     # measures the drafter: 0 for one that drafts on the host (a suffix table)
     own_cost: float = 0.0
+    # "draft_model" or "eagle" for a drafter with weights a trainer pushes (`weights`, `swap_weights`); None: none
+    weights_kind: str | None = None
 
     @abstractmethod
     def propose(self, seqs: list[Sequence], k: int, sb: SamplingBatch) -> DraftProposal:
@@ -54,6 +57,14 @@ class Drafter(ABC):
 
     def apply_copies(self, copies: list[SlotCopy]) -> None:
         """Follow the target cache's slot moves and forks."""
+
+    def weights(self) -> nn.Module | None:
+        """The module a push replaces (of kind `weights_kind`), or None for a drafter without weights."""
+        return None
+
+    def swap_weights(self, module: nn.Module, version: str) -> None:
+        """Serve `module` from the next proposal on (between steps)."""
+        raise ValueError(f"drafter {self.name!r} has no weights to swap")
 
 
 def clock(device: torch.device) -> float:

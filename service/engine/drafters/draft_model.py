@@ -23,6 +23,7 @@ from service.models.llama import CausalLM
 
 class DraftModelDrafter(Drafter):
     name = "draft"
+    weights_kind = "draft_model"
 
     def __init__(self, model: CausalLM, target_cfg: ModelConfig, num_slots: int, max_positions: int,
                  device: torch.device, version: str = "0", compiled: bool = False) -> None:
@@ -39,7 +40,10 @@ class DraftModelDrafter(Drafter):
         self._stale = False  # the weights changed since the last proposal
         self._current: set[int] = set()  # sequences prefilled since then: their cache is the new weights'
 
-    def swap_model(self, model: CausalLM, version: str) -> None:
+    def weights(self) -> CausalLM:
+        return self.cached.model
+
+    def swap_weights(self, model: CausalLM, version: str) -> None:
         """Serve a new drafter from the next proposal on; every sequence admitted before catches up again."""
         self.cached.model = model
         self.version = version

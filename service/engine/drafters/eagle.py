@@ -71,6 +71,7 @@ def load_head(path: Path, target_cfg: ModelConfig) -> EagleHead:
 
 class EagleDrafter(Drafter):
     name = "eagle"
+    weights_kind = "eagle"
 
     def __init__(self, head: EagleHead, target: CachedModel, num_slots: int, device: torch.device,
                  version: str = "0") -> None:
@@ -88,7 +89,10 @@ class EagleDrafter(Drafter):
         # A draft position: the fc over [embedding, feature], one decoder layer and the target's LM head
         self.own_cost = (2 * H * H + head.config.layer_macs + H * target.cfg.vocab_size) / target.cfg.macs_per_token
 
-    def swap_head(self, head: EagleHead, version: str) -> None:
+    def weights(self) -> EagleHead:
+        return self.head
+
+    def swap_weights(self, head: EagleHead, version: str) -> None:
         self.head = head.to(device=self.device, dtype=self.target.dtype).eval().requires_grad_(False)
         self.cached.model = self.head
         self.version = version
