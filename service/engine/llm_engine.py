@@ -272,7 +272,8 @@ class LLMEngine:
         for seq in aborted:
             for d in self.runner.drafters:
                 d.observe(seq)
-        outputs = [s.emit(self.policy_version, self.drafter_version) for s in aborted]
+        drafter_version = self.drafter_version  # once, not per row
+        outputs = [s.emit(self.policy_version, drafter_version) for s in aborted]
         self._forget_finished(aborted)
         return outputs
 
