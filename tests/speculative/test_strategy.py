@@ -457,13 +457,17 @@ def test_a_catch_up_is_not_spread_over_more_steps_than_the_batch_has_left() -> N
 
 
 def lost_at_full_batch() -> AdaptiveStrategy:
-    """A draft model 1.2x plain's rate at full batch (without its catch-up) that stayed 5 steps, the last one
-    catching up at 60 us per token, then was away 30 steps in the same bucket (plain beat it there)."""
+    """A draft model 1.2x plain's rate at full batch (without its catch-up): switched to there, it stayed 3
+    steps, the last one catching up at 60 us per token, then was away 30 steps in the same bucket (plain beat
+    it there)."""
     s = AdaptiveStrategy(["draft"], ks=(2,), seed=0)
     for batch in (16, 64):
         s.record(PLAIN, batch, 0.010 * (1 + batch / 32))
-    for batch, seconds in ((16, 0.02), (16, 0.02), (64, 0.05), (64, 0.05)):
-        s.record(Strategy("draft", 2), batch, seconds, [1] * batch)  # 2 tokens per row
+    for _ in range(2):
+        s.record(Strategy("draft", 2), 16, 0.02, [1] * 16)  # 2 tokens per row
+    s.record(PLAIN, 16, 0.015)
+    for _ in range(2):
+        s.record(Strategy("draft", 2), 64, 0.05, [1] * 64)
     s.record(Strategy("draft", 2), 64, 0.05 + 0.06, [1] * 64, caught_up=(1000, 0.06))  # 60 us per token
     for _ in range(30):
         s.record(PLAIN, 64, 0.03)
@@ -471,36 +475,34 @@ def lost_at_full_batch() -> AdaptiveStrategy:
 
 
 def test_a_catch_up_after_losing_in_the_same_bucket_is_spread_over_the_drafters_stays() -> None:
-    """A draft model 1.2x plain's rate at full batch that stayed 5 steps, then was away 30 in the same bucket
-    (near-tied arms beat it there): its 0.18 s catch-up is spread over the 5 steps it stays, not the 30 it was
-    away, and plain runs on. Once the batch drains into another bucket (conditions changed), a catch-up is
-    spread over the absence, and the draft model, 1.2x plain there without it, runs."""
+    """The draft model of `lost_at_full_batch`: its 0.18 s catch-up is spread over the 3 steps it stays, not the
+    30 it was away, and plain runs on. Once the batch drains into another bucket (conditions changed), a catch-up
+    is spread over the absence, and the draft model, 1.2x plain there without it, runs."""
     s = lost_at_full_batch()
     assert [s.choose(64, catch_up={"draft": 3000}).drafter for _ in range(20)].count(None) >= 18
     assert [s.choose(32, catch_up={"draft": 960}).drafter for _ in range(20)].count("draft") >= 18
 
 
-def test_a_drafter_that_lost_its_last_stay_in_a_bucket_pays_its_catch_up_there_by_that_stay_in_later_rollouts() -> None:
-    """GRPO drains every step's batch through the same buckets. The draft model of the test above lost its last
-    stay at full batch (5 steps); the batch then drained, it ran in a smaller bucket and was away 40 steps: back
-    at full batch (the next rollout) its 0.18 s catch-up is spread over the 5 steps it lasted there, not over its
-    absence as in a bucket it never lost in (in bench/e2e.py, re-tries at each step's full batch and tail each
-    paid a catch-up of ~400 tokens for a step or two), and plain runs. A stay the batch drained out of is no
-    loss: there, the catch-up is spread over the absence again."""
+def test_a_switch_is_charged_by_how_long_the_last_stay_begun_in_its_bucket_lasted_in_later_rollouts() -> None:
+    """GRPO drains every step's batch through the same buckets. The draft model of `lost_at_full_batch` then ran
+    in a smaller bucket and was away 40 steps: back at full batch (the next rollout), its 0.18 s catch-up is spread
+    over the 3 steps its last stay begun there lasted, not over its absence as in a bucket it was never switched
+    to in (in bench/e2e.py, re-tries at each step's full batch and in its tail each paid a catch-up of ~400 tokens
+    for a step or two), and plain runs. A stay that goes on while the batch drains counts for the bucket it began
+    in; when one begun at full batch lasts 24 steps, a switch there is charged over 24."""
     s = lost_at_full_batch()
     for _ in range(3):
         s.record(Strategy("draft", 2), 16, 0.02, [1] * 16)
     for _ in range(40):
         s.record(PLAIN, 8, 0.0125)
+    assert s.catch_ups.horizon("draft", 64) == 3
     assert [s.choose(64, catch_up={"draft": 3000}).drafter for _ in range(20)].count(None) >= 18
-    assert s.catch_ups.horizon("draft", 64) == 5
-    # Full batch again, where it wins and stays until the batch drains into 32: no loss at 64 any more
-    for batch in (64, 64, 64, 32):
+    for batch in [64] * 20 + [32] * 4:  # it wins at full batch, and stays as the batch drains
         s.record(Strategy("draft", 2), batch, 0.05 * batch / 64, [1] * batch)
     for _ in range(40):
         s.record(PLAIN, 8, 0.0125)
-    assert s.catch_ups.horizon("draft", 64) == 32
-    assert [s.choose(64, catch_up={"draft": 3000}).drafter for _ in range(20)].count("draft") >= 18
+    assert s.catch_ups.horizon("draft", 64) == 24
+    assert [s.choose(64, catch_up={"draft": 2000}).drafter for _ in range(20)].count("draft") >= 18
 
 
 def test_rows_near_their_token_budget_are_valued_at_what_they_can_emit() -> None:

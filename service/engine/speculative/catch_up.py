@@ -9,10 +9,10 @@ tokens (large catch-ups of a near-uniform rollout cost 2-2.8x per token what the
 
 It is charged to the arms that would pay it, spread over the steps the switch is expected to last (`horizon`): how
 long the drafter stayed once switched to, lately, or, where the batch has drained into another bucket since the
-drafter last ran, how long it has been away if longer, unless the drafter lost its last stay in this bucket (then
-that stay: in GRPO every step drains through the same buckets); never over more steps than the batch has left at the
-arm's pace (a near-uniform rollout switched to the draft model as its last rows finished and paid a whole catch-up
-for a few steps). Why timed, not inferred: inferred as a step's excess over the cost model's prediction, the first
+drafter last ran, how long it has been away if longer; where its last stay begun in this bucket is known, that stay
+(in GRPO every step drains through the same buckets); never over more steps than the batch has left at the arm's
+pace (a near-uniform rollout switched to the draft model as its last rows finished and paid a whole catch-up for a
+few steps). Why timed, not inferred: inferred as a step's excess over the cost model's prediction, the first
 switch's excess was the error of a line fit on a few steps in another bucket; it priced a catch-up token at ~10x its
 cost and kept the draft model out of a near-uniform rollout's whole full-batch phase.
 """
@@ -28,9 +28,7 @@ from service.engine.speculative.estimates import Ewma, Ratio
 class _LastRun:
     steps_ago: int = 0  # steps since the drafter last ran
     bucket: int | None = None  # the batch bucket it last ran in (None: never ran)
-    # Per bucket, how long the drafter's last stay there lasted, where another arm's choice in that bucket ended
-    # it (it lost there); a stay the batch drained out of ends none
-    lost: dict[int, int] = field(default_factory=dict)
+    began: dict[int, int] = field(default_factory=dict)  # per bucket, how long its last stay begun there lasted
 
 
 @dataclass(slots=True)
@@ -42,21 +40,19 @@ class CatchUps:
     _last: dict[str, _LastRun] = field(default_factory=dict)
     _stay_of: str | None = None  # the drafter (None: plain) of the steps run in a row lately
     _run: int = 0  # how many
-    _run_bucket: int = 0  # the bucket of the newest of them
+    _run_from: int = 0  # the bucket the first of them ran in
 
     def step(self, drafters: list[str], ran: str | None, bucket: int, ends_stay: bool) -> None:
         """A step ran drafter `ran` (None: plain) in `bucket`; `ends_stay`: False for a step that does not end
         a stay (a new bucket's plain probe)."""
         if ends_stay or ran is not None:
             stayed = self._stay_of
-            if ran != stayed and stayed is not None:
-                self.stays.setdefault(stayed, Ewma()).update(self._run, self.rate)
-                if bucket == self._run_bucket:
-                    self._last[stayed].lost[bucket] = self._run
-            elif ran is not None and ran == stayed and bucket != self._run_bucket:
-                self._last[ran].lost.pop(self._run_bucket, None)  # it held that bucket until the batch left
-            self._run = self._run + 1 if ran == stayed else 1
-            self._stay_of, self._run_bucket = ran, bucket
+            if ran != stayed:
+                if stayed is not None:
+                    self.stays.setdefault(stayed, Ewma()).update(self._run, self.rate)
+                    self._last[stayed].began[self._run_from] = self._run
+                self._run, self._stay_of, self._run_from = 0, ran, bucket
+            self._run += 1
         for d in drafters:
             last = self._last.setdefault(d, _LastRun())
             last.steps_ago = 0 if d == ran else last.steps_ago + 1
@@ -83,16 +79,17 @@ class CatchUps:
         charged by its old short stays it would be locked out. Away as long in the same bucket, it lost there to
         arms near-tied with it, and a draw that picks it now is noise: charged over its absence, a near-uniform
         rollout switched back to the draft model after 30 steps of a suffix table at full batch and paid 0.6-1 s
-        (7-10% of the run) to feed it 3,000 tokens, for a step or two. Where its last stay in this bucket ended by
-        another arm's choice there (in any rollout before), that stay is what a re-try is expected to last: in GRPO
-        (bench/e2e.py) every step's batch drains through the same buckets, so each bucket looked newly entered, and
-        a draft model that lost to the suffix table in all of them was re-tried in each, paying ~400 tokens of
-        catch-up for a step or two. A stay the batch drained out of is no loss."""
+        (7-10% of the run) to feed it 3,000 tokens, for a step or two. Where it was switched to in this bucket
+        before (in this rollout or an earlier one), how long that stay lasted is what a switch here is expected to
+        last, wherever the batch drained to meanwhile: in GRPO (bench/e2e.py) every step's batch drains through the
+        same buckets, so each bucket looked newly entered, and a draft model that lost to the suffix table in all of
+        them was re-tried in each, paying ~400 tokens of catch-up for a step or two; keyed by where its stays ended,
+        the tail's 1-2 row buckets, which a batch leaves at every finished row, forgot each loss at once."""
         stay = self.stays.get(drafter)
         longest = stay.value if stay is not None and stay.value is not None else self.horizon_cap
         last = self._last.get(drafter)
-        if last is not None and bucket in last.lost:
-            longest = last.lost[bucket]
+        if last is not None and bucket in last.began:
+            longest = last.began[bucket]
         elif last is not None and last.bucket not in (None, bucket):
             longest = max(longest, last.steps_ago)
         return min(max(longest, 1.0), self.horizon_cap)
