@@ -147,8 +147,11 @@ def test_batched_variants_compile_their_loops_for_all_threads(target, tmp_path):
     proc = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=600,
                           cwd=tmp_path)
     assert proc.returncode == 0, proc.stderr[-3000:]
-    kernels = [k for p in cache.rglob("*.py") if "specroll.linear" in (text := p.read_text())  # model forwards
-               for k in re.findall(r"(cpp_fused_\w+) = async_compile\.cpp_pybinding\((.*?)\'\'\'\)", text, re.S)]
+    # Every file: a model forward's code names `specroll.linear` only where start-up timing chose the packed
+    # kernel (service/models/packed.py), and the SiLU loops come from the MLP alone
+    kernels = [k for p in cache.rglob("*.py")
+               for k in re.findall(r"(cpp_fused_\w+) = async_compile\.cpp_pybinding\((.*?)\'\'\'\)", p.read_text(),
+                                   re.S)]
     silu = [body for name, body in kernels if "silu" in name]
     assert len(silu) >= 2  # the batch-1 and the batched variant's (one per layer each)
     assert any("#pragma omp parallel" in body for body in silu)
