@@ -66,6 +66,22 @@ def usable(r: BufferedRollout, max_seq_len: int, min_col: int = 0) -> bool:
     return T > 0 and last_col >= min_col
 
 
+def micro_batches(rollouts: list[BufferedRollout], max_tokens: int, max_seq_len: int) -> list[range]:
+    """Index ranges of consecutive rollouts holding at most `max_tokens` tokens each (prompt and output, cut
+    as `build_batch` cuts them; a longer rollout is a range of its own)."""
+    groups: list[range] = []
+    start, tokens = 0, 0
+    for i, r in enumerate(rollouts):
+        n = min(len(r.prompt_token_ids) + len(r.output_token_ids), max_seq_len)
+        if i > start and tokens + n > max_tokens:
+            groups.append(range(start, i))
+            start, tokens = i, 0
+        tokens += n
+    if start < len(rollouts):
+        groups.append(range(start, len(rollouts)))
+    return groups
+
+
 def build_batch(rollouts: list[BufferedRollout], weights: list[float], teacher_version: str | None, vocab: int,
                 max_seq_len: int, device: torch.device, min_col: int = 0) -> Batch:
     """`min_col` > 0 drops rows predicted from positions before it (an EAGLE head needs one position of

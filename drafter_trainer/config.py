@@ -35,6 +35,7 @@ class TrainerConfig:
     lr: float = 1e-3
     batch_rollouts: int = 16
     steps_per_round: int = 8
+    micro_tokens: int = 1024  # a step and a measure run in pieces of this many tokens; the gate is checked between
     max_seq_len: int = 512
     window_rollouts: int = 2048
     recency_versions: int = 2  # policy versions kept in the window (the current one and older ones)
@@ -67,6 +68,8 @@ class TrainerConfig:
             raise ValueError(f"gate must be one of {GATES}, got {self.gate!r}")
         if self.k < 1 or self.holdout_every < 2 or self.batch_rollouts < 1 or self.steps_per_round < 1:
             raise ValueError("k >= 1, holdout_every >= 2, batch_rollouts >= 1 and steps_per_round >= 1 are required")
+        if self.micro_tokens < 1:
+            raise ValueError("micro_tokens must be >= 1")
         if self.max_deliveries < 1:
             raise ValueError("max_deliveries must be >= 1")
         self.consumer = self.consumer or f"{socket.gethostname()}-{os.getpid()}"

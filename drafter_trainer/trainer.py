@@ -17,13 +17,13 @@ from typing import Any, Protocol
 
 import torch
 
-from drafter_trainer.batch import build_batch, usable
+from drafter_trainer.batch import usable
 from drafter_trainer.checkpoint import CheckpointStore, load_optimizer
 from drafter_trainer.config import TrainerConfig
 from drafter_trainer.freshness import FreshnessAlarm
 from drafter_trainer.ledger import Ledger
 from drafter_trainer.metrics import TrainerMetrics
-from drafter_trainer.objective import acceptance, distill_loss, expected_lengths
+from drafter_trainer.passes import GateClosed, Passes
 from drafter_trainer.pool import RolloutPool
 from drafter_trainer.servers import PushRefused, ServerState
 from drafter_trainer.source import Entry, Source
@@ -32,7 +32,6 @@ from drafter_trainer.teacher import Teacher
 from service.buffer.codec import BufferedRollout, PayloadError, decode_entry
 
 logger = logging.getLogger(__name__)
-EVAL_BATCH = 32
 
 
 class Server(Protocol):
@@ -59,6 +58,7 @@ class DrafterTrainer:
         self.metrics = metrics or TrainerMetrics()
         self.store = store
         self.optim = torch.optim.AdamW(student.module.parameters(), lr=cfg.lr)
+        self.passes = Passes(cfg, student, teacher, self._still_open)
         self.served = student.frozen_copy()
         self.served_version: str | None = None  # None: the drafter the server started with
         self.pool = RolloutPool(cfg)
@@ -169,8 +169,9 @@ class DrafterTrainer:
 
     def train_round(self) -> Measurement | None:
         """Train `steps_per_round` steps, then measure and maybe push. The gate is checked again before every
-        step: when it closes (say the server got busy again) the round pauses and goes on at the next opening,
-        so training never holds the compute decoding needs for longer than one step."""
+        step and every piece of one (passes.py): when it closes (say the server got busy again) the round
+        pauses and goes on at the next opening, so training never holds the compute decoding needs for longer
+        than one piece of `micro_tokens` tokens."""
         losses = []
         steps = self.cfg.steps_per_round if self.pool.fresh else 0
         while self._round_steps < steps:
@@ -182,78 +183,45 @@ class DrafterTrainer:
                 got = self.source.rewards([r.rollout_id for r in rollouts])
                 for r in rollouts:
                     r.reward = got.get(r.rollout_id, r.reward)
-            loss = self.train_step(rollouts) if rollouts else None
+            try:
+                loss = self.train_step(rollouts) if rollouts else None
+            except GateClosed:
+                self._round_steps -= 1
+                return None
             if loss is not None:
                 losses.append(loss)
         if steps and not self._still_open():
             return None  # measure at the next opening (the held-out measure is several forwards)
+        held = self.pool.heldout_current()
+        measured = None
+        if len(held) >= self.cfg.min_heldout:
+            try:
+                measured = self.passes.measure([self.served, self.student.module], held)
+            except GateClosed:
+                return None  # measure at the next opening
         self._round_steps = 0
         self.round += 1
         self.metrics.rounds.inc()
         self.pool.fresh.clear()
         if losses:
             self.metrics.loss.set(sum(losses) / len(losses))
-        m = self.evaluate()
+        m = self.evaluate(len(held), *measured) if measured else None
         self.commit()
         self._last_round = time.monotonic()
         return m
 
-    def _forward(self, rollouts: list[BufferedRollout], weights: list[float]) -> tuple[Any, Any, Any] | None:
-        batch = build_batch(rollouts, weights, self.teacher.version, self.student.vocab, self.cfg.max_seq_len,
-                            self.student.device, self.student.min_col)
-        if batch.size == 0:
-            return None
-        hidden = teacher_lp = None
-        if self.teacher.model is not None and (self.student.needs_target or bool(batch.teacher_ok.any())):
-            hidden = self.teacher.hidden(batch.ids)
-            teacher_lp = self.teacher.logprobs(hidden, batch)
-        if self.student.needs_target:
-            if hidden is None:
-                return None
-            batch.weights = batch.weights * batch.teacher_ok
-        return batch, hidden, teacher_lp
-
     def train_step(self, rollouts: list[BufferedRollout]) -> float | None:
-        got = self._forward(rollouts, self.pool.weights(rollouts))
-        if got is None or float(got[0].weights.sum()) == 0:
-            return None
-        batch, hidden, teacher_lp = got
-        logits = self.student.logits(self.student.module, batch, hidden, self.teacher.model)
-        loss = distill_loss(logits, batch, teacher_lp)
-        self.optim.zero_grad(set_to_none=True)
-        loss.backward()
-        torch.nn.utils.clip_grad_norm_(self.student.module.parameters(), 1.0)
-        self.optim.step()
-        self.metrics.steps.inc()
-        return float(loss.detach())
+        loss = self.passes.step(self.optim, rollouts, self.pool.weights(rollouts))
+        if loss is not None:
+            self.metrics.steps.inc()
+        return loss
 
-    @torch.no_grad()
-    def measure(self, modules: list[torch.nn.Module], rollouts: list[BufferedRollout]) -> list[float]:
-        """Expected tokens per verify step (k drafts) of each module on the same rollouts."""
-        lengths: list[list[torch.Tensor]] = [[] for _ in modules]
-        for i in range(0, len(rollouts), EVAL_BATCH):
-            chunk = rollouts[i : i + EVAL_BATCH]
-            got = self._forward(chunk, [1.0] * len(chunk))
-            if got is None:
-                continue
-            batch, hidden, teacher_lp = got
-            keep = batch.weights > 0
-            for j, module in enumerate(modules):
-                beta = acceptance(self.student.logits(module, batch, hidden, self.teacher.model), batch, teacher_lp)
-                lengths[j].append(expected_lengths(beta[keep], batch.owner[keep], self.cfg.k))
-        return [float(torch.cat(ls).mean()) if ls and sum(t.numel() for t in ls) else 1.0 for ls in lengths]
-
-    def evaluate(self) -> Measurement | None:
-        held = self.pool.heldout_current()
-        if len(held) < self.cfg.min_heldout:
-            return None
-        self.student.module.eval()
-        before, after = self.measure([self.served, self.student.module], held)
-        self.student.module.train()
+    def evaluate(self, heldout: int, before: float, after: float) -> Measurement:
+        """Record a round's measure (served drafter `before`, trained `after`) and push the trained one if better."""
         self.metrics.before.set(before)
         self.metrics.after.set(after)
         m = Measurement(self.round, self.pool.current or "", self.served_version or "initial", before, after,
-                        len(held))
+                        heldout)
         self.alarm.observe(before)  # what the server's drafter does on the current policy right now
         if after > before + self.cfg.push_margin:
             version = f"{self.cfg.version_prefix}-{self.pushes + 1}"
@@ -262,7 +230,7 @@ class DrafterTrainer:
                 m.pushed = True
                 self.alarm.observe(after)
         logger.info("round %d: accepted length %.3f (served %s) -> %.3f (trained) on %d held-out rollouts of "
-                    "policy %s%s", self.round, before, m.served_version, after, len(held), m.policy_version,
+                    "policy %s%s", self.round, before, m.served_version, after, heldout, m.policy_version,
                     f"; pushed {self.served_version}" if m.pushed else "")
         self.history.append(m)
         return m

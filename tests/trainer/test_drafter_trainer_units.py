@@ -13,12 +13,15 @@ from helpers import make_checkpoint
 from safetensors.torch import load_file
 
 from drafter_trainer.batch import build_batch, sampling_batch
+from drafter_trainer.build import build_student
 from drafter_trainer.checkpoint import CheckpointStore, load_optimizer
 from drafter_trainer.config import TrainerConfig
 from drafter_trainer.objective import acceptance, distill_loss, expected_lengths, mean_beta_length
+from drafter_trainer.passes import GateClosed, Passes
 from drafter_trainer.pool import RolloutPool
 from drafter_trainer.servers import GrpcServer
 from drafter_trainer.students import EagleStudent
+from drafter_trainer.teacher import Teacher, folder_resolver
 from service.buffer.codec import decode_entry, entry_fields, payload_of
 from service.engine.drafters.eagle import init_head
 from service.models.loader import hf_state_dict, load_model
@@ -178,17 +181,73 @@ def test_a_closing_gate_pauses_the_round_between_steps():
     from drafter_trainer.metrics import TrainerMetrics
     from drafter_trainer.trainer import DrafterTrainer
 
-    opens = iter([False, True, True, False, True])
+    opens = iter([False, True, True, False, True, True])
+    closes_in_measure = iter([True, False])
     sampled: list[int] = []
+
+    def measure(modules, held):
+        if next(closes_in_measure):
+            raise GateClosed
+        return [1.5, 1.7]
+
     fake = SimpleNamespace(
-        cfg=TrainerConfig(steps_per_round=3, gate="idle"), _round_steps=0, round=0, rng=random.Random(0),
-        metrics=TrainerMetrics(), _last_round=0.0, _still_open=lambda: next(opens),
-        pool=SimpleNamespace(fresh=["r1"], sample=lambda n, rng: sampled.append(n) or []),
-        evaluate=lambda: "measured", commit=lambda: None)
+        cfg=TrainerConfig(steps_per_round=3, gate="idle", min_heldout=2), _round_steps=0, round=0,
+        rng=random.Random(0), metrics=TrainerMetrics(), _last_round=0.0, _still_open=lambda: next(opens),
+        pool=SimpleNamespace(fresh=["r1"], sample=lambda n, rng: sampled.append(n) or [],
+                             heldout_current=lambda: ["h1", "h2"]),
+        served="served", student=SimpleNamespace(module="trained"), passes=SimpleNamespace(measure=measure),
+        evaluate=lambda n, before, after: ("measured", n, before, after), commit=lambda: None)
     round_ = DrafterTrainer.train_round.__get__(fake)
     assert round_() is None  # one step, then the server got busy: paused, nothing measured
     assert (fake._round_steps, fake.round, fake.pool.fresh, len(sampled)) == (1, 0, ["r1"], 1)
     assert round_() is None  # steps 2 and 3, then busy again before the measure
     assert (fake._round_steps, fake.round, len(sampled)) == (3, 0, 3)
-    assert round_() == "measured"  # no training left: measure, and the round is done
+    assert round_() is None  # the gate closed during the measure (passes.py): measured again at the next opening
+    assert (fake._round_steps, fake.round, len(sampled)) == (3, 0, 3)
+    assert round_() == ("measured", 2, 1.5, 1.7)  # no training left: measure, and the round is done
     assert (fake._round_steps, fake.round, fake.pool.fresh, len(sampled)) == (0, 1, [], 3)
+
+
+def test_pieces_of_a_step_add_up_to_the_whole_batch_and_a_closing_gate_drops_the_step():
+    """passes.py: a step cut into micro-batches moves the student exactly as the whole batch does; the gate is
+    asked between pieces, and a step it stops leaves the student and its gradients untouched."""
+    target, draft = make_checkpoint("qwen2", tied=False, seed=3), make_checkpoint("qwen2", tied=False, seed=5)
+    teacher = Teacher(folder_resolver(str(target), CPU), CPU, 64)
+    teacher.sync("0")
+    gen = random.Random(0)
+    rs = []
+    for i in range(6):
+        prompt = [gen.randrange(1, 512) for _ in range(gen.randrange(2, 6))]
+        out = [gen.randrange(1, 512) for _ in range(gen.randrange(3, 12))]
+        rs.append(rollout(record(f"m:{i}", prompt, out, [-1.0] * len(out), params=SamplingParams(temperature=0.8))))
+    rs[1] = rollout(record("m:1", [1, 2], [3, 4, 5], [-1.0] * 3))  # no teacher: sampled-token cross-entropy
+    rs[1].policy_version, rs[1].policy_versions = "old", ["old"]
+    weights = [1.0, 0.5, 1.0, 2.0, 1.0, 0.0]
+
+    def run(micro_tokens: int, still_open=lambda: True):
+        student = build_student(str(draft), None, 512, 64, CPU)
+        passes = Passes(TrainerConfig(micro_tokens=micro_tokens), student, teacher, still_open)
+        optim = torch.optim.SGD(student.module.parameters(), lr=0.1)  # AdamW would magnify rounding (sign of ~0)
+        return passes, student, optim
+
+    whole, s_whole, o_whole = run(10_000)
+    pieces, s_pieces, o_pieces = run(20)
+    assert len(whole.batches(rs, weights)) == 1 and len(pieces.batches(rs, weights)) >= 4
+    loss_whole, loss_pieces = whole.step(o_whole, rs, weights), pieces.step(o_pieces, rs, weights)
+    assert loss_pieces == pytest.approx(loss_whole, rel=1e-5)
+    for a, b in zip(s_whole.module.parameters(), s_pieces.module.parameters(), strict=True):
+        assert torch.allclose(a, b, atol=1e-6)
+    served = build_student(str(draft), None, 512, 64, CPU).module
+    assert not all(torch.equal(a, b) for a, b in zip(served.parameters(), s_whole.module.parameters(), strict=True))
+    m_whole = whole.measure([served, s_whole.module], rs)
+    assert pieces.measure([served, s_pieces.module], rs) == pytest.approx(m_whole, rel=1e-5)
+
+    answers = iter([True, False])
+    stopped, s_stopped, o_stopped = run(20, lambda: next(answers))
+    before = [t.clone() for t in s_stopped.module.parameters()]
+    with pytest.raises(GateClosed):
+        stopped.step(o_stopped, rs, weights)  # the gate closed before the third piece
+    assert all(torch.equal(a, b) for a, b in zip(before, s_stopped.module.parameters(), strict=True))
+    assert all(t.grad is None for t in s_stopped.module.parameters())
+    with pytest.raises(GateClosed):
+        run(20, lambda: False)[0].measure([served], rs)

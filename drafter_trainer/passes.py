@@ -1,0 +1,106 @@
+"""The trainer's forward passes over rollouts, in micro-batches with the gate checked between them.
+
+A training step or a held-out measure over a few thousand tokens runs for a second or more on a CPU. The gate
+is checked before a round's every step, but a step under way ran to its end: when a rollout began during it,
+the in-process trainer held cores the rollout needed (bench/e2e.py, adaptive with the trainer on: training
+overlapped 581 engine steps in one run). Cut into pieces of at most `micro_tokens` tokens, a step or a measure
+asks the gate before each piece; when it has closed, the work is dropped (`GateClosed`) and runs again at the
+next opening. A step's pieces add their gradients up to the whole batch's: each piece's loss is scaled by its
+share of the batch's rows, which is how the whole batch's loss is normalised.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import torch
+
+from drafter_trainer.batch import Batch, build_batch, micro_batches
+from drafter_trainer.config import TrainerConfig
+from drafter_trainer.objective import acceptance, distill_loss, expected_lengths
+from drafter_trainer.students import Student
+from drafter_trainer.teacher import Teacher
+from service.buffer.codec import BufferedRollout
+
+
+class GateClosed(Exception):
+    """The gate closed between two pieces: the step or measure is dropped."""
+
+
+class Passes:
+    def __init__(self, cfg: TrainerConfig, student: Student, teacher: Teacher,
+                 still_open: Callable[[], bool]) -> None:
+        self.cfg, self.student, self.teacher, self.still_open = cfg, student, teacher, still_open
+
+    def batches(self, rollouts: list[BufferedRollout], weights: list[float]) -> list[Batch]:
+        """The rollouts as micro-batches of at most `micro_tokens` tokens, each with rows to score."""
+        out = []
+        for group in micro_batches(rollouts, self.cfg.micro_tokens, self.cfg.max_seq_len):
+            batch = build_batch([rollouts[i] for i in group], [weights[i] for i in group], self.teacher.version,
+                                self.student.vocab, self.cfg.max_seq_len, self.student.device, self.student.min_col)
+            if batch.size:
+                out.append(batch)
+        return out
+
+    def teach(self, batch: Batch, first: bool) -> tuple[Any, Any] | None:
+        """The teacher's hidden states and processed logprobs for one piece (None: nothing to learn from), once
+        the gate is still open (not asked before the first piece: the caller has just asked)."""
+        if not first and not self.still_open():
+            raise GateClosed
+        hidden = teacher_lp = None
+        if self.teacher.model is not None and (self.student.needs_target or bool(batch.teacher_ok.any())):
+            hidden = self.teacher.hidden(batch.ids)
+            teacher_lp = self.teacher.logprobs(hidden, batch)
+        if self.student.needs_target:
+            if hidden is None:
+                return None
+            batch.weights = batch.weights * batch.teacher_ok
+        return hidden, teacher_lp
+
+    def step(self, optim: torch.optim.Optimizer, rollouts: list[BufferedRollout],
+             weights: list[float]) -> float | None:
+        """One optimiser step of the student over the rollouts (None: no row to learn from)."""
+        batches = self.batches(rollouts, weights)
+        total = sum(b.size for b in batches)
+        module = self.student.module
+        losses = []
+        optim.zero_grad(set_to_none=True)
+        try:
+            for i, batch in enumerate(batches):
+                got = self.teach(batch, first=i == 0)
+                if got is None or float(batch.weights.sum()) == 0:
+                    continue
+                logits = self.student.logits(module, batch, got[0], self.teacher.model)
+                loss = distill_loss(logits, batch, got[1]) * (batch.size / total)
+                loss.backward()
+                losses.append(float(loss.detach()))
+        except GateClosed:
+            optim.zero_grad(set_to_none=True)
+            raise
+        if not losses:
+            return None
+        torch.nn.utils.clip_grad_norm_(module.parameters(), 1.0)
+        optim.step()
+        return sum(losses)
+
+    @torch.no_grad()
+    def measure(self, modules: list[torch.nn.Module], rollouts: list[BufferedRollout]) -> list[float]:
+        """Expected tokens per verify step (k drafts) of each module on the same rollouts."""
+        lengths: list[list[torch.Tensor]] = [[] for _ in modules]
+        training = [m.training for m in modules]
+        try:
+            for m in modules:
+                m.eval()
+            for i, batch in enumerate(self.batches(rollouts, [1.0] * len(rollouts))):
+                got = self.teach(batch, first=i == 0)
+                if got is None:
+                    continue
+                keep = batch.weights > 0
+                for j, module in enumerate(modules):
+                    beta = acceptance(self.student.logits(module, batch, got[0], self.teacher.model), batch, got[1])
+                    lengths[j].append(expected_lengths(beta[keep], batch.owner[keep], self.cfg.k))
+        finally:
+            for m, was in zip(modules, training, strict=True):
+                m.train(was)
+        return [float(torch.cat(ls).mean()) if ls and sum(t.numel() for t in ls) else 1.0 for ls in lengths]
