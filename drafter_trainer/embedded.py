@@ -16,6 +16,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from drafter_trainer.config import TrainerConfig
+from service.cpu_threads import one_cpu_thread
 
 if TYPE_CHECKING:
     from prometheus_client import CollectorRegistry
@@ -51,6 +52,7 @@ class EmbeddedTrainer:
         self.config = replace(config, checkpoint_dir=checkpoint_dir or config.checkpoint_dir)
         self.trainer: Any = None
         self.niceness = NICENESS
+        self.one_thread: bool | None = None  # whether its torch ops run on its own thread alone (set once running)
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name="specroll-drafter-trainer", daemon=True)
 
@@ -92,6 +94,7 @@ class EmbeddedTrainer:
 
     def _run(self) -> None:
         lower_thread_priority(self.niceness)
+        self.one_thread = one_cpu_thread()  # else its OpenMP team slows every engine step (service/cpu_threads.py)
         while not self.backend.wait_loaded(0.5):
             if self._stop.is_set():
                 return

@@ -19,6 +19,7 @@ import torch
 from torch import nn
 
 from service.backend.base import PushError, PushUnsupported, Staged, WeightSpec
+from service.cpu_threads import one_cpu_thread
 from service.models.llama import CausalLM
 from service.models.loader import WeightError, build_model, checkpoint_shapes, load_tensors
 
@@ -89,6 +90,7 @@ class WeightStager:
         return roles
 
     def stage(self, role: str, tensors: Iterable[tuple[str, torch.Tensor]]) -> Staged:
+        one_cpu_thread()  # a copy that converts dtypes would give this thread an OpenMP team of its own
         serving = self._serving(role)
         dtype, device = self.engine.dtype, self.engine.device
         with self._lock:

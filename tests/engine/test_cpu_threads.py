@@ -1,0 +1,113 @@
+"""Threads other than the engine's keep torch to themselves (service/cpu_threads.py): no OpenMP team of their
+own, which would make every engine step slower for the rest of the process."""
+
+from __future__ import annotations
+
+import os
+import threading
+import time
+from pathlib import Path
+
+import pytest
+import torch
+from helpers import make_checkpoint
+from service_utils import ADMIN, checkpoint_tensors, perturbed, start_server, write_checkpoint
+
+from client import SpecrollClient
+from drafter_trainer.config import TrainerConfig
+from service.buffer import BufferConfig
+from service.cpu_threads import one_cpu_thread
+
+
+@pytest.fixture(autouse=True)
+def two_threads():
+    """The suite runs torch on one thread (conftest.py), where no thread makes a team: serve with two here."""
+    count = torch.get_num_threads()
+    torch.set_num_threads(2)
+    yield
+    torch.set_num_threads(count)
+
+
+def runtime_threads(nice: int | None = None) -> set[int]:
+    """Threads of this process that Python did not start and that carry the process's own name: the OpenMP
+    runtime's team members (gRPC's threads have names of their own); with `nice`, those at that niceness (a
+    thread's team members inherit its niceness)."""
+    name = Path("/proc/self/comm").read_text()
+    python = {t.native_id for t in threading.enumerate()}
+    found = set()
+    for t in map(int, os.listdir("/proc/self/task")):
+        try:
+            comm, stat = Path(f"/proc/self/task/{t}/comm").read_text(), Path(f"/proc/self/task/{t}/stat").read_text()
+        except OSError:  # ended meanwhile
+            continue
+        if t not in python and comm == name and (nice is None or int(stat.rsplit(")", 1)[1].split()[16]) == nice):
+            found.add(t)
+    return found
+
+
+def in_thread(fn) -> dict:
+    out: dict = {}
+    th = threading.Thread(target=lambda: out.update(fn()))
+    th.start()
+    th.join()
+    return out
+
+
+def test_a_thread_runs_its_torch_ops_alone_and_leaves_the_others_their_count():
+    big = torch.randn(512, 1024)
+
+    def work(fix: bool) -> dict:
+        ok = one_cpu_thread() if fix else None
+        before = runtime_threads()
+        (big.to(torch.bfloat16) @ big.T.to(torch.bfloat16)).float().sum()  # conversions and a matmul
+        return {"ok": ok, "threads": torch.get_num_threads(), "new": runtime_threads() - before}
+
+    main_count = torch.get_num_threads()  # 2
+    plain = in_thread(lambda: work(False))
+    assert plain["threads"] == main_count and plain["new"]  # the control: a team of its own (the bug)
+    fixed = in_thread(lambda: work(True))
+    assert fixed == {"ok": True, "threads": 1, "new": set()}
+    assert torch.get_num_threads() == main_count and in_thread(lambda: {"n": torch.get_num_threads()})["n"] > 1
+
+
+def test_a_converting_load_gives_the_server_no_second_team(tmp_path):
+    """A float32 server loads folders (a bf16 one converted where it is staged, on a pooled thread that lives
+    on): before the fix its decoding ran 1.6x slower from then on (demo model, 2 cores)."""
+    base = make_checkpoint("qwen2", tied=False, hidden_size=256, intermediate_size=512)
+    tensors = checkpoint_tensors(base)
+    f32 = write_checkpoint(base, tensors, tmp_path / "f32")
+    bf16 = write_checkpoint(base, {k: v.to(torch.bfloat16) for k, v in tensors.items()}, tmp_path / "bf16")
+    srv = start_server(base, load_root=str(tmp_path), engine_kw={"drafter": "none", "spec": "off",
+                                                                                "num_threads": 2})
+    try:
+        with SpecrollClient(srv.grpc_target, admin_token=ADMIN) as c:
+            c.generate_one([1, 2, 3], max_tokens=4, temperature=0.0)
+            before = runtime_threads()  # the engine's team
+            assert c.load_weights(str(bf16), "bf16").version == "bf16"
+            assert c.load_weights(str(f32), "f32").version == "f32"
+            assert runtime_threads() - before == set()
+            assert len(c.generate_one([1, 2, 3], max_tokens=4, temperature=0.0).samples[0].token_ids) == 4
+    finally:
+        srv.stop()
+
+
+def test_the_in_process_drafter_trainer_gives_the_server_no_second_team(tmp_path):
+    """Its thread trains between rollouts: before the fix its team halved the engine's tokens/s in every batch
+    bucket of bench/e2e.py's GRPO run, training or not."""
+    target = make_checkpoint("qwen2", tied=True, hidden_size=256, intermediate_size=512, seed=3)
+    draft = write_checkpoint(target, perturbed(checkpoint_tensors(target), seed=5), tmp_path / "draft")
+    trainer = TrainerConfig(gate="always", min_new=8, max_wait_s=0.1, block_ms=50, min_heldout=4,
+                            info_interval_s=0.1, consumer="in-process")
+    srv = start_server(target, buffer=BufferConfig(embedded_trainer=True, trainer=trainer),
+                       engine_kw={"drafter": str(draft), "spec": "fixed", "spec_k": 2, "num_threads": 2})
+    try:
+        with SpecrollClient(srv.grpc_target, admin_token=ADMIN) as c:
+            deadline = time.monotonic() + 120
+            while srv.server.trainer.trainer is None or srv.server.trainer.trainer.round < 2:
+                assert time.monotonic() < deadline, "the in-process trainer did not train two rounds"
+                c.generate([[7 + i, 11 + (i * 5) % 97, 13] for i in range(16)], max_tokens=32, temperature=1.0,
+                           ignore_eos=True)
+            assert srv.server.trainer.one_thread is True
+            assert runtime_threads(nice=srv.server.trainer.niceness) == set()  # a team it made would share its nice
+    finally:
+        srv.stop()
