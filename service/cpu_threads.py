@@ -48,14 +48,15 @@ def _loaded(pattern: re.Pattern[str]) -> list[str]:
 def _setters() -> tuple[ctypes._CFuncPtr | None, ctypes._CFuncPtr | None]:
     """(omp_set_num_threads, MKL_Set_Num_Threads_Local) of the libraries this process loaded, or None each."""
     found = []
-    for pattern, name in ((_OPENMP, "omp_set_num_threads"), (_MKL, "MKL_Set_Num_Threads_Local")):
+    for pattern, name, returns in ((_OPENMP, "omp_set_num_threads", None),
+                                   (_MKL, "MKL_Set_Num_Threads_Local", ctypes.c_int)):
         fn = None
         for path in _loaded(pattern):
             try:
                 fn = getattr(ctypes.CDLL(path), name)
             except (OSError, AttributeError):
                 continue
-            fn.argtypes, fn.restype = [ctypes.c_int], ctypes.c_int
+            fn.argtypes, fn.restype = [ctypes.c_int], returns
             break
         found.append(fn)
     if found[0] is None:
