@@ -11,7 +11,7 @@ share of the batch's rows, which is how the whole batch's loss is normalised.
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import torch
@@ -43,20 +43,22 @@ class Passes:
                 out.append(batch)
         return out
 
-    def teach(self, batch: Batch, first: bool) -> tuple[Any, Any] | None:
-        """The teacher's hidden states and processed logprobs for one piece (None: nothing to learn from), once
-        the gate is still open (not asked before the first piece: the caller has just asked)."""
-        if not first and not self.still_open():
-            raise GateClosed
-        hidden = teacher_lp = None
-        if self.teacher.model is not None and (self.student.needs_target or bool(batch.teacher_ok.any())):
-            hidden = self.teacher.hidden(batch.ids)
-            teacher_lp = self.teacher.logprobs(hidden, batch)
-        if self.student.needs_target:
-            if hidden is None:
-                return None
-            batch.weights = batch.weights * batch.teacher_ok
-        return hidden, teacher_lp
+    def taught(self, batches: list[Batch]) -> Iterator[tuple[Batch, Any, Any]]:
+        """Each piece with the teacher's hidden states and processed logprobs (None where it has none), pieces
+        with nothing to learn from left out. The gate is asked before every piece but the first (the caller has
+        just asked): GateClosed when it has closed."""
+        for i, batch in enumerate(batches):
+            if i and not self.still_open():
+                raise GateClosed
+            hidden = teacher_lp = None
+            if self.teacher.model is not None and (self.student.needs_target or bool(batch.teacher_ok.any())):
+                hidden = self.teacher.hidden(batch.ids)
+                teacher_lp = self.teacher.logprobs(hidden, batch)
+            if self.student.needs_target:
+                if hidden is None:
+                    continue
+                batch.weights = batch.weights * batch.teacher_ok
+            yield batch, hidden, teacher_lp
 
     def step(self, optim: torch.optim.Optimizer, rollouts: list[BufferedRollout],
              weights: list[float]) -> float | None:
@@ -64,25 +66,24 @@ class Passes:
         batches = self.batches(rollouts, weights)
         total = sum(b.size for b in batches)
         module = self.student.module
-        losses = []
+        loss_sum: torch.Tensor | None = None
         optim.zero_grad(set_to_none=True)
         try:
-            for i, batch in enumerate(batches):
-                got = self.teach(batch, first=i == 0)
-                if got is None or float(batch.weights.sum()) == 0:
+            for batch, hidden, teacher_lp in self.taught(batches):
+                if float(batch.weights.sum()) == 0:
                     continue
-                logits = self.student.logits(module, batch, got[0], self.teacher.model)
-                loss = distill_loss(logits, batch, got[1]) * (batch.size / total)
+                logits = self.student.logits(module, batch, hidden, self.teacher.model)
+                loss = distill_loss(logits, batch, teacher_lp) * (batch.size / total)
                 loss.backward()
-                losses.append(float(loss.detach()))
+                loss_sum = loss.detach() if loss_sum is None else loss_sum + loss.detach()
         except GateClosed:
             optim.zero_grad(set_to_none=True)
             raise
-        if not losses:
+        if loss_sum is None:
             return None
         torch.nn.utils.clip_grad_norm_(module.parameters(), 1.0)
         optim.step()
-        return sum(losses)
+        return float(loss_sum)
 
     @torch.no_grad()
     def measure(self, modules: list[torch.nn.Module], rollouts: list[BufferedRollout]) -> list[float]:
@@ -92,13 +93,11 @@ class Passes:
         try:
             for m in modules:
                 m.eval()
-            for i, batch in enumerate(self.batches(rollouts, [1.0] * len(rollouts))):
-                got = self.teach(batch, first=i == 0)
-                if got is None:
-                    continue
+            for batch, hidden, teacher_lp in self.taught(self.batches(rollouts, [1.0] * len(rollouts))):
                 keep = batch.weights > 0
                 for j, module in enumerate(modules):
-                    beta = acceptance(self.student.logits(module, batch, got[0], self.teacher.model), batch, got[1])
+                    beta = acceptance(self.student.logits(module, batch, hidden, self.teacher.model), batch,
+                                      teacher_lp)
                     lengths[j].append(expected_lengths(beta[keep], batch.owner[keep], self.cfg.k))
         finally:
             for m, was in zip(modules, training, strict=True):
