@@ -32,7 +32,7 @@ class TrainerConfig:
     dedupe_window: int = 100_000
     # training
     k: int = 4  # draft length the accepted-length measure assumes
-    lr: float = 1e-3
+    lr: float = 1e-4  # for a drafter that already drafts well; halved while rounds make it worse (measurement.py)
     batch_rollouts: int = 16
     steps_per_round: int = 8
     micro_tokens: int = 1024  # a step and a measure run in pieces of this many tokens; the gate is checked between
@@ -50,8 +50,7 @@ class TrainerConfig:
     # when to train
     gate: str = "tail"  # always | tail (idle, or few running and none waiting) | idle
     tail_max_running: int = 8
-    backoff_s: float = 0.5
-    max_backoff_s: float = 30.0
+    backoff_s: float = 0.2  # look at a busy server again after this long
     max_defer_s: float = 0.0  # > 0: train anyway after waiting this long for the gate
     info_interval_s: float = 1.0
     # freshness alarm

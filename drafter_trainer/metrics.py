@@ -39,3 +39,5 @@ class TrainerMetrics:
         self.gate = Gauge(P + "gate_open", "1 when the server is idle or in its long tail", registry=r)
         self.backoff = Counter(P + "backoff_seconds", "Seconds spent waiting for the server to be less busy",
                                registry=r)
+        self.lr = Gauge(P + "learning_rate", "The student's learning rate (halved when a round makes it worse)",
+                        registry=r)

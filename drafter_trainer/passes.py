@@ -86,8 +86,9 @@ class Passes:
         return float(loss_sum)
 
     @torch.no_grad()
-    def measure(self, modules: list[torch.nn.Module], rollouts: list[BufferedRollout]) -> list[float]:
-        """Expected tokens per verify step (k drafts) of each module on the same rollouts."""
+    def measure(self, modules: list[torch.nn.Module], rollouts: list[BufferedRollout]) -> tuple[list[float], int]:
+        """Expected tokens per verify step (k drafts) of each module on the same rollouts, and the number of
+        start positions each is the mean of."""
         lengths: list[list[torch.Tensor]] = [[] for _ in modules]
         training = [m.training for m in modules]
         try:
@@ -102,4 +103,5 @@ class Passes:
         finally:
             for m, was in zip(modules, training, strict=True):
                 m.train(was)
-        return [float(torch.cat(ls).mean()) if ls and sum(t.numel() for t in ls) else 1.0 for ls in lengths]
+        positions = sum(t.numel() for t in lengths[0]) if modules else 0
+        return [float(torch.cat(ls).mean()) if positions else 1.0 for ls in lengths], positions

@@ -67,9 +67,22 @@ class RolloutPool:
             out += [r for r, _ in keyed[:want]]
         return [r for r in out if self.recency_weight(r) > 0]
 
-    def heldout_current(self) -> list[BufferedRollout]:
-        return [r for r in self.heldout if r.policy_version == self.current
-                and all(v == self.current for v in r.policy_versions)]
+    def heldout_recent(self) -> list[tuple[str, list[BufferedRollout]]]:
+        """Held-out rollouts to measure on, by policy version, newest first: the current version's, then older
+        ones the trainer still trains on (`recency_versions`) until `min_heldout` are in hand. A trainer that
+        pushes every policy step (GRPO) holds out about a fifth of one step's rollouts per version, often fewer
+        than `min_heldout`, and none at all of a version just pushed. Rollouts that span versions are left out."""
+        groups: list[tuple[str, list[BufferedRollout]]] = []
+        count = 0
+        for version in reversed(self.versions[-self.cfg.recency_versions :]):
+            if count >= self.cfg.min_heldout:
+                break
+            held = [r for r in self.heldout if r.policy_version == version
+                    and all(v == version for v in r.policy_versions)]
+            if held:
+                groups.append((version, held))
+                count += len(held)
+        return groups
 
     def weights(self, rollouts: list[BufferedRollout]) -> list[float]:
         base = [self.recency_weight(r) for r in rollouts]

@@ -12,8 +12,7 @@ import logging
 import random
 import threading
 import time
-from dataclasses import dataclass
-from typing import Any, Protocol
+from typing import Protocol
 
 import torch
 
@@ -22,6 +21,7 @@ from drafter_trainer.checkpoint import CheckpointStore, load_optimizer
 from drafter_trainer.config import TrainerConfig
 from drafter_trainer.freshness import FreshnessAlarm
 from drafter_trainer.ledger import Ledger
+from drafter_trainer.measurement import MAX_LR_CUTS, Measurement, Part, overall, vars_of
 from drafter_trainer.metrics import TrainerMetrics
 from drafter_trainer.passes import GateClosed, Passes
 from drafter_trainer.pool import RolloutPool
@@ -38,17 +38,6 @@ class Server(Protocol):
     def state(self) -> ServerState: ...
 
     def push(self, student: Student, module: torch.nn.Module, version: str) -> None: ...
-
-
-@dataclass(slots=True)
-class Measurement:
-    round: int
-    policy_version: str
-    served_version: str
-    before: float  # served drafter, expected tokens per step on held-out current rollouts
-    after: float  # trained drafter, same rollouts
-    heldout: int
-    pushed: bool = False
 
 
 class DrafterTrainer:
@@ -71,9 +60,9 @@ class DrafterTrainer:
         self._state_at = 0.0
         self._round_steps = 0  # training steps done in the round under way (a closed gate pauses a round)
         self._last_round = time.monotonic()
-        self._backoff = cfg.backoff_s
         self._repush = False
         self._resume()
+        self.metrics.lr.set(self.optim.param_groups[0]["lr"])
 
     # -- the loop -------------------------------------------------------------------------------------
     def run(self, stop: threading.Event | None = None) -> None:
@@ -83,10 +72,10 @@ class DrafterTrainer:
                 self.tick()
             except Exception:
                 logger.exception("trainer step failed; retrying")
-                stop.wait(self._backoff)
+                stop.wait(self.cfg.backoff_s)
 
     def tick(self) -> None:
-        st = self.server_state()
+        self.server_state()
         entries = self.source.read(self.cfg.read_count, self.cfg.block_ms)
         self.take_in(entries)
         lag, pending = self.source.lag()
@@ -94,12 +83,12 @@ class DrafterTrainer:
         self.metrics.pending.set(pending)
         if not self.due():
             return
-        if not self.gate_open(st):
-            time.sleep(self._backoff)
-            self.metrics.backoff.inc(self._backoff)
-            self._backoff = min(self._backoff * 2, self.cfg.max_backoff_s)
+        # Looked at afresh, every `backoff_s` while busy: in an RL loop the server is idle while the policy
+        # trainer updates, a second or two each step; a backoff that grew (to 30 s) slept through most of those.
+        if not self.gate_open(self.server_state(fresh=True)):
+            time.sleep(self.cfg.backoff_s)
+            self.metrics.backoff.inc(self.cfg.backoff_s)
             return
-        self._backoff = self.cfg.backoff_s
         self.train_round()
 
     def server_state(self, fresh: bool = False) -> ServerState | None:
@@ -192,11 +181,13 @@ class DrafterTrainer:
                 losses.append(loss)
         if steps and not self._still_open():
             return None  # measure at the next opening (the held-out measure is several forwards)
-        held = self.pool.heldout_current()
-        measured = None
-        if len(held) >= self.cfg.min_heldout:
-            try:
-                measured = self.passes.measure([self.served, self.student.module], held)
+        groups = self.pool.heldout_recent()
+        held = sum(len(rs) for _, rs in groups)
+        measured: list[Part] = []
+        if held >= self.cfg.min_heldout:
+            try:  # each version apart: the freshness alarm reads the current version's alone
+                measured = [Part(v, len(rs), *self.passes.measure([self.served, self.student.module], rs))
+                            for v, rs in groups]
             except GateClosed:
                 return None  # measure at the next opening
         self._round_steps = 0
@@ -205,7 +196,7 @@ class DrafterTrainer:
         self.pool.fresh.clear()
         if losses:
             self.metrics.loss.set(sum(losses) / len(losses))
-        m = self.evaluate(len(held), *measured) if measured else None
+        m = self.evaluate(held, measured) if measured else None
         self.commit()
         self._last_round = time.monotonic()
         return m
@@ -216,24 +207,41 @@ class DrafterTrainer:
             self.metrics.steps.inc()
         return loss
 
-    def evaluate(self, heldout: int, before: float, after: float) -> Measurement:
-        """Record a round's measure (served drafter `before`, trained `after`) and push the trained one if better."""
+    def evaluate(self, heldout: int, parts: list[Part]) -> Measurement:
+        """Record a round's measure (the served drafter and the trained one on each version's held-out rollouts,
+        newest first) and push the trained one if it does better on them all together."""
+        before, after = overall(parts)
         self.metrics.before.set(before)
         self.metrics.after.set(after)
-        m = Measurement(self.round, self.pool.current or "", self.served_version or "initial", before, after,
-                        heldout)
-        self.alarm.observe(before)  # what the server's drafter does on the current policy right now
+        m = Measurement(self.round, parts[0].version, self.served_version or "initial", before, after, heldout)
+        current = next((p for p in parts if p.version == self.pool.current
+                        and 2 * p.rollouts >= self.cfg.min_heldout), None)
+        if current is not None:  # what the server's drafter does on the current policy right now
+            self.alarm.observe(current.lengths[0])
         if after > before + self.cfg.push_margin:
             version = f"{self.cfg.version_prefix}-{self.pushes + 1}"
             if self._push(self.student.module, version):
                 self.served = self.student.frozen_copy()
                 m.pushed = True
-                self.alarm.observe(after)
+                if current is not None:
+                    self.alarm.observe(current.lengths[1])
+        elif after < before:
+            self.restart_from_served()
+            m.restarted = True
         logger.info("round %d: accepted length %.3f (served %s) -> %.3f (trained) on %d held-out rollouts of "
                     "policy %s%s", self.round, before, m.served_version, after, heldout, m.policy_version,
-                    f"; pushed {self.served_version}" if m.pushed else "")
+                    f"; pushed {self.served_version}" if m.pushed else "; worse: restarted" if m.restarted else "")
         self.history.append(m)
         return m
+
+    def restart_from_served(self) -> None:
+        """measurement.py: train on from the served drafter, with fresh moments and half the learning rate."""
+        self.student.load_weights(self.student.module, self.served.state_dict())
+        self.optim.state.clear()
+        for group in self.optim.param_groups:
+            group["lr"] = max(group["lr"] / 2, self.cfg.lr / MAX_LR_CUTS)
+        self.metrics.lr.set(self.optim.param_groups[0]["lr"])
+        logger.info("training again from the served drafter at lr %.2g", self.optim.param_groups[0]["lr"])
 
     def _push(self, module: torch.nn.Module, version: str) -> bool:
         try:
@@ -287,6 +295,3 @@ class DrafterTrainer:
         self.ledger.load(state)
         self._repush = self.served_version is not None
 
-
-def vars_of(m: Measurement) -> dict[str, Any]:
-    return {f: getattr(m, f) for f in Measurement.__dataclass_fields__}

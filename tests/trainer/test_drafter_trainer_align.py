@@ -36,7 +36,7 @@ def setup(target, drafter, redis_server, tmp_path, **trainer_kw):
                        engine_kw={"drafter": str(drafter), "spec": "fixed", "spec_k": K})
     cfg = TrainerConfig(server=srv.grpc_target, admin_token=ADMIN, redis_url=redis_server, stream=stream,
                         checkpoint_dir=str(tmp_path / "ckpt"), gate="always", min_new=32, block_ms=20,
-                        max_wait_s=0.2, info_interval_s=0.0, k=K, **trainer_kw)
+                        max_wait_s=0.2, info_interval_s=0.0, k=K, **{"lr": 1e-3, **trainer_kw})  # a far-off drafter
     return srv, build(cfg)
 
 

@@ -19,9 +19,10 @@ from drafter_trainer.config import TrainerConfig
 from drafter_trainer.objective import acceptance, distill_loss, expected_lengths, mean_beta_length
 from drafter_trainer.passes import GateClosed, Passes
 from drafter_trainer.pool import RolloutPool
-from drafter_trainer.servers import GrpcServer
+from drafter_trainer.servers import GrpcServer, ServerState
 from drafter_trainer.students import EagleStudent
 from drafter_trainer.teacher import Teacher, folder_resolver
+from drafter_trainer.trainer import Part
 from service.buffer.codec import decode_entry, entry_fields, payload_of
 from service.engine.drafters.eagle import init_head
 from service.models.loader import hf_state_dict, load_model
@@ -107,6 +108,92 @@ def test_reward_and_recency_weights():
     assert not pool.fresh and pool.sample(2, random.Random(0))  # then random recent ones
 
 
+def held(pool: RolloutPool, version: str, n: int, spans: list[str] | None = None) -> None:
+    for i in range(n):
+        pool.add(rollout(record(f"h{version}{len(pool.heldout)}:{i}", [1], [2], [-1.0], policy_version=version,
+                                version_spans=[VersionSpan(v, "d", 0, 1) for v in spans or [version]])), "eval")
+
+
+def test_the_measure_reaches_back_to_older_versions_until_enough_are_held_out():
+    """A trainer that pushes every GRPO step holds out about a fifth of a step's rollouts per version, and none of
+    a version just pushed: the measure takes older versions the trainer trains on until min_heldout are in hand."""
+    pool = RolloutPool(TrainerConfig(min_heldout=4, recency_versions=3))
+    for v in "0123":
+        pool.note_version(v)
+    held(pool, "0", 5)
+    held(pool, "1", 3)
+    held(pool, "2", 2)
+    held(pool, "3", 1, spans=["2", "3"])  # spans a push: on neither version alone
+    assert [(v, len(rs)) for v, rs in pool.heldout_recent()] == [("2", 2), ("1", 3)]  # none of "3" yet; "0" not needed
+    held(pool, "3", 4)
+    assert [(v, len(rs)) for v, rs in pool.heldout_recent()] == [("3", 4)]  # the current version alone suffices
+    pool.cfg.min_heldout = 100
+    assert [v for v, _ in pool.heldout_recent()] == ["3", "2", "1"]  # no further back than recency_versions
+
+
+def test_a_measure_over_versions_pushes_on_their_whole_and_the_alarm_reads_the_current_version():
+    from drafter_trainer.freshness import FreshnessAlarm
+    from drafter_trainer.metrics import TrainerMetrics
+    from drafter_trainer.trainer import DrafterTrainer
+
+    def trainer(current: str) -> SimpleNamespace:
+        fake = SimpleNamespace(cfg=TrainerConfig(push_margin=0.01), metrics=TrainerMetrics(), round=3, history=[],
+                               pool=SimpleNamespace(current=current), served_version=None, pushes=0, served=None,
+                               alarm=FreshnessAlarm(0.5, 0.8), student=SimpleNamespace(module="trained",
+                                                                                       frozen_copy=lambda: "copy"))
+        fake._push = lambda module, version: True
+        fake.restart_from_served = lambda: None
+        fake.alarm.policy_changed(current)
+        return fake
+
+    # The newer version gets worse with the trained drafter, the older one better by more: 3 positions against 1.
+    parts = [Part("5", 8, [2.0, 1.9], 10), Part("4", 8, [2.0, 2.2], 30)]
+    fake = trainer("5")
+    m = DrafterTrainer.evaluate(fake, 12, parts)  # type: ignore[arg-type]
+    assert (m.before, m.after, m.policy_version, m.heldout, m.pushed) == (2.0, pytest.approx(2.125), "5", 12, True)
+    assert fake.alarm.baseline == 1.9  # the pushed drafter on the current version alone
+    fake.alarm.policy_changed("6")
+    fake.pool.current = "6"
+    DrafterTrainer.evaluate(fake, 16, [Part("5", 16, [1.2, 1.1], 40)])  # type: ignore[arg-type]
+    assert fake.alarm.awaiting and not fake.alarm.stale  # no rollouts of "6" measured: the alarm does not judge it
+    DrafterTrainer.evaluate(fake, 16, [Part("6", 7, [1.3, 1.2], 5), Part("5", 9, [1.9, 1.8], 40)])  # type: ignore[arg-type]
+    assert fake.alarm.awaiting and not fake.alarm.stale  # 7 of "6": too few to judge by (min_heldout 16)
+    DrafterTrainer.evaluate(fake, 16, [Part("6", 8, [1.3, 1.2], 5), Part("5", 8, [1.9, 1.8], 40)])  # type: ignore[arg-type]
+    assert fake.alarm.stale and fake.alarm.events[-1].stale == 1.3  # "6" alone, not diluted by "5"
+    assert [(h.pushed, h.restarted) for h in fake.history] == [(True, False)] + [(False, True)] * 3
+
+
+def test_a_round_that_makes_the_drafter_worse_restarts_it_from_the_served_one_at_half_the_rate():
+    """measurement.py: a trained drafter measured worse than the served one is not trained on from where it went."""
+    from drafter_trainer.trainer import DrafterTrainer
+
+    student = build_student(str(make_checkpoint("qwen2", tied=False, seed=5)), None, 512, 64, CPU)
+    pushed: list[str] = []
+    server = SimpleNamespace(push=lambda s, module, version: pushed.append(version))
+    trainer = DrafterTrainer(TrainerConfig(lr=1e-3), None, server, student, None)  # type: ignore[arg-type]
+    trainer.pool.note_version("0")
+
+    def trained_worse() -> None:
+        for p in student.module.parameters():
+            p.grad = torch.ones_like(p)
+        trainer.optim.step()
+        assert trainer.optim.state and not all(
+            torch.equal(a, b) for a, b in zip(student.module.parameters(), trainer.served.parameters(), strict=True))
+        assert trainer.evaluate(16, [Part("0", 16, [3.0, 2.5], 100)]).restarted
+
+    trained_worse()
+    assert all(torch.equal(a, b) for a, b in zip(student.module.parameters(), trainer.served.parameters(), strict=True))
+    assert not trainer.optim.state and trainer.optim.param_groups[0]["lr"] == 5e-4
+    assert trainer.metrics.lr._value.get() == 5e-4
+    for _ in range(8):
+        trained_worse()
+    assert trainer.optim.param_groups[0]["lr"] == 1e-3 / 32 and not pushed  # no lower than the floor
+    m = trainer.evaluate(16, [Part("0", 16, [3.0, 3.0], 100)])  # no better, no worse: trained on as it is
+    assert not (m.pushed or m.restarted)
+    m = trainer.evaluate(16, [Part("0", 16, [3.0, 3.5], 100)])
+    assert m.pushed and not m.restarted and pushed == ["distill-1"] and trainer.served_version == "distill-1"
+
+
 def test_hf_tensors_round_trip_and_checkpoint_with_optimizer(tmp_path):
     path = make_checkpoint("qwen2", tied=False)
     model = load_model(path, torch.float32, CPU)
@@ -162,7 +249,6 @@ def test_eagle_heads_are_pushed_over_grpc_like_draft_models():
 
 def test_gate_follows_the_running_batch():
     from drafter_trainer.metrics import TrainerMetrics
-    from drafter_trainer.servers import ServerState
     from drafter_trainer.trainer import DrafterTrainer
 
     def gate(st: ServerState, **kw) -> bool:
@@ -177,6 +263,29 @@ def test_gate_follows_the_running_batch():
     assert gate(busy, max_defer_s=1e-9)  # waited long enough: train anyway
 
 
+def test_a_busy_server_is_looked_at_afresh_every_backoff():
+    """In an RL loop the server is idle for a second or two while the policy trainer updates: the gate reads the
+    server's state afresh, not the copy cached for `info_interval_s`, and the wait between looks does not grow."""
+    from drafter_trainer.metrics import TrainerMetrics
+    from drafter_trainer.trainer import DrafterTrainer
+
+    busy, idle = ServerState("0", "d", 40, 12, False), ServerState("0", "d", 0, 0, False)
+    answers = iter([busy, busy, busy, busy, idle])
+    rounds: list[int] = []
+    fake = SimpleNamespace(cfg=TrainerConfig(gate="idle", backoff_s=0.01, info_interval_s=3600.0),
+                           metrics=TrainerMetrics(), server=SimpleNamespace(state=lambda: next(answers)),
+                           _state=None, _state_at=0.0, _last_round=time.monotonic(), follow_policy=lambda st: None,
+                           source=SimpleNamespace(read=lambda n, ms: [], lag=lambda: (0, 0)), take_in=lambda e: None,
+                           due=lambda: True, train_round=lambda: rounds.append(1))
+    for name in ("server_state", "gate_open", "tick"):
+        setattr(fake, name, getattr(DrafterTrainer, name).__get__(fake))
+    for _ in range(3):
+        fake.tick()
+    assert not rounds and fake.metrics.backoff._value.get() == pytest.approx(0.03)  # 0.01 each time, not doubling
+    fake.tick()
+    assert rounds == [1] and fake._state is idle  # the cached state still said busy
+
+
 def test_a_closing_gate_pauses_the_round_between_steps():
     from drafter_trainer.metrics import TrainerMetrics
     from drafter_trainer.trainer import DrafterTrainer
@@ -188,15 +297,15 @@ def test_a_closing_gate_pauses_the_round_between_steps():
     def measure(modules, held):
         if next(closes_in_measure):
             raise GateClosed
-        return [1.5, 1.7]
+        return [1.5, 1.7], 10
 
     fake = SimpleNamespace(
         cfg=TrainerConfig(steps_per_round=3, gate="idle", min_heldout=2), _round_steps=0, round=0,
         rng=random.Random(0), metrics=TrainerMetrics(), _last_round=0.0, _still_open=lambda: next(opens),
         pool=SimpleNamespace(fresh=["r1"], sample=lambda n, rng: sampled.append(n) or [],
-                             heldout_current=lambda: ["h1", "h2"]),
+                             heldout_recent=lambda: [("0", ["h1", "h2"])]),
         served="served", student=SimpleNamespace(module="trained"), passes=SimpleNamespace(measure=measure),
-        evaluate=lambda n, before, after: ("measured", n, before, after), commit=lambda: None)
+        evaluate=lambda n, parts: ("measured", n, parts), commit=lambda: None)
     round_ = DrafterTrainer.train_round.__get__(fake)
     assert round_() is None  # one step, then the server got busy: paused, nothing measured
     assert (fake._round_steps, fake.round, fake.pool.fresh, len(sampled)) == (1, 0, ["r1"], 1)
@@ -204,7 +313,7 @@ def test_a_closing_gate_pauses_the_round_between_steps():
     assert (fake._round_steps, fake.round, len(sampled)) == (3, 0, 3)
     assert round_() is None  # the gate closed during the measure (passes.py): measured again at the next opening
     assert (fake._round_steps, fake.round, len(sampled)) == (3, 0, 3)
-    assert round_() == ("measured", 2, 1.5, 1.7)  # no training left: measure, and the round is done
+    assert round_() == ("measured", 2, [Part("0", 2, [1.5, 1.7], 10)])  # no training left: measure; the round is done
     assert (fake._round_steps, fake.round, fake.pool.fresh, len(sampled)) == (0, 1, [], 3)
 
 
@@ -239,8 +348,9 @@ def test_pieces_of_a_step_add_up_to_the_whole_batch_and_a_closing_gate_drops_the
         assert torch.allclose(a, b, atol=1e-6)
     served = build_student(str(draft), None, 512, 64, CPU).module
     assert not all(torch.equal(a, b) for a, b in zip(served.parameters(), s_whole.module.parameters(), strict=True))
-    m_whole = whole.measure([served, s_whole.module], rs)
-    assert pieces.measure([served, s_pieces.module], rs) == pytest.approx(m_whole, rel=1e-5)
+    (m_whole, n_whole), (m_pieces, n_pieces) = (p.measure([served, s.module], rs)
+                                                for p, s in ((whole, s_whole), (pieces, s_pieces)))
+    assert m_pieces == pytest.approx(m_whole, rel=1e-5) and n_pieces == n_whole > 0
 
     answers = iter([True, False])
     stopped, s_stopped, o_stopped = run(20, lambda: next(answers))

@@ -129,7 +129,7 @@ def test_sidecar_distils_the_vllm_drafter(server, pair, redis_server, stream, tm
         out0, rate0 = run(server, c, fresh)
         cfg = TrainerConfig(server=server.grpc_target, admin_token=ADMIN, redis_url=redis_server, stream=stream,
                             checkpoint_dir=str(tmp_path / "ckpt"), gate="always", min_new=16, block_ms=20,
-                            max_wait_s=0.2, info_interval_s=0.0, k=3, min_heldout=8)
+                            max_wait_s=0.2, info_interval_s=0.0, k=3, min_heldout=8, lr=1e-3)  # a random drafter
         trainer = build(cfg)
         for i in range(6):
             run(server, c, [[(7 * i + j) % 16, (j * j + i) % 16, j % 16] for j in range(16)])
