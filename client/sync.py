@@ -9,6 +9,7 @@ from collections.abc import Coroutine, Iterator, Mapping, Sequence
 from pathlib import Path
 from typing import Any, TypeVar
 
+from client import weights as wt
 from client.aio import AsyncSpecrollClient, Prompt
 from client.types import Completion, PushResult, Sample, ServerInfo, TokenChunk
 
@@ -77,6 +78,12 @@ class SpecrollClient:
             fut.cancel()
 
     def push_weights(self, weights: Mapping[str, Any] | str | Path, version: str, **kw: Any) -> PushResult:
+        if isinstance(weights, Mapping):
+            # Cast here, on the caller's thread. On the client's loop thread, which lives on, a casting copy would
+            # give that thread an OpenMP team of its own; with more OpenMP threads than cores, GNU OpenMP stops idle
+            # members spinning, and every small parallel op of the caller's (a CPU trainer's) waits for its team to
+            # wake (the same effect on the server: service/cpu_threads.py).
+            weights = wt.on_cpu(weights, kw.pop("dtype", None))
         return self._run(self._client.push_weights(weights, version, **kw))
 
     def load_weights(self, path: str, version: str, **kw: Any) -> PushResult:

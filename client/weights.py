@@ -39,14 +39,20 @@ class RawChunk:
     parts: list[memoryview] = field(default_factory=list)
 
 
+def on_cpu(state: Mapping[str, Any], dtype: Any = None) -> dict[str, Any]:
+    """The state_dict's tensors on CPU, contiguous, cast to `dtype` (a torch dtype or its name) when given."""
+    import torch
+
+    target = getattr(torch, dtype) if isinstance(dtype, str) else dtype
+    return {name: t.detach().to("cpu", target or t.dtype).contiguous() for name, t in state.items()}
+
+
 def from_state_dict(state: Mapping[str, Any], dtype: Any = None) -> list[TensorBytes]:
     """Tensors of a state_dict (Hugging Face names), on CPU, cast to `dtype` when given."""
     import torch
 
-    target = getattr(torch, dtype) if isinstance(dtype, str) else dtype
     out = []
-    for name, tensor in state.items():
-        t = tensor.detach().to("cpu", target or tensor.dtype).contiguous()
+    for name, t in on_cpu(state, dtype).items():
         flat = t.reshape(-1).view(torch.uint8)
         out.append(TensorBytes(name, str(t.dtype).removeprefix("torch."), tuple(t.shape),
                                memoryview(flat.numpy()).cast("B"), owner=t))

@@ -111,3 +111,21 @@ def test_the_in_process_drafter_trainer_gives_the_server_no_second_team(tmp_path
             assert runtime_threads(nice=srv.server.trainer.niceness) == set()  # a team it made would share its nice
     finally:
         srv.stop()
+
+
+def test_a_casting_push_from_the_blocking_client_gives_its_loop_thread_no_team():
+    """The blocking client casts on the caller's thread: a cast on its own loop thread, which lives as long as the
+    client, would give that thread a team, and a CPU trainer's every op would wait for its own team to wake."""
+    base = make_checkpoint("qwen2", tied=False, hidden_size=256, intermediate_size=512)
+    weights = {k: v.float() for k, v in checkpoint_tensors(base).items()}
+    srv = start_server(base, engine_kw={"drafter": "none", "spec": "off", "num_threads": 2})
+    try:
+        with SpecrollClient(srv.grpc_target, admin_token=ADMIN) as c:
+            c.generate_one([1, 2, 3], max_tokens=4, temperature=0.0)
+            torch.randn(512, 1024).to(torch.bfloat16)  # the caller's own team, made before counting
+            before = runtime_threads()
+            assert c.push_weights(weights, "bf16", dtype="bfloat16").version == "bf16"
+            assert runtime_threads() - before == set()
+            assert c.server_info().policy_version == "bf16"
+    finally:
+        srv.stop()
