@@ -108,6 +108,8 @@ def test_the_in_process_drafter_trainer_gives_the_server_no_second_team(tmp_path
                 c.generate([[7 + i, 11 + (i * 5) % 97, 13] for i in range(16)], max_tokens=32, temperature=1.0,
                            ignore_eos=True)
             assert srv.server.trainer.one_thread is True
+            tid = srv.server.trainer._thread.native_id
+            assert os.sched_getscheduler(tid) == os.SCHED_IDLE  # below every normal thread (embedded.py)
             assert runtime_threads(nice=srv.server.trainer.niceness) == set()  # a team it made would share its nice
     finally:
         srv.stop()
