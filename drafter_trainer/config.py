@@ -44,6 +44,7 @@ class TrainerConfig:
     holdout_every: int = 5  # one rollout in this many (by id hash) is held out for measuring
     heldout_max: int = 256
     min_heldout: int = 16
+    measure_versions: int = 4  # the held-out measure reaches back over this many policy versions for min_heldout
     min_new: int = 16  # new training rollouts that start a round ...
     max_wait_s: float = 10.0  # ... or any new ones after this long
     push_margin: float = 0.01  # push when accepted length improves by more than this
@@ -65,6 +66,8 @@ class TrainerConfig:
     def __post_init__(self) -> None:
         if self.gate not in GATES:
             raise ValueError(f"gate must be one of {GATES}, got {self.gate!r}")
+        if self.measure_versions < 1:
+            raise ValueError("measure_versions must be >= 1")
         if self.k < 1 or self.holdout_every < 2 or self.batch_rollouts < 1 or self.steps_per_round < 1:
             raise ValueError("k >= 1, holdout_every >= 2, batch_rollouts >= 1 and steps_per_round >= 1 are required")
         if self.micro_tokens < 1:

@@ -69,12 +69,14 @@ class RolloutPool:
 
     def heldout_recent(self) -> list[tuple[str, list[BufferedRollout]]]:
         """Held-out rollouts to measure on, by policy version, newest first: the current version's, then older
-        ones the trainer still trains on (`recency_versions`) until `min_heldout` are in hand. A trainer that
-        pushes every policy step (GRPO) holds out about a fifth of one step's rollouts per version, often fewer
-        than `min_heldout`, and none at all of a version just pushed. Rollouts that span versions are left out."""
+        ones (up to `measure_versions` in all) until `min_heldout` are in hand. A trainer that pushes every
+        policy step (GRPO) holds out about a fifth of one step's rollouts per version, often fewer than
+        `min_heldout`, and none at all of a version just pushed; a round of training can outlast a step, so
+        the round that began on one version is measured after one or two more. Rollouts that span versions
+        are left out."""
         groups: list[tuple[str, list[BufferedRollout]]] = []
         count = 0
-        for version in reversed(self.versions[-self.cfg.recency_versions :]):
+        for version in reversed(self.versions[-self.cfg.measure_versions :]):
             if count >= self.cfg.min_heldout:
                 break
             held = [r for r in self.heldout if r.policy_version == version

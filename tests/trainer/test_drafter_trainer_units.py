@@ -117,7 +117,7 @@ def held(pool: RolloutPool, version: str, n: int, spans: list[str] | None = None
 def test_the_measure_reaches_back_to_older_versions_until_enough_are_held_out():
     """A trainer that pushes every GRPO step holds out about a fifth of a step's rollouts per version, and none of
     a version just pushed: the measure takes older versions the trainer trains on until min_heldout are in hand."""
-    pool = RolloutPool(TrainerConfig(min_heldout=4, recency_versions=3))
+    pool = RolloutPool(TrainerConfig(min_heldout=4, measure_versions=3))
     for v in "0123":
         pool.note_version(v)
     held(pool, "0", 5)
@@ -128,7 +128,7 @@ def test_the_measure_reaches_back_to_older_versions_until_enough_are_held_out():
     held(pool, "3", 4)
     assert [(v, len(rs)) for v, rs in pool.heldout_recent()] == [("3", 4)]  # the current version alone suffices
     pool.cfg.min_heldout = 100
-    assert [v for v, _ in pool.heldout_recent()] == ["3", "2", "1"]  # no further back than recency_versions
+    assert [v for v, _ in pool.heldout_recent()] == ["3", "2", "1"]  # no further back than measure_versions
 
 
 def test_a_measure_over_versions_pushes_on_their_whole_and_the_alarm_reads_the_current_version():
