@@ -4,12 +4,13 @@ The measure runs on held-out rollouts of the newest policy versions (pool.py), e
 decision reads them all together (token-weighted), the freshness alarm the current version's alone, once it
 has at least half of `min_heldout` of them.
 
-A trained drafter that measures worse than the one served is not pushed, and it is not trained on from where
-it went: the student starts again from the served weights with fresh optimizer moments and half the learning
-rate (down to `lr / MAX_LR_CUTS`). Measured on bench/e2e.py's GRPO run (demo draft model, already accepting
-~4.3 of 5 tokens per step at k = 4): at lr 1e-3 every measure found the trained drafter worse (4.40 -> 4.00,
-4.30 -> 3.68) and it never pushed; at 1e-4 every measure found it better (+0.04-0.06) and each one pushed.
-A drafter that starts far from the target (a new EAGLE head) wants a larger rate, so the rate is found online.
+A trained drafter that measures worse than the one served (by more than `push_margin`) is not pushed, and it
+is not trained on from where it went: the student starts again from the served weights with fresh optimizer
+moments and half the learning rate (down to `lr / MAX_LR_CUTS`). Measured on bench/e2e.py's GRPO run (demo
+draft model, already accepting ~4.3 of 5 tokens per step at k = 4): at lr 1e-3 every measure found the trained
+drafter worse (4.40 -> 4.00, 4.30 -> 3.68) and it never pushed; at 1e-4 every measure found it better
+(+0.04-0.06) and each one pushed. A drafter that starts far from the target (a new EAGLE head, a random draft
+model) wants a larger rate (`--lr 1e-3`, as the tests use); from there the halving finds one that works.
 """
 
 from __future__ import annotations

@@ -225,7 +225,7 @@ class DrafterTrainer:
                 m.pushed = True
                 if current is not None:
                     self.alarm.observe(current.lengths[1])
-        elif after < before:
+        elif after < before - self.cfg.push_margin:
             self.restart_from_served()
             m.restarted = True
         logger.info("round %d: accepted length %.3f (served %s) -> %.3f (trained) on %d held-out rollouts of "
