@@ -44,7 +44,7 @@ def build_student(spec: str, target_cfg: ModelConfig | None, vocab: int, max_pos
     if target_cfg is None:
         raise ValueError("training an EAGLE head needs the target model (--target-model DIR)")
     head = load_head(Path(path), target_cfg) if path else init_head(target_cfg, seed)
-    return EagleStudent(head, vocab, max_positions, device)
+    return EagleStudent(head, vocab, max_positions, device, fresh=path is None)
 
 
 def student_from_engine(engine: LLMEngine, max_positions: int) -> Student:
@@ -54,9 +54,9 @@ def student_from_engine(engine: LLMEngine, max_positions: int) -> Student:
     if found is None:
         raise NothingToTrain(f"the engine's drafters {sorted(engine.drafters)} have no weights to train")
     kind, module = found
-    if kind == "eagle":
-        return EagleStudent(copy.deepcopy(module), vocab, max_positions, engine.device)
     spec_kind, path = parse_drafter(engine.config.drafter)
+    if kind == "eagle":  # `--drafter eagle` without a folder: the engine initialised the head
+        return EagleStudent(copy.deepcopy(module), vocab, max_positions, engine.device, fresh=path is None)
     source = Path(path) if spec_kind == "draft" and path else None
     model: Any = copy.deepcopy(module)
     return DraftStudent(model, source, vocab, max_positions, engine.device)

@@ -32,7 +32,7 @@ class TrainerConfig:
     dedupe_window: int = 100_000
     # training
     k: int = 4  # draft length the accepted-length measure assumes
-    lr: float = 1e-4  # for a drafter that already drafts well; halved while rounds make it worse (measurement.py)
+    lr: float | None = None  # None: 1e-4 for a drafter loaded from weights, 1e-3 for a new head (measurement.py)
     batch_rollouts: int = 16
     steps_per_round: int = 8
     micro_tokens: int = 1024  # a step and a measure run in pieces of this many tokens; the gate is checked between
@@ -103,6 +103,8 @@ def add_args(p: argparse.ArgumentParser) -> None:
         kind = type(default) if default is not None else str
         if f.name in ("metrics_port", "max_rounds"):
             kind = int
+        elif f.name == "lr":
+            kind = float
         value = kind(env) if env is not None else default
         flag = "--" + f.name.replace("_", "-")
         if f.name == "gate":

@@ -9,8 +9,9 @@ is not trained on from where it went: the student starts again from the served w
 moments and half the learning rate (down to `lr / MAX_LR_CUTS`). Measured on bench/e2e.py's GRPO run (demo
 draft model, already accepting ~4.3 of 5 tokens per step at k = 4): at lr 1e-3 every measure found the trained
 drafter worse (4.40 -> 4.00, 4.30 -> 3.68) and it never pushed; at 1e-4 every measure found it better
-(+0.04-0.06) and each one pushed. A drafter that starts far from the target (a new EAGLE head, a random draft
-model) wants a larger rate (`--lr 1e-3`, as the tests use); from there the halving finds one that works.
+(+0.04-0.06) and each one pushed. So the default rate is 1e-4 for a drafter loaded from weights, and 1e-3 for
+an EAGLE head initialised here (`--drafter eagle`), which starts far from any target; a random draft model
+wants `--lr 1e-3` too (as the tests use). From there the halving finds a rate that works.
 """
 
 from __future__ import annotations
@@ -19,6 +20,7 @@ from dataclasses import dataclass
 from typing import Any
 
 MAX_LR_CUTS = 32
+TUNE_LR, FRESH_LR = 1e-4, 1e-3  # default rates: a drafter loaded from weights, a head initialised here
 
 
 @dataclass(slots=True)

@@ -42,6 +42,7 @@ class Student:
                  device: torch.device) -> None:
         self.module = module.to(device=device, dtype=torch.float32).train().requires_grad_(True)
         self.vocab, self.device = vocab, device
+        self.fresh = False  # initialised here, not loaded: far from any target (the default rate is higher)
         self.rope = Rope(rope_cfg, max_positions, device, torch.float32)
 
     def frozen_copy(self, module: nn.Module | None = None) -> nn.Module:
@@ -94,8 +95,10 @@ class EagleStudent(Student):
     min_col = 1
     needs_target = True
 
-    def __init__(self, head: EagleHead, vocab: int, max_positions: int, device: torch.device) -> None:
+    def __init__(self, head: EagleHead, vocab: int, max_positions: int, device: torch.device,
+                 fresh: bool = False) -> None:
         super().__init__(head, head.config, vocab, max_positions, device)
+        self.fresh = fresh
 
     def logits(self, module: nn.Module, batch: Batch, hidden: torch.Tensor | None,
                target: CausalLM | None) -> torch.Tensor:

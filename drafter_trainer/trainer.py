@@ -21,7 +21,7 @@ from drafter_trainer.checkpoint import CheckpointStore, load_optimizer
 from drafter_trainer.config import TrainerConfig
 from drafter_trainer.freshness import FreshnessAlarm
 from drafter_trainer.ledger import Ledger
-from drafter_trainer.measurement import MAX_LR_CUTS, Measurement, Part, overall, vars_of
+from drafter_trainer.measurement import FRESH_LR, MAX_LR_CUTS, TUNE_LR, Measurement, Part, overall, vars_of
 from drafter_trainer.metrics import TrainerMetrics
 from drafter_trainer.passes import GateClosed, Passes
 from drafter_trainer.pool import RolloutPool
@@ -46,7 +46,8 @@ class DrafterTrainer:
         self.cfg, self.source, self.server, self.student, self.teacher = cfg, source, server, student, teacher
         self.metrics = metrics or TrainerMetrics()
         self.store = store
-        self.optim = torch.optim.AdamW(student.module.parameters(), lr=cfg.lr)
+        self.lr = cfg.lr if cfg.lr is not None else FRESH_LR if student.fresh else TUNE_LR
+        self.optim = torch.optim.AdamW(student.module.parameters(), lr=self.lr)
         self.passes = Passes(cfg, student, teacher, self._still_open)
         self.served = student.frozen_copy()
         self.served_version: str | None = None  # None: the drafter the server started with
@@ -239,7 +240,7 @@ class DrafterTrainer:
         self.student.load_weights(self.student.module, self.served.state_dict())
         self.optim.state.clear()
         for group in self.optim.param_groups:
-            group["lr"] = max(group["lr"] / 2, self.cfg.lr / MAX_LR_CUTS)
+            group["lr"] = max(group["lr"] / 2, self.lr / MAX_LR_CUTS)
         self.metrics.lr.set(self.optim.param_groups[0]["lr"])
         logger.info("training again from the served drafter at lr %.2g", self.optim.param_groups[0]["lr"])
 

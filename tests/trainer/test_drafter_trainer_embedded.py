@@ -56,6 +56,7 @@ def test_in_process_trainer_improves_the_served_drafter(kind, tmp_path):
                     trainer.history[-1].after)
         assert after > before + 0.2
         assert info.drafter_version.startswith(f"{kind}@distill-")
+        assert trainer.student.fresh == (kind == "eagle")  # a head the engine initialised: the higher default rate
         metrics = srv.server.metrics.render().decode()
         assert 'specroll:trainer_pushes_total{result="ok"}' in metrics
         assert "specroll:buffer_memory_entries" in metrics

@@ -195,6 +195,26 @@ def test_a_round_that_makes_the_drafter_worse_restarts_it_from_the_served_one_at
     assert m.pushed and not m.restarted and pushed == ["distill-1"] and trainer.served_version == "distill-1"
 
 
+def test_the_default_rate_is_low_for_a_loaded_drafter_and_high_for_a_new_head():
+    import argparse
+
+    from drafter_trainer.config import add_args, from_args
+    from drafter_trainer.trainer import DrafterTrainer
+
+    model_dir = make_checkpoint("qwen2", tied=True)
+    target_cfg = load_model(model_dir, torch.float32, CPU).config
+    loaded = build_student(str(make_checkpoint("qwen2", tied=False, seed=5)), None, 512, 64, CPU)
+    new_head = build_student("eagle", target_cfg, 512, 64, CPU)
+    rate = {s.kind: DrafterTrainer(TrainerConfig(), None, None, s, None).optim.param_groups[0]["lr"]  # type: ignore
+            for s in (loaded, new_head)}
+    assert rate == {"draft": 1e-4, "eagle": 1e-3} and not loaded.fresh and new_head.fresh
+    p = argparse.ArgumentParser()
+    add_args(p)
+    assert from_args(p.parse_args([])).lr is None and from_args(p.parse_args(["--lr", "3e-3"])).lr == 3e-3
+    trainer = DrafterTrainer(TrainerConfig(lr=3e-3), None, None, new_head, None)  # type: ignore[arg-type]
+    assert trainer.optim.param_groups[0]["lr"] == 3e-3
+
+
 def test_hf_tensors_round_trip_and_checkpoint_with_optimizer(tmp_path):
     path = make_checkpoint("qwen2", tied=False)
     model = load_model(path, torch.float32, CPU)
