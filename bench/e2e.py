@@ -42,6 +42,10 @@ def configs(args: argparse.Namespace, model: Path) -> dict[str, dict[str, Any]]:
         "off": {"drafter": "none", "spec": "off", "drafter_trainer": False},
         f"fixed_{args.fixed_drafter}_k{args.k}": {"drafter": fixed, "spec": "fixed", "spec_k": args.k,
                                                    "drafter_trainer": False},
+        # Not in the default runs: the same fixed (drafter, k) with the in-process drafter trainer, so the trained
+        # drafter's acceptance (tokens per step) shows on its own, whichever arm adaptive would pick.
+        f"fixed-trained_{args.fixed_drafter}_k{args.k}": {"drafter": fixed, "spec": "fixed", "spec_k": args.k,
+                                                           "drafter_trainer": True},
         "adaptive": {"drafter": adaptive, "spec": "adaptive", "drafter_trainer": not args.no_trainer},
         "adaptive-suffix": {"drafter": d["suffix"], "spec": "adaptive", "drafter_trainer": False},
     }
