@@ -66,24 +66,26 @@ class Passes:
         batches = self.batches(rollouts, weights)
         total = sum(b.size for b in batches)
         module = self.student.module
-        loss_sum: torch.Tensor | None = None
+        sums: torch.Tensor | None = None  # [2] the step's loss and the weight of its rows, kept on the device
         optim.zero_grad(set_to_none=True)
         try:
             for batch, hidden, teacher_lp in self.taught(batches):
-                if float(batch.weights.sum()) == 0:
-                    continue
                 logits = self.student.logits(module, batch, hidden, self.teacher.model)
                 loss = distill_loss(logits, batch, teacher_lp) * (batch.size / total)
-                loss.backward()
-                loss_sum = loss.detach() if loss_sum is None else loss_sum + loss.detach()
+                loss.backward()  # a piece whose rows all weigh 0 adds 0 to the loss and the gradients
+                piece = torch.stack([loss.detach(), batch.weights.sum()])
+                sums = piece if sums is None else sums + piece
         except GateClosed:
             optim.zero_grad(set_to_none=True)
             raise
-        if loss_sum is None:
+        if sums is None:
+            return None
+        loss_sum, weight = sums.tolist()  # the step's one host sync
+        if weight == 0:
             return None
         torch.nn.utils.clip_grad_norm_(module.parameters(), 1.0)
         optim.step()
-        return float(loss_sum)
+        return loss_sum
 
     @torch.no_grad()
     def measure(self, modules: list[torch.nn.Module], rollouts: list[BufferedRollout]) -> tuple[list[float], int]:
