@@ -14,7 +14,7 @@ from dataclasses import dataclass
 import torch
 
 from service.buffer.codec import BufferedRollout
-from service.engine.sampler import SamplingBatch
+from service.engine.sampler import SamplingBatch, seed_keys
 
 logger = logging.getLogger(__name__)
 _warned = False
@@ -50,8 +50,8 @@ def sampling_batch(temps: list[float], top_ps: list[float], top_ks: list[int], m
         temperature=torch.tensor([1.0 if g else t for g, t in zip(greedy, temps, strict=True)], **f32),
         greedy=torch.tensor(greedy, dtype=torch.bool, device=device), top_p=torch.tensor(top_ps, **f32),
         top_k=torch.tensor(ks, dtype=torch.int64, device=device), min_p=torch.tensor(min_ps, **f32),
-        seeds=torch.zeros(n, dtype=torch.int64, device=device), counters=torch.zeros(n, dtype=torch.int64,
-                                                                                      device=device),
+        seed_keys=seed_keys(torch.zeros(n, dtype=torch.int64, device=device)),
+        counters=torch.zeros(n, dtype=torch.int64, device=device),
         use_top_k=any(k < vocab for k in ks), use_top_p=any(p < 1.0 for p in top_ps),
         use_min_p=any(p > 0 for p in min_ps), all_greedy=bool(greedy) and all(greedy), need_raw=False,
         num_top_logprobs=0,

@@ -21,20 +21,31 @@ STREAM_SAMPLE, STREAM_ACCEPT, STREAM_DRAFT = 0, 1, 2
 
 
 def _mix32(x: torch.Tensor) -> torch.Tensor:
-    """A 32-bit integer hash (xor-shift-multiply) on int64 tensors holding values < 2^32."""
+    """A 32-bit integer hash (xor-shift-multiply) on int64 tensors holding values < 2^32 (a new tensor)."""
     x = x & _M32
-    x = ((x ^ (x >> 16)) * 0x7FEB352D) & _M32
-    x = ((x ^ (x >> 15)) * 0x846CA68B) & _M32
-    return x ^ (x >> 16)
+    x ^= x >> 16
+    x *= 0x7FEB352D
+    x &= _M32
+    x ^= x >> 15
+    x *= 0x846CA68B
+    x &= _M32
+    x ^= x >> 16
+    return x
 
 
-def uniforms(seeds: torch.Tensor, counters: torch.Tensor, stream: int) -> torch.Tensor:
-    """Uniforms in (0, 1) for int64 seeds [N] and counters [N] or [N, K]; float32, counters' shape."""
+def seed_keys(seeds: torch.Tensor) -> torch.Tensor:
+    """The part of a row's uniforms that depends on its seed alone (int64 [N] -> [N]): hashed once per batch
+    (`SamplingBatch.build`), not in every draw. A draw's own hashing is then half the ops it was: at batch 1
+    each op is a few microseconds of dispatch, and the hash was most of a plain step's sampling."""
+    return _mix32(_mix32((seeds >> 32) + 0x9E3779B9) ^ (seeds & _M32))
+
+
+def uniforms(keys: torch.Tensor, counters: torch.Tensor, stream: int | torch.Tensor) -> torch.Tensor:
+    """Uniforms in (0, 1) for rows' seed keys [N] (`seed_keys`) and counters [N] or [N, K] (counters >= 0);
+    float32, counters' shape. A function of (seed, counter, stream) alone; `stream` may differ by column ([K])."""
     if counters.dim() == 2:
-        seeds = seeds[:, None]
-    h = _mix32((seeds >> 32) + 0x9E3779B9)
-    h = _mix32(h ^ (seeds & _M32))
-    h = _mix32(h ^ (counters & _M32))
+        keys = keys[:, None]
+    h = _mix32(keys ^ (counters & _M32))
     h = _mix32(h ^ (counters >> 32) ^ (stream * 0x85EBCA6B))
     return ((h >> 8).to(torch.float32) + 0.5) * (1.0 / 2**24)
 
@@ -48,7 +59,7 @@ class SamplingBatch:
     top_p: torch.Tensor
     top_k: torch.Tensor  # long, vocab size where disabled
     min_p: torch.Tensor
-    seeds: torch.Tensor  # int64
+    seed_keys: torch.Tensor  # int64: each row's seed, hashed (`seed_keys`)
     counters: torch.Tensor  # int64: output position of the token being sampled
     use_top_k: bool
     use_top_p: bool
@@ -73,23 +84,13 @@ class SamplingBatch:
         )
         return cls(
             temperature=floats[:, 0], greedy=floats[:, 3] > 0, top_p=floats[:, 1], top_k=ints[:, 0],
-            min_p=floats[:, 2], seeds=ints[:, 1], counters=ints[:, 2],
+            min_p=floats[:, 2], seed_keys=seed_keys(ints[:, 1]), counters=ints[:, 2],
             use_top_k=any(k < vocab_size for k in top_k),
             use_top_p=any(p.top_p < 1.0 for p in params),
             use_min_p=any(p.min_p > 0.0 for p in params),
             all_greedy=all(greedy),
             need_raw=any(p.raw_logprobs for p in params),
             num_top_logprobs=max(p.top_logprobs for p in params),
-        )
-
-    def repeat(self, k: int) -> SamplingBatch:
-        """Each row's parameters repeated k times (rows of [N, k, V] flattened to [N * k, V])."""
-        r = lambda t: t.repeat_interleave(k, dim=0)
-        counters = (self.counters[:, None] + torch.arange(k, device=self.counters.device)).reshape(-1)
-        return SamplingBatch(
-            r(self.temperature), r(self.greedy), r(self.top_p), r(self.top_k), r(self.min_p), r(self.seeds),
-            counters, self.use_top_k, self.use_top_p, self.use_min_p, self.all_greedy, self.need_raw,
-            self.num_top_logprobs,
         )
 
 
@@ -117,20 +118,23 @@ class SamplingRows:
 
 
 def process_logits(logits: torch.Tensor, sb: SamplingBatch) -> torch.Tensor:
-    """float32 logits [N, V] -> processed logprobs [N, V] (-inf outside the kept set)."""
-    scaled = logits if sb.all_greedy else logits / sb.temperature[:, None]
+    """float32 logits [N, V] or [N, K, V] (row n's parameters for all K) -> processed logprobs, same shape
+    (-inf outside the kept set)."""
+    col = lambda t: t[(..., *(None,) * (logits.dim() - 1))]
+    scaled = logits if sb.all_greedy else logits / col(sb.temperature)
     if sb.use_top_k or sb.use_top_p:
         sorted_logits, order = scaled.sort(dim=-1, descending=True)
         rank = torch.arange(scaled.shape[-1], device=scaled.device)
-        drop = rank[None, :] >= sb.top_k[:, None]  # [N, V] in sorted order
+        drop = (rank >= col(sb.top_k)).expand(scaled.shape)  # [N, (K,) V] in sorted order
         if sb.use_top_p:
             probs = sorted_logits.masked_fill(drop, float("-inf")).softmax(-1)
             mass_before = probs.cumsum(-1) - probs
-            drop |= mass_before >= sb.top_p[:, None]
-        scaled = scaled.masked_fill(torch.zeros_like(drop).scatter_(1, order, drop), float("-inf"))
+            drop = drop | (mass_before >= col(sb.top_p))
+        unsorted = torch.zeros(scaled.shape, dtype=torch.bool, device=scaled.device).scatter_(-1, order, drop)
+        scaled = scaled.masked_fill(unsorted, float("-inf"))
     if sb.use_min_p:
         probs = scaled.softmax(-1)
-        scaled = scaled.masked_fill(probs < sb.min_p[:, None] * probs.amax(-1, keepdim=True), float("-inf"))
+        scaled = scaled.masked_fill(probs < col(sb.min_p) * probs.amax(-1, keepdim=True), float("-inf"))
     return scaled.log_softmax(-1)
 
 
@@ -156,7 +160,7 @@ def sample(logits: torch.Tensor, sb: SamplingBatch) -> SampleResult:
     if sb.all_greedy:
         tokens = logits.argmax(-1)
     else:
-        drawn = sample_from(logprobs.exp(), uniforms(sb.seeds, sb.counters, STREAM_SAMPLE))
+        drawn = sample_from(logprobs.exp(), uniforms(sb.seed_keys, sb.counters, STREAM_SAMPLE))
         tokens = torch.where(sb.greedy, logits.argmax(-1), drawn)
     return finish_sample(tokens, logprobs, logits, sb)
 
@@ -177,7 +181,7 @@ def draw_draft(logits: torch.Tensor, sb: SamplingBatch, j: int) -> tuple[torch.T
     """Draft position j: draw a token [B] from the processed draft distribution q [B, V] (the draft's own
     random stream). Greedy rows propose the argmax deterministically, so their q is one-hot."""
     q = process_logits(logits, replace(sb, counters=sb.counters + j) if j else sb).exp()
-    drawn = sample_from(q, uniforms(sb.seeds, sb.counters + j, STREAM_DRAFT))
+    drawn = sample_from(q, uniforms(sb.seed_keys, sb.counters + j, STREAM_DRAFT))
     greedy_tok = logits.argmax(-1)
     tok = torch.where(sb.greedy, greedy_tok, drawn)
     q = torch.where(sb.greedy[:, None], torch.nn.functional.one_hot(greedy_tok, q.shape[-1]).to(q.dtype), q)

@@ -87,8 +87,7 @@ def verify(target_logits: torch.Tensor, draft: DraftProposal, sb: SamplingBatch)
     B, K1, V = target_logits.shape
     k = K1 - 1
     dev = target_logits.device
-    sb_all = sb.repeat(K1)  # rows b * (k + 1) + j; counters = output position of verify position j
-    target_logprobs = process_logits(target_logits.reshape(B * K1, V), sb_all).view(B, K1, V)
+    target_logprobs = process_logits(target_logits, sb)  # [B, k + 1, V]: each row's parameters at every position
     target_probs = target_logprobs.exp()
     positions = torch.arange(k, device=dev)
     in_draft = positions[None, :] < draft.lengths[:, None]  # [B, k]
@@ -101,7 +100,12 @@ def verify(target_logits: torch.Tensor, draft: DraftProposal, sb: SamplingBatch)
         q_x = draft.probs.gather(-1, x[..., None]).squeeze(-1)
         if one_hot is not None:
             q_x = torch.where(one_hot[:, None], 1.0, q_x)
-    u = uniforms(sb.seeds, sb.counters[:, None] + positions[None, :], STREAM_ACCEPT)  # [B, k]
+    # Every uniform the step may use, hashed in one pass: the acceptance tests' at draft positions 0..k-1, then the
+    # final token's at positions 0..k (the one at num_accepted is used).
+    offsets = torch.cat([positions, torch.arange(K1, device=dev)])  # [2k + 1]
+    streams = torch.tensor([STREAM_ACCEPT] * k + [STREAM_SAMPLE] * K1, device=dev)
+    u_all = uniforms(sb.seed_keys, sb.counters[:, None] + offsets, streams)  # [B, 2k + 1]
+    u = u_all[:, :k]
     accepted = (u * q_x <= p_x) & in_draft  # u <= p/q without dividing by q
     target_argmax = target_logits.argmax(-1)  # [B, k + 1]
     accepted = torch.where(sb.greedy[:, None], (x == target_argmax[:, :k]) & in_draft, accepted)
@@ -124,11 +128,11 @@ def verify(target_logits: torch.Tensor, draft: DraftProposal, sb: SamplingBatch)
     # p == q exactly leaves no residual mass; rejection then had probability 0, any fallback is fine.
     empty = residual.sum(-1, keepdim=True) <= 0
     residual = torch.where(empty, p_row, residual)
-    next_token = sample_from(residual, uniforms(sb.seeds, sb.counters + num_accepted, STREAM_SAMPLE))
+    next_token = sample_from(residual, u_all[rows, k + num_accepted])
     next_token = torch.where(sb.greedy, target_argmax[rows, num_accepted], next_token)
 
     tokens = torch.cat([x, x.new_zeros(B, 1)], dim=1)  # [B, k + 1]
     tokens[rows, num_accepted] = next_token
     flat = tokens.reshape(-1)
-    result = finish_sample(flat, target_logprobs.reshape(B * K1, V), target_logits.reshape(B * K1, V), sb_all)
+    result = finish_sample(flat, target_logprobs.reshape(B * K1, V), target_logits.reshape(B * K1, V), sb)
     return VerifyResult(tokens, num_accepted, result)
