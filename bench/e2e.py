@@ -54,6 +54,11 @@ def configs(args: argparse.Namespace, model: Path) -> dict[str, dict[str, Any]]:
 def run_config(name: str, server_kw: dict[str, Any], cfg: GRPOConfig, args: argparse.Namespace,
                model: Path, log_dir: Path) -> list[StepRecord]:
     extra = ["--device", args.device] if args.device != "cpu" else []
+    if args.strategy_trace is not None:  # one trace per run (bench/trace_summary.py sets them side by side)
+        args.strategy_trace.mkdir(parents=True, exist_ok=True)
+        trace = args.strategy_trace / f"trace_{name}.jsonl"
+        trace.unlink(missing_ok=True)  # the server appends
+        extra += ["--strategy-trace", str(trace)]
     with ServerProcess(str(model), threads=args.server_threads, cpus=args.server_cpus,
                        max_model_len=cfg.max_tokens + 256,
                        max_num_seqs=max(64, cfg.prompts_per_step * cfg.group_size), extra_args=extra,
@@ -139,6 +144,8 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
     ap.add_argument("--out-dir", type=Path, default=REPO / "docs")
     ap.add_argument("--tag", default="e2e", help="file name prefix of the JSON summary and plots")
     ap.add_argument("--no-plots", action="store_true")
+    ap.add_argument("--strategy-trace", type=Path, default=None, metavar="DIR",
+                    help="write each run's strategy trace to DIR/trace_<run>.jsonl (python -m bench.trace_summary)")
     ap.add_argument("--quick", action="store_true", help="tiny smoke run")
     ap.add_argument("--no-pin", action="store_true",
                     help="on CPU, do not split the cores between the server (and its drafter trainer) and the "

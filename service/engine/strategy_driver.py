@@ -40,6 +40,7 @@ class StrategyDriver:
         self.trace = trace
         self._drafts: dict[str, list[list[int]]] = {}  # what each host drafter had for the step's rows
         self._choose_s = 0.0  # the last choice's host seconds (the trace's host_ms)
+        self._traced_rows: set[int] = set()  # the sequences of the last traced step (its `joined` count)
 
     @classmethod
     def configured(cls, spec: str, spec_k: int, seed: int, drafters: dict[str, Drafter],
@@ -114,9 +115,13 @@ class StrategyDriver:
                     shadow: Shadow, believed: dict[str, list[float]], host: dict[str, float]) -> None:
         """One line of the strategy trace: the step as the strategy is told of it, the acceptance it believed
         when it chose, and the host seconds of the strategy's and the engine's work around the forwards (`host_ms`:
-        the choice with the host drafters' lookahead, appending the tokens, this feedback)."""
+        the choice with the host drafters' lookahead, appending the tokens, this feedback). `joined`: the rows that
+        did not decode in the step before (bench/trace_summary.py finds where a trainer's rollouts begin by them)."""
+        rows = {seq.seq_id for seq in result.seqs}
+        joined, self._traced_rows = len(rows - self._traced_rows), rows
         self.trace.write({
-            "batch": len(result.seqs), "arm": strategy.name, "ran_k": result.k, "seconds": round(seconds, 6),
+            "batch": len(result.seqs), "joined": joined, "arm": strategy.name, "ran_k": result.k,
+            "seconds": round(seconds, 6),
             "cost_seconds": None if cost is None else round(cost, 6),
             "emitted": result.num_emitted(),
             "accepted": sum(result.num_accepted), "drafted": sum(result.num_drafted),

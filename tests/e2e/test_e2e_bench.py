@@ -7,14 +7,16 @@ from pathlib import Path
 
 import pytest
 
-from bench import e2e
+from bench import e2e, trace_summary
 
 
 def test_quick_e2e_run_writes_summary_records_and_plots(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
                                                          capsys: pytest.CaptureFixture[str]) -> None:
     monkeypatch.setenv("SPECROLL_CACHE", str(tmp_path / "cache"))
     out = tmp_path / "out"
-    assert e2e.main(["--quick", "--no-pin", "--runs", "off,adaptive-suffix", "--out-dir", str(out)]) == 0
+    traces = tmp_path / "traces"
+    assert e2e.main(["--quick", "--no-pin", "--runs", "off,adaptive-suffix", "--out-dir", str(out),
+                     "--strategy-trace", str(traces)]) == 0
     summary = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
     runs = summary["runs"]
     assert list(runs) == ["off", "adaptive-suffix"]
@@ -27,3 +29,20 @@ def test_quick_e2e_run_writes_summary_records_and_plots(tmp_path: Path, monkeypa
     assert [rec["policy_version"] for rec in saved["records"]["off"]] == ["0", "step-1", "step-2"]
     assert sorted(p.name for p in out.glob("*.png")) == ["e2e_accepted_length.png", "e2e_lengths.png",
                                                          "e2e_reward.png", "e2e_rollout_time.png"]
+
+    # One strategy trace per run; bench/trace_summary.py finds the three GRPO steps' rollouts in each and accounts
+    # for every token the decode steps emitted (a sample's first token comes from its prefill).
+    assert sorted(p.name for p in traces.iterdir()) == ["trace_adaptive-suffix.jsonl", "trace_off.jsonl"]
+    assert trace_summary.main([str(traces / "trace_off.jsonl"), str(traces / "trace_adaptive-suffix.jsonl")]) == 0
+    off, adaptive = json.loads(capsys.readouterr().out.strip().splitlines()[-1])["runs"]
+    for name, run in (("off", off), ("adaptive-suffix", adaptive)):
+        recs = saved["records"][name]
+        assert run["rollouts"] == len(recs) == 3
+        assert run["total"]["tokens"] == sum(r["output_tokens"] - r["samples"] for r in recs)
+        for key in ("steps", "tokens"):
+            assert sum(b[key] for b in run["buckets"].values()) == run["total"][key]
+    assert all(b["arms"] == {"plain": 1.0} and b["tokens_per_row_step"] == 1.0 for b in off["buckets"].values())
+    for k, b in adaptive["buckets"].items():
+        if k in off["buckets"]:
+            assert b["tokens_per_s_vs_first"] == pytest.approx(b["tokens_per_s"] / off["buckets"][k]["tokens_per_s"],
+                                                               rel=0.01)
