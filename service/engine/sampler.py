@@ -67,6 +67,9 @@ class SamplingBatch:
     all_greedy: bool
     need_raw: bool
     num_top_logprobs: int
+    # Steps a batch can skip (each a pass over [rows, vocab] at a full batch; the defaults skip nothing)
+    any_greedy: bool = True  # False: no row takes an argmax
+    unit_temperature: bool = False  # True: every row's temperature is 1.0 (x / 1.0 == x)
 
     @classmethod
     def build(cls, seqs: list[Sequence], vocab_size: int, device: torch.device) -> SamplingBatch:
@@ -91,6 +94,8 @@ class SamplingBatch:
             all_greedy=all(greedy),
             need_raw=any(p.raw_logprobs for p in params),
             num_top_logprobs=max(p.top_logprobs for p in params),
+            any_greedy=any(greedy),
+            unit_temperature=all(g or p.temperature == 1.0 for g, p in zip(greedy, params, strict=True)),
         )
 
 
@@ -121,7 +126,7 @@ def process_logits(logits: torch.Tensor, sb: SamplingBatch) -> torch.Tensor:
     """float32 logits [N, V] or [N, K, V] (row n's parameters for all K) -> processed logprobs, same shape
     (-inf outside the kept set)."""
     col = lambda t: t[(..., *(None,) * (logits.dim() - 1))]
-    scaled = logits if sb.all_greedy else logits / col(sb.temperature)
+    scaled = logits if sb.all_greedy or sb.unit_temperature else logits / col(sb.temperature)
     if sb.use_top_k or sb.use_top_p:
         sorted_logits, order = scaled.sort(dim=-1, descending=True)
         rank = torch.arange(scaled.shape[-1], device=scaled.device)
@@ -161,7 +166,7 @@ def sample(logits: torch.Tensor, sb: SamplingBatch) -> SampleResult:
         tokens = logits.argmax(-1)
     else:
         drawn = sample_from(logprobs.exp(), uniforms(sb.seed_keys, sb.counters, STREAM_SAMPLE))
-        tokens = torch.where(sb.greedy, logits.argmax(-1), drawn)
+        tokens = torch.where(sb.greedy, logits.argmax(-1), drawn) if sb.any_greedy else drawn
     return finish_sample(tokens, logprobs, logits, sb)
 
 
@@ -182,6 +187,8 @@ def draw_draft(logits: torch.Tensor, sb: SamplingBatch, j: int) -> tuple[torch.T
     random stream). Greedy rows propose the argmax deterministically, so their q is one-hot."""
     q = process_logits(logits, replace(sb, counters=sb.counters + j) if j else sb).exp()
     drawn = sample_from(q, uniforms(sb.seed_keys, sb.counters + j, STREAM_DRAFT))
+    if not sb.any_greedy:
+        return drawn, q
     greedy_tok = logits.argmax(-1)
     tok = torch.where(sb.greedy, greedy_tok, drawn)
     q = torch.where(sb.greedy[:, None], torch.nn.functional.one_hot(greedy_tok, q.shape[-1]).to(q.dtype), q)

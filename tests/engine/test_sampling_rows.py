@@ -38,3 +38,21 @@ def test_a_batch_of_other_sequences_gets_their_parameters():
     rows.build([a, b])
     for batch in ([a, c], [c, a], [a, b]):
         assert fields(rows.build(batch)) == fields(SamplingBatch.build(batch, 100, torch.device("cpu")))
+
+
+def test_the_batch_says_which_passes_it_can_skip():
+    """`any_greedy` and `unit_temperature` let sampling skip the argmax and the division by the temperature;
+    set only where no row needs them."""
+    cpu = torch.device("cpu")
+    t1 = seq(SamplingParams(temperature=1.0, seed=1), 11)
+    t07 = seq(SamplingParams(temperature=0.7, seed=2), 12)
+    greedy = seq(SamplingParams(temperature=0), 13)
+
+    def flags(*seqs: Sequence) -> tuple[bool, bool]:
+        sb = SamplingBatch.build(list(seqs), 100, cpu)
+        return sb.any_greedy, sb.unit_temperature
+
+    assert flags(t1) == (False, True)
+    assert flags(t1, greedy) == (True, True)  # a greedy row's logits are not divided either
+    assert flags(t1, t07) == (False, False)
+    assert flags(greedy, t07) == (True, False)

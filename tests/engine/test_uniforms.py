@@ -3,12 +3,15 @@ each row's uniforms are a function of (seed, output position, stream) alone, how
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import torch
 
 from service.engine.sampler import (
     STREAM_ACCEPT,
     STREAM_SAMPLE,
     SamplingBatch,
+    draw_draft,
     process_logits,
     sample,
     seed_keys,
@@ -99,3 +102,21 @@ def test_the_accept_and_sample_streams_differ():
     keys = seed_keys(torch.tensor([5]))
     counters = torch.tensor([[10]])
     assert not torch.equal(uniforms(keys, counters, STREAM_ACCEPT), uniforms(keys, counters, STREAM_SAMPLE))
+
+
+def test_skipping_the_argmax_and_the_unit_division_changes_no_draw():
+    """A batch at temperature 1 without greedy rows, as `SamplingBatch.build` flags it, samples, drafts and verifies
+    exactly as with nothing skipped."""
+    vocab, k = 53, 4
+    gen = torch.Generator().manual_seed(7)
+    skip = replace(batch(5, vocab, ""), temperature=torch.ones(5), any_greedy=False, unit_temperature=True)
+    full = replace(skip, any_greedy=True, unit_temperature=False)
+    logits = torch.randn(5, k + 1, vocab, generator=gen) * 3
+    probs = torch.softmax(torch.randn(5, k, vocab, generator=gen), -1)
+    draft = DraftProposal(torch.randint(0, vocab, (5, k), generator=gen), torch.tensor([4, 0, 2, 4, 1]), probs)
+    a, b = verify(logits, draft, skip), verify(logits, draft, full)
+    assert torch.equal(a.tokens, b.tokens) and torch.equal(a.num_accepted, b.num_accepted)
+    assert torch.equal(a.sample.logprobs, b.sample.logprobs)
+    assert torch.equal(sample(logits[:, 0], skip).tokens, sample(logits[:, 0], full).tokens)
+    for x, y in zip(draw_draft(logits[:, 1], skip, 1), draw_draft(logits[:, 1], full, 1), strict=True):
+        assert torch.equal(x, y)

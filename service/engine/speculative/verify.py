@@ -88,11 +88,10 @@ def verify(target_logits: torch.Tensor, draft: DraftProposal, sb: SamplingBatch)
     k = K1 - 1
     dev = target_logits.device
     target_logprobs = process_logits(target_logits, sb)  # [B, k + 1, V]: each row's parameters at every position
-    target_probs = target_logprobs.exp()
     positions = torch.arange(k, device=dev)
     in_draft = positions[None, :] < draft.lengths[:, None]  # [B, k]
     x = draft.tokens
-    p_x = target_probs[:, :k].gather(-1, x[..., None]).squeeze(-1)  # [B, k]
+    p_x = target_logprobs[:, :k].gather(-1, x[..., None]).squeeze(-1).exp()  # [B, k]: p only where it is read
     one_hot = draft.one_hot_rows  # with probs: the rows drafted deterministically (None: none of them)
     if draft.probs is None:
         q_x = torch.ones_like(p_x)
@@ -107,13 +106,14 @@ def verify(target_logits: torch.Tensor, draft: DraftProposal, sb: SamplingBatch)
     u_all = uniforms(sb.seed_keys, sb.counters[:, None] + offsets, streams)  # [B, 2k + 1]
     u = u_all[:, :k]
     accepted = (u * q_x <= p_x) & in_draft  # u <= p/q without dividing by q
-    target_argmax = target_logits.argmax(-1)  # [B, k + 1]
-    accepted = torch.where(sb.greedy[:, None], (x == target_argmax[:, :k]) & in_draft, accepted)
+    target_argmax = target_logits.argmax(-1) if sb.any_greedy else None  # [B, k + 1]
+    if target_argmax is not None:
+        accepted = torch.where(sb.greedy[:, None], (x == target_argmax[:, :k]) & in_draft, accepted)
     num_accepted = accepted.to(torch.int64).cumprod(1).sum(1)  # [B]
 
     # The residual row at the first rejection (or p_{k+1} when everything was accepted).
     rows = torch.arange(B, device=dev)
-    p_row = target_probs[rows, num_accepted]  # [B, V]
+    p_row = target_logprobs[rows, num_accepted].exp()  # [B, V]
     rejected_draft = num_accepted < draft.lengths  # a real draft token was rejected at num_accepted
     at = num_accepted.clamp(max=k - 1)
     if draft.probs is None:
@@ -129,7 +129,8 @@ def verify(target_logits: torch.Tensor, draft: DraftProposal, sb: SamplingBatch)
     empty = residual.sum(-1, keepdim=True) <= 0
     residual = torch.where(empty, p_row, residual)
     next_token = sample_from(residual, u_all[rows, k + num_accepted])
-    next_token = torch.where(sb.greedy, target_argmax[rows, num_accepted], next_token)
+    if target_argmax is not None:
+        next_token = torch.where(sb.greedy, target_argmax[rows, num_accepted], next_token)
 
     tokens = torch.cat([x, x.new_zeros(B, 1)], dim=1)  # [B, k + 1]
     tokens[rows, num_accepted] = next_token
