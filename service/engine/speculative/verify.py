@@ -102,7 +102,7 @@ def verify(target_logits: torch.Tensor, draft: DraftProposal, sb: SamplingBatch)
     # Every uniform the step may use, hashed in one pass: the acceptance tests' at draft positions 0..k-1, then the
     # final token's at positions 0..k (the one at num_accepted is used).
     offsets = torch.cat([positions, torch.arange(K1, device=dev)])  # [2k + 1]
-    streams = torch.tensor([STREAM_ACCEPT] * k + [STREAM_SAMPLE] * K1, device=dev)
+    streams = torch.where(torch.arange(2 * k + 1, device=dev) < k, STREAM_ACCEPT, STREAM_SAMPLE)  # built on the device
     u_all = uniforms(sb.seed_keys, sb.counters[:, None] + offsets, streams)  # [B, 2k + 1]
     u = u_all[:, :k]
     accepted = (u * q_x <= p_x) & in_draft  # u <= p/q without dividing by q
