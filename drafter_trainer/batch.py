@@ -54,7 +54,8 @@ def sampling_batch(temps: list[float], top_ps: list[float], top_ks: list[int], m
         counters=torch.zeros(n, dtype=torch.int64, device=device),
         use_top_k=any(k < vocab for k in ks), use_top_p=any(p < 1.0 for p in top_ps),
         use_min_p=any(p > 0 for p in min_ps), all_greedy=bool(greedy) and all(greedy), need_raw=False,
-        num_top_logprobs=0,
+        num_top_logprobs=0, any_greedy=any(greedy),
+        unit_temperature=all(g or t == 1.0 for g, t in zip(greedy, temps, strict=True)),
     )
 
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import torch
 
+from drafter_trainer.batch import sampling_batch
 from service.engine.sampler import SamplingBatch, SamplingRows
 from service.engine.sequence import Sequence
 from service.params import SamplingParams
@@ -56,3 +57,14 @@ def test_the_batch_says_which_passes_it_can_skip():
     assert flags(t1, greedy) == (True, True)  # a greedy row's logits are not divided either
     assert flags(t1, t07) == (False, False)
     assert flags(greedy, t07) == (True, False)
+
+
+def test_the_drafter_trainers_batches_skip_what_their_rollouts_do_not_need():
+    def flags(temps: list[float]) -> tuple[bool, bool]:
+        n = len(temps)
+        sb = sampling_batch(temps, [1.0] * n, [0] * n, [0.0] * n, 100, torch.device("cpu"))
+        return sb.any_greedy, sb.unit_temperature
+
+    assert flags([1.0, 1.0]) == (False, True)
+    assert flags([1.0, 0.0]) == (True, True)
+    assert flags([0.7, 1.0]) == (False, False)
