@@ -14,7 +14,7 @@ from dataclasses import dataclass
 import torch
 
 from service.buffer.codec import BufferedRollout
-from service.engine.sampler import SamplingBatch, seed_keys
+from service.engine.sampler import SamplingBatch
 
 logger = logging.getLogger(__name__)
 _warned = False
@@ -42,22 +42,9 @@ class Batch:
 
 def sampling_batch(temps: list[float], top_ps: list[float], top_ks: list[int], min_ps: list[float], vocab: int,
                    device: torch.device) -> SamplingBatch:
-    greedy = [t == 0 for t in temps]
-    ks = [k if 0 < k < vocab else vocab for k in top_ks]
-    f32 = {"dtype": torch.float32, "device": device}
+    """The rollouts' sampling parameters, for processing logits as the server did (no draws: seeds are unused)."""
     n = len(temps)
-    return SamplingBatch(
-        temperature=torch.tensor([1.0 if g else t for g, t in zip(greedy, temps, strict=True)], **f32),
-        greedy=torch.tensor(greedy, dtype=torch.bool, device=device), top_p=torch.tensor(top_ps, **f32),
-        top_k=torch.tensor(ks, dtype=torch.int64, device=device), min_p=torch.tensor(min_ps, **f32),
-        seed_keys=seed_keys(torch.zeros(n, dtype=torch.int64, device=device)),
-        counters=torch.zeros(n, dtype=torch.int64, device=device),
-        use_top_k=any(k < vocab for k in ks), use_top_p=any(p < 1.0 for p in top_ps),
-        use_min_p=any(p > 0 for p in min_ps), all_greedy=bool(greedy) and all(greedy), need_raw=False,
-        num_top_logprobs=0, any_greedy=any(greedy),
-        unit_temperature=all(g or t == 1.0 for g, t in zip(greedy, temps, strict=True)),
-    )
-
+    return SamplingBatch.of(temps, top_ps, top_ks, min_ps, [0] * n, [0] * n, vocab, device)
 
 def usable(r: BufferedRollout, max_seq_len: int, min_col: int = 0) -> bool:
     """A rollout with at least one output token the drafter can be scored on."""

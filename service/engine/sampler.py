@@ -73,31 +73,40 @@ class SamplingBatch:
 
     @classmethod
     def build(cls, seqs: list[Sequence], vocab_size: int, device: torch.device) -> SamplingBatch:
-        """Two host-built tensors per step (one float32, one int64); the fields are their columns."""
+        """The batch of these sequences' parameters, at their current output positions."""
         params = [s.params for s in seqs]
-        greedy = [p.temperature == 0 for p in params]
-        top_k = [p.top_k if 0 < p.top_k < vocab_size else vocab_size for p in params]
+        return cls.of([p.temperature for p in params], [p.top_p for p in params], [p.top_k for p in params],
+                      [p.min_p for p in params], [s.seed for s in seqs], [len(s.output_token_ids) for s in seqs],
+                      vocab_size, device, need_raw=any(p.raw_logprobs for p in params),
+                      num_top_logprobs=max((p.top_logprobs for p in params), default=0))
+
+    @classmethod
+    def of(cls, temps: list[float], top_ps: list[float], top_ks: list[int], min_ps: list[float], seeds: list[int],
+           counters: list[int], vocab_size: int, device: torch.device, need_raw: bool = False,
+           num_top_logprobs: int = 0) -> SamplingBatch:
+        """Per-row parameters (temperature 0: greedy; top_k outside (0, vocab): off) as two host-built tensors (one
+        float32, one int64) whose columns are the fields, and the flags saying which steps any row needs."""
+        greedy = [t == 0 for t in temps]
+        top_k = [k if 0 < k < vocab_size else vocab_size for k in top_ks]
         floats = torch.tensor(
-            [[1.0 if g else p.temperature, p.top_p, p.min_p, float(g)] for g, p in zip(greedy, params, strict=True)],
+            [[1.0 if g else t, p, m, float(g)] for g, t, p, m in zip(greedy, temps, top_ps, min_ps, strict=True)],
             dtype=torch.float32, device=device,
-        )
+        ).reshape(-1, 4)
         ints = torch.tensor(
-            [[k, s.seed, len(s.output_token_ids)] for k, s in zip(top_k, seqs, strict=True)],
-            dtype=torch.int64, device=device,
-        )
+            [list(row) for row in zip(top_k, seeds, counters, strict=True)], dtype=torch.int64, device=device,
+        ).reshape(-1, 3)
         return cls(
             temperature=floats[:, 0], greedy=floats[:, 3] > 0, top_p=floats[:, 1], top_k=ints[:, 0],
             min_p=floats[:, 2], seed_keys=seed_keys(ints[:, 1]), counters=ints[:, 2],
             use_top_k=any(k < vocab_size for k in top_k),
-            use_top_p=any(p.top_p < 1.0 for p in params),
-            use_min_p=any(p.min_p > 0.0 for p in params),
-            all_greedy=all(greedy),
-            need_raw=any(p.raw_logprobs for p in params),
-            num_top_logprobs=max(p.top_logprobs for p in params),
+            use_top_p=any(p < 1.0 for p in top_ps),
+            use_min_p=any(m > 0.0 for m in min_ps),
+            all_greedy=bool(greedy) and all(greedy),
+            need_raw=need_raw,
+            num_top_logprobs=num_top_logprobs,
             any_greedy=any(greedy),
-            unit_temperature=all(g or p.temperature == 1.0 for g, p in zip(greedy, params, strict=True)),
+            unit_temperature=all(g or t == 1.0 for g, t in zip(greedy, temps, strict=True)),
         )
-
 
 def int_tensor(values: list[int], device: torch.device) -> torch.Tensor:
     """int64 [len(values)] on `device`, through a buffer: several times faster than `torch.tensor` of a list."""
