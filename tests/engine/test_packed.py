@@ -95,6 +95,39 @@ def test_the_choice_is_made_once_per_layout():
     assert len(calls) == 4 * len(packed.CLASS_ROWS)
 
 
+
+def _ran_opaque_op(fn, x: torch.Tensor) -> tuple[torch.Tensor, bool]:
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
+        out = fn(x)
+    return out, any(e.name == "specroll::linear" for e in prof.events())
+
+
+@needs_onednn
+@pytest.mark.parametrize("packed_classes", [(3,), (1,), (0, 2)])
+def test_compiled_one_row_forwards_call_the_plain_kernel_directly(packed_classes):
+    """Compiled, one sequence's decode or verify (batch 1, up to `ROW_CLASSES[1]` positions) traces `F.linear`
+    where its row class runs it, not the opaque op (~10 us of Python dispatch a call: a third of a one-row decode
+    forward of the demo model); every other forward, and one row in a class that runs the packed copy, goes
+    through the op, which picks the kernel when it runs. A packed copy of twice the weight shows which kernel
+    ran."""
+    torch.manual_seed(0)
+    layer = Linear(64, 128)
+    pack_linears(layer, packed_wins(*packed_classes))
+    with torch.no_grad():
+        layer.packed = torch.ops.mkldnn._reorder_linear_weight(2 * layer.weight.detach().contiguous(), 1)
+    fn = torch.compile(lambda x: layer(x), dynamic=True, fullgraph=True)
+    with torch.inference_mode(), torch._dynamo.config.patch(recompile_limit=64):
+        for shape in ((1, 1), (1, 5), (1, ROW_CLASSES[1]), (1, 1), (4, 1), (3, 7), (1, 300), (2, 200)):
+            x = torch.randn(*shape, 64)
+            rows = shape[0] * shape[1]
+            cls = packed.row_class(rows)
+            got, opaque = _ran_opaque_op(fn, x)
+            scale = 2.0 if cls in packed_classes else 1.0
+            plain = F.linear(x, layer.weight, layer.bias)
+            torch.testing.assert_close(got, scale * plain - (scale - 1) * layer.bias, rtol=1e-4, atol=1e-5)
+            direct = shape[0] == 1 and rows <= ROW_CLASSES[1] and cls not in packed_classes
+            assert opaque != direct, (shape, packed_classes)
+
 def test_float32_weights_are_stored_transposed_and_give_the_same_products():
     torch.manual_seed(0)
     layer = Linear(64, 128)
