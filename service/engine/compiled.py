@@ -79,7 +79,14 @@ class _CompileCounter:
     def __init__(self) -> None:
         self._lock = threading.Lock()
         self.count = 0
-        self.registered = False
+        self._registered = False
+
+    def register(self) -> None:
+        """Hook into dynamo once per process, whichever thread compiles first."""
+        with self._lock:
+            if not self._registered:
+                torch._dynamo.callback.on_compile_start(self)
+                self._registered = True
 
     def __call__(self, *_args) -> None:
         with self._lock:
@@ -107,9 +114,7 @@ def available() -> bool:
 def _compiled(one_row: bool, one_position: bool) -> Callable[..., torch.Tensor]:
     """The compiled forward for one of the shape classes dynamo specialises (see the module docstring): each on a
     code object of its own, so each has its own cache of variants."""
-    if not _counter.registered:
-        torch._dynamo.callback.on_compile_start(_counter)
-        _counter.registered = True
+    _counter.register()
     code = _forward.__code__.replace(co_name=f"_forward_{int(one_row)}{int(one_position)}")
     return torch.compile(types.FunctionType(code, _forward.__globals__, code.co_name), dynamic=True, fullgraph=True)
 

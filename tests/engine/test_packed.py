@@ -95,7 +95,6 @@ def test_the_choice_is_made_once_per_layout():
     assert len(calls) == 4 * len(packed.CLASS_ROWS)
 
 
-
 def _ran_opaque_op(fn, x: torch.Tensor) -> tuple[torch.Tensor, bool]:
     with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
         out = fn(x)
