@@ -46,6 +46,7 @@ def sampling_batch(temps: list[float], top_ps: list[float], top_ks: list[int], m
     n = len(temps)
     return SamplingBatch.of(temps, top_ps, top_ks, min_ps, [0] * n, [0] * n, vocab, device)
 
+
 def usable(r: BufferedRollout, max_seq_len: int, min_col: int = 0) -> bool:
     """A rollout with at least one output token the drafter can be scored on."""
     P = len(r.prompt_token_ids)

@@ -108,6 +108,7 @@ class SamplingBatch:
             unit_temperature=all(g or t == 1.0 for g, t in zip(greedy, temps, strict=True)),
         )
 
+
 def int_tensor(values: list[int], device: torch.device) -> torch.Tensor:
     """int64 [len(values)] on `device`, through a buffer: several times faster than `torch.tensor` of a list."""
     return torch.frombuffer(array("q", values), dtype=torch.int64).to(device)

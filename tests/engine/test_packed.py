@@ -127,6 +127,7 @@ def test_compiled_one_row_forwards_call_the_plain_kernel_directly(packed_classes
             direct = shape[0] == 1 and rows <= ROW_CLASSES[1] and cls not in packed_classes
             assert opaque != direct, (shape, packed_classes)
 
+
 def test_float32_weights_are_stored_transposed_and_give_the_same_products():
     torch.manual_seed(0)
     layer = Linear(64, 128)
