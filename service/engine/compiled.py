@@ -21,11 +21,15 @@ How it is cut:
   serving size (inductor picks from those sizes which loops run on all threads); a variant compiled later
   (the first verify after a drafter push, say) marks its step as not timed for the adaptive strategy
   (`compiles()` counts them).
-- Each of those classes (batch 1 or more x one position or more) is a function of its own (`_compiled`): dynamo
-  keeps one list of variants per code object, checks them in order of last use and evaluates a variant's guards
-  (~50 us: every parameter and cache tensor) before it finds the one that matches. Shared, a plain step after a
-  verify (the adaptive strategy alternates them) paid a failed check first: one-row decode forwards took 0.08 ms
-  more after a verify than after a decode, 0.03 ms split (demo model, float32, one thread, alternating runs).
+- One code object for all of them, though dynamo checks a code object's variants in order of last use and
+  evaluates a variant's guards (~50 us: every parameter and cache tensor) before it finds the one that
+  matches, so a plain step right after a verify first fails the verify variant's (0.03-0.08 ms at one row,
+  demo model, float32, one thread). A code object per shape class (tried in 8201553) avoids that, but each
+  then compiles its first variant from a fresh start with every input size dynamic, and duck sizing (below)
+  ties sizes that are equal at that call: at the warm-up batch, the batch to the cache's slot count (the
+  default 64 rows and 64 slots) or to the head size, so each later batch size compiled again mid-rollout (2-3
+  compiles after start-up on the demo model; 8 against 6 in tests/engine/test_compiled.py). Shared, the
+  batched variants are recompiles of the one-row ones and keep those sizes apart.
 - No input is a view at an offset into another tensor (the runner builds positions and cache slots as tensors
   of their own): dynamic shapes make a storage offset a size, and torch takes sizes equal at compile time for
   one (duck sizing). The slot indices were a view at offset B x Q into one tensor with the positions; with as
@@ -55,7 +59,6 @@ import functools
 import logging
 import subprocess
 import threading
-import types
 from collections.abc import Callable
 
 import torch
@@ -111,12 +114,9 @@ def available() -> bool:
 
 
 @functools.cache
-def _compiled(one_row: bool, one_position: bool) -> Callable[..., torch.Tensor]:
-    """The compiled forward for one of the shape classes dynamo specialises (see the module docstring): each on a
-    code object of its own, so each has its own cache of variants."""
+def _compiled() -> Callable[..., torch.Tensor]:
     _counter.register()
-    code = _forward.__code__.replace(co_name=f"_forward_{int(one_row)}{int(one_position)}")
-    return torch.compile(types.FunctionType(code, _forward.__globals__, code.co_name), dynamic=True, fullgraph=True)
+    return torch.compile(_forward, dynamic=True, fullgraph=True)
 
 
 def compiled_forward(model: CausalLM, input_ids: torch.Tensor, meta: AttnMeta, k_cache: torch.Tensor,
@@ -125,8 +125,7 @@ def compiled_forward(model: CausalLM, input_ids: torch.Tensor, meta: AttnMeta, k
     dynamo = torch._dynamo.config
     if dynamo.recompile_limit < RECOMPILE_LIMIT:  # a per-thread setting: each serving thread raises its own
         dynamo.recompile_limit = RECOMPILE_LIMIT
-    B, Q = input_ids.shape
-    return _compiled(B == 1, Q == 1)(model, input_ids, meta, k_cache, v_cache)
+    return _compiled()(model, input_ids, meta, k_cache, v_cache)
 
 
 def compiles() -> int:

@@ -73,6 +73,28 @@ def test_compiled_before_the_first_request_and_never_again_for_a_push(target, dr
                                 atol=1e-4)
 
 
+def test_a_fresh_process_compiles_nothing_after_start_up(target, draft, tmp_path):
+    """The test above runs after other tests have compiled for these layouts; a server compiles from nothing. Its
+    first compiles are the warm-up's, at 16 rows here, the same as the cache's slot count and the head size:
+    sizes a compile could tie to one another, making a variant that serves that batch size alone."""
+    code = ("import sys\nfrom service.config import EngineConfig\nfrom service.engine import compiled\n"
+            "from service.engine.llm_engine import LLMEngine\nfrom service.params import SamplingParams\n"
+            f"e = LLMEngine(EngineConfig(model={str(target)!r}, drafter={f'{draft},suffix'!r}, max_model_len=200,"
+            " max_num_seqs=16))\n"
+            "start = compiled.compiles()\n"
+            "for rows in (16, 5, 1, 3):\n"
+            "    e.generate([[i + 1] * 20 for i in range(rows)],"
+            " SamplingParams(temperature=1.0, max_tokens=30, seed=rows, ignore_eos=True))\n"
+            "print('spec_drafts', e.stats.spec_drafts, 'compiled after start-up', compiled.compiles() - start)\n")
+    env = dict(os.environ, PYTHONPATH=f"{ROOT}{os.pathsep}{os.environ.get('PYTHONPATH', '')}")
+    proc = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=600,
+                          cwd=tmp_path)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    found = re.search(r"spec_drafts (\d+) compiled after start-up (\d+)", proc.stdout)
+    assert found and int(found[1]) > 0, proc.stdout
+    assert int(found[2]) == 0, proc.stdout
+
+
 def test_kernels_for_long_caches_are_compiled_before_the_first_request_too(target, draft, monkeypatch):
     """Where decode and verify over a long cache run other attention kernels than over a short one, start-up
     compiles those variants as well: a rollout whose rows grow past `attention.LONG_KEYS` compiles nothing."""
