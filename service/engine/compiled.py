@@ -28,8 +28,8 @@ How it is cut:
   then compiles its first variant from a fresh start with every input size dynamic, and duck sizing (below)
   ties sizes that are equal at that call: at the warm-up batch, the batch to the cache's slot count (the
   default 64 rows and 64 slots) or to the head size, so each later batch size compiled again mid-rollout (2-3
-  compiles after start-up on the demo model; 8 against 6 in tests/engine/test_compiled.py). Shared, the
-  batched variants are recompiles of the one-row ones and keep those sizes apart.
+  compiles after start-up on the demo model; tests/engine/test_compiled.py checks it in a fresh process). Shared,
+  the batched variants are recompiles of the one-row ones, and in every measured layout kept those sizes apart.
 - No input is a view at an offset into another tensor (the runner builds positions and cache slots as tensors
   of their own): dynamic shapes make a storage offset a size, and torch takes sizes equal at compile time for
   one (duck sizing). The slot indices were a view at offset B x Q into one tensor with the positions; with as
