@@ -74,16 +74,19 @@ def test_compiled_before_the_first_request_and_never_again_for_a_push(target, dr
 
 
 def test_a_fresh_process_compiles_nothing_after_start_up(target, draft, tmp_path):
-    """The test above runs after other tests have compiled for these layouts; a server compiles from nothing. Its
+    """The tests around run after others have compiled for these layouts; a server compiles from nothing. Its
     first compiles are the warm-up's, at 16 rows here, the same as the cache's slot count and the head size:
-    sizes a compile could tie to one another, making a variant that serves that batch size alone."""
-    code = ("import sys\nfrom service.config import EngineConfig\nfrom service.engine import compiled\n"
-            "from service.engine.llm_engine import LLMEngine\nfrom service.params import SamplingParams\n"
-            f"e = LLMEngine(EngineConfig(model={str(target)!r}, drafter={f'{draft},suffix'!r}, max_model_len=200,"
-            " max_num_seqs=16))\n"
+    sizes a compile could tie to one another, making a variant that serves that batch size alone. Long caches
+    run other kernels here, so their variants are compiled at start-up too."""
+    code = ("from service.config import EngineConfig\nfrom service.engine import compiled\n"
+            "from service.engine.llm_engine import LLMEngine\nfrom service.models import attention\n"
+            "from service.params import SamplingParams\n"
+            "attention.choose = lambda *a, **kw: ('bmm', 'sdpa', 'sdpa', 'bmm')\n"
+            f"e = LLMEngine(EngineConfig(model={str(target)!r}, drafter={f'{draft},suffix'!r},"
+            f" max_model_len={attention.LONG_KEYS + 64}, max_num_seqs=16))\n"
             "start = compiled.compiles()\n"
-            "for rows in (16, 5, 1, 3):\n"
-            "    e.generate([[i + 1] * 20 for i in range(rows)],"
+            f"for rows, prompt in ((16, 20), (5, 20), (1, 20), (3, 20), (3, {attention.LONG_KEYS - 16})):\n"
+            "    e.generate([[i + 1] * prompt for i in range(rows)],"
             " SamplingParams(temperature=1.0, max_tokens=30, seed=rows, ignore_eos=True))\n"
             "print('spec_drafts', e.stats.spec_drafts, 'compiled after start-up', compiled.compiles() - start)\n")
     env = dict(os.environ, PYTHONPATH=f"{ROOT}{os.pathsep}{os.environ.get('PYTHONPATH', '')}")
