@@ -39,7 +39,8 @@ logger = logging.getLogger("bench.step_profile")
 
 CATEGORIES = {
     "matmul": ("aten::addmm", "aten::mm", "aten::mkldnn_linear", "mkldnn::_linear_pointwise"),
-    "attention": ("aten::bmm", "aten::baddbmm", "aten::_softmax", "aten::_scaled_dot_product_flash_attention_for_cpu"),
+    "attention": ("aten::bmm", "aten::baddbmm", "aten::_softmax", "aten::_scaled_dot_product_flash_attention_for_cpu",
+                  "specroll::cache_attention"),
     "kv_write": ("aten::index_put_", "aten::_index_put_impl_"),
 }
 
@@ -155,6 +156,7 @@ def main(argv: list[str] | None = None) -> int:
     for b in batches:
         for q in (1, args.k + 1):
             rows[f"b{b}_q{q}"] = measure(cached, b, q, args.context, args.reps)
+            rows[f"b{b}_q{q}"]["kernel"] = attention.pick(cached.attn_kernels, b, q, args.context + q)
             logger.info("batch %d, %d positions: %s", b, q, rows[f"b{b}_q{q}"])
         dec, ver = rows[f"b{b}_q1"], rows[f"b{b}_q{args.k + 1}"]
         ratio[str(b)] = round(ver["ms"] / dec["ms"], 2)
@@ -162,9 +164,7 @@ def main(argv: list[str] | None = None) -> int:
         floor[str(b)] = round(ver["linear_gflop"] / peak * 1e3 / dec["ms"], 2)
     sys.stdout.write(json.dumps({
         "bench": "step_profile", "model": name, "dtype": args.dtype, "threads": args.threads, "k": args.k,
-        "compiled": cached.compiled is not None, "attention_kernels": {
-            kind: attention.pick(cached.attn_kernels, q, args.context + q)
-            for kind, q in (("decode", 1), ("verify", args.k + 1))},
+        "compiled": cached.compiled is not None,
         "context": args.context, "matmul_peak_gflops": round(peak, 1), "steps": rows,
         "verify_over_decode": ratio, "verify_matmul_floor": floor, "loadavg": os.getloadavg(),
     }) + "\n")

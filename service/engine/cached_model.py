@@ -78,7 +78,7 @@ class CachedModel:
                                 strict=True)], dtype=torch.int64, device=dev)
         slots = torch.arange(slot_lo, slot_lo + B, device=dev).repeat_interleave(Q)
         kv_len = max(s + n for s, n in zip(starts, q_lens, strict=True))
-        meta = self.meta_for(slot_lo, pos, slots, kv_len, attention.pick(self.attn_kernels, Q, kv_len))
+        meta = self.meta_for(slot_lo, pos, slots, kv_len, attention.pick(self.attn_kernels, B, Q, kv_len))
         if pack and self.pack_min_saved is not None and B * Q - sum(q_lens) >= self.pack_min_saved:
             packed = torch.tensor([b * Q + j for b, n in enumerate(q_lens) for j in range(n)], device=dev)
             meta.packed = packed
@@ -142,9 +142,11 @@ class CachedModel:
             last = self.cache.max_positions - 1 - widths[-1]  # the last position is scratch
             short, long = (max(min(p, last), 0) for p in WARM_UP_POSITIONS)
             # The long cache only where one of its kernels differs (else the same variants: nothing to compile).
-            kernels = [attention.pick(self.attn_kernels, Q, start + Q) for Q in widths for start in (short, long)]
+            rows = sorted({1, min(WARM_UP_ROWS, self.cache.num_slots)})
+            kernels = [attention.pick(self.attn_kernels, B, Q, start + Q) for B in rows for Q in widths
+                       for start in (short, long)]
             for start in (short, long) if kernels[0::2] != kernels[1::2] else (short,):
-                for B in sorted({1, min(WARM_UP_ROWS, self.cache.num_slots)}):
+                for B in rows:
                     for Q in widths:
                         self.forward_rows(torch.ones(B, Q, dtype=torch.int64, device=self.device), [start] * B)
         except Exception as exc:  # any failure of the compiler stack: serve eagerly rather than not at all

@@ -1,23 +1,27 @@
-"""Attention of a step's new query rows over the static KV cache: two kernels, chosen per machine by timing.
+"""Attention of a step's new query rows over the static KV cache: three kernels, chosen per machine by timing.
 
 - `sdpa`: one `F.scaled_dot_product_attention` call with the additive mask in the model dtype. On CPU its flash
   kernel reads the bf16 cache in place and accumulates in float32.
 - `bmm`: scores in float32 (one baddbmm with the scale and a float32 mask, a float32 softmax, one bmm with V);
   bf16 caches are converted per layer. At tiny sizes (batch x keys <= `TINY_ROWS_X_KEYS`) it hands over to
   SDPA, whose single call costs less than its dispatches (not in compiled code: no dispatches to save there).
+- `cpp`: our own CPU kernel (service/models/attention_cpp.py), float32 or bf16 with the mask in the model dtype,
+  head sizes a multiple of 16; where it cannot be built here (no C++ compiler) it is left out.
 
-Neither wins everywhere, by a lot, and the winner depends on the number of query positions per row and on how many
-keys they attend to. Demo model, bf16, at batch 64 (bench/step_profile.py): decode took 3.5 ms with sdpa and 5.7 ms
-with bmm on an Intel Xeon with AMX (2 threads); on an AMD EPYC (AVX512-BF16, no AMX; 1 thread, 400 cached tokens)
-decode took 19.3 ms with sdpa and 11.1 ms with bmm, while a verify step of 5 positions took 16.9 and 19.2 ms. The
-same EPYC, 2 threads, the attention of a verify step at batch 64 alone (both kernels interleaved, medians): over 128
-keys bmm 0.37-0.43 ms against sdpa's 0.53-0.66 ms, over 512 keys bmm 2.75-3.07 ms against 2.29-2.39 ms (compiled
-code ranks them alike). So `choose` times both on the model's own head layout, for each kind of step (decode,
-verify) over a short and a long cache (`TIMED_SHAPES`; `LONG_KEYS` parts them), the first time a layout is installed
-in a process, and from then on every cache-attached forward of that layout runs the faster kernel for its kind of
-step and its keys (`pick`; `CachedModel` records it in `AttnMeta.kernel`). CUDA always runs `sdpa`.
-Both kernels compute the same attention, rounded differently: every exactness test runs on whichever this machine
-chose.
+Of the two library kernels neither wins everywhere, by a lot, and the winner depends on the number of query
+positions per row and on how many keys they attend to. Demo model, bf16, at batch 64 (bench/step_profile.py): decode
+took 3.5 ms with sdpa and 5.7 ms with bmm on an Intel Xeon with AMX (2 threads); on an AMD EPYC (AVX512-BF16, no
+AMX; 1 thread, 400 cached tokens) decode took 19.3 ms with sdpa and 11.1 ms with bmm, while a verify step of 5
+positions took 16.9 and 19.2 ms. The same EPYC, 2 threads, the attention of a verify step at batch 64 alone (both
+kernels interleaved, medians): over 128 keys bmm 0.37-0.43 ms against sdpa's 0.53-0.66 ms, over 512 keys bmm
+2.75-3.07 ms against 2.29-2.39 ms (compiled code ranks them alike). On that EPYC (1 thread, demo layout) the `cpp`
+kernel won all four timed shapes in bf16 (decode over 512 keys: sdpa 3.49 ms, bmm 1.22, cpp 0.47) and three in
+float32 (a verify over 128 keys: sdpa 0.78, cpp 0.71, under the margin). So `choose` times each on the model's own
+head layout, for each kind of step (decode, verify) over a short and a long cache (`TIMED_SHAPES`; `LONG_KEYS` parts
+them), the first time a layout is installed in a process, and from then on every cache-attached forward of that
+layout runs the faster kernel for its rows (one or more), kind of step and keys (`pick`; `CachedModel` records it in
+`AttnMeta.kernel`). CUDA always runs `sdpa`. The kernels compute the same attention, rounded differently: every
+exactness test runs on whichever this machine chose.
 """
 
 from __future__ import annotations
@@ -27,25 +31,31 @@ import logging
 import torch
 import torch.nn.functional as F
 
+from service.models import attention_cpp
 from service.models.timing import Timer, median_seconds
 
 logger = logging.getLogger(__name__)
 
-KERNELS = ("sdpa", "bmm")
+KERNELS = ("sdpa", "bmm", "cpp")
 TINY_ROWS_X_KEYS = 512
 # (batch, query positions, keys): decode and verify steps over a short and a long cache, in the order of `Kernels`
 TIMED_SHAPES = ((32, 1, 128), (32, 1, 512), (64, 5, 128), (64, 5, 512))
 LONG_KEYS = 256  # a step attending to more keys than this runs the kernel timed over the long cache
-WIN_MARGIN = 0.9  # bmm must take under this fraction of sdpa's time to be chosen (sdpa is one call)
+WIN_MARGIN = 0.9  # another kernel must take under this fraction of sdpa's time to be chosen (sdpa: the default)
 
-# The kernel for decode over a short cache, decode over a long one, verify (or prefill) short, verify long
-Kernels = tuple[str, str, str, str]
+# Kernels a one-row step may run: the `cpp` kernel is a Python custom op, and its dispatch and arguments (~15 us a
+# layer) outweigh its gain at one row. Demo model, float32, one thread, compiled one-row forwards over 300 keys:
+# decode cpp 0.56-0.59 ms, bmm 0.44-0.46, sdpa 0.49-0.50; verify of 5 positions cpp 0.91-0.93, bmm 0.71-0.74.
+ONE_ROW_KERNELS = ("sdpa", "bmm")
+# The kernel for decode over a short cache, decode over a long one, verify (or prefill) short, verify long: of
+# one-row steps, then of batched ones
+Kernels = tuple[str, str, str, str, str, str, str, str]
 _chosen: dict[tuple, Kernels] = {}  # (device type, dtype, Hkv, G, D) -> kernels
 
 
-def pick(kernels: Kernels, query_len: int, num_keys: int) -> str:
-    """The kernel for a forward of `query_len` positions per row attending to up to `num_keys` keys."""
-    return kernels[2 * (query_len > 1) + (num_keys > LONG_KEYS)]
+def pick(kernels: Kernels, rows: int, query_len: int, num_keys: int) -> str:
+    """The kernel for a forward of `rows` rows of `query_len` positions attending to up to `num_keys` keys."""
+    return kernels[4 * (rows > 1) + 2 * (query_len > 1) + (num_keys > LONG_KEYS)]
 
 
 def mask_dtype(kernel: str, model_dtype: torch.dtype) -> torch.dtype:
@@ -58,6 +68,8 @@ def cached_attention(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, 
     (0 = attend, -inf = not; in `mask_dtype(kernel, ...)`) -> [B, Hkv, G * Q, D] in q's dtype."""
     if kernel == "sdpa":
         return F.scaled_dot_product_attention(q, keys, values, attn_mask=bias)
+    if kernel == "cpp":
+        return attention_cpp.op(q, keys, values, bias)
     B, Hkv, GQ, D = q.shape
     L = keys.shape[2]
     # is_compiling() first: a size test in traced code is a guard, and a guard on B * L recompiles when it flips.
@@ -70,30 +82,40 @@ def cached_attention(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, 
     return torch.bmm(probs.to(values.dtype), values.reshape(B * Hkv, L, D)).view(B, Hkv, GQ, D)
 
 
+def usable(kernel: str, dtype: torch.dtype, head_dim: int) -> bool:
+    """Whether `kernel` runs this layout here (`cpp`: built, and the dtype and head size it takes)."""
+    return kernel != "cpp" or attention_cpp.supports(dtype, head_dim)
+
+
 def choose(num_kv_heads: int, group: int, head_dim: int, dtype: torch.dtype, device: torch.device,
            timer: Timer | None = None) -> Kernels:
-    """The kernels for this head layout on this device (see `Kernels`): `sdpa` on CUDA; on CPU, each the faster
-    one at its shape in `TIMED_SHAPES` (timed once)."""
+    """The kernels for this head layout on this device (see `Kernels`): `sdpa` on CUDA; on CPU, each the fastest
+    usable one at its shape in `TIMED_SHAPES` (timed once), sdpa unless another takes under WIN_MARGIN of its time;
+    for one-row steps the fastest of `ONE_ROW_KERNELS` there."""
     if device.type != "cpu":
-        return ("sdpa",) * 4
+        return ("sdpa",) * 8
     key = (device.type, dtype, num_kv_heads, group, head_dim)
     if key not in _chosen:
         timer = timer or (lambda fn: median_seconds(fn, reps=5))
+        kernels = [kernel for kernel in KERNELS if usable(kernel, dtype, head_dim)]
         gen = torch.Generator().manual_seed(0)
-        chosen, report = [], []
+        chosen, one_row, report = [], [], []
         with torch.inference_mode():
             for B, Q, L in TIMED_SHAPES:
                 q = torch.randn(B, num_kv_heads, group * Q, head_dim, generator=gen).to(dtype)
                 cache = torch.randn(2, B, num_kv_heads, 2 * L, head_dim, generator=gen).to(dtype)
                 keys, values = cache[0, :, :, :L], cache[1, :, :, :L]  # views into a longer cache, as served
                 took = {}
-                for kernel in KERNELS:
+                for kernel in kernels:
                     bias = torch.zeros(B, num_kv_heads, group * Q, L, dtype=mask_dtype(kernel, dtype))
                     took[kernel] = timer(lambda a=(q, keys, values, bias, kernel): cached_attention(*a))
-                chosen.append("bmm" if took["bmm"] < WIN_MARGIN * took["sdpa"] else "sdpa")
-                report.append(f"{Q} per row over {L} keys: sdpa {took['sdpa'] * 1e3:.2f} ms, "
-                              f"bmm {took['bmm'] * 1e3:.2f} ms")
-        _chosen[key] = (chosen[0], chosen[1], chosen[2], chosen[3])
+                score = {k: took[k] * (WIN_MARGIN if k == "sdpa" else 1.0) for k in kernels}
+                chosen.append(min(kernels, key=score.get))
+                one_row.append(min(ONE_ROW_KERNELS, key=score.get))
+                times = ", ".join(f"{k} {took[k] * 1e3:.2f} ms" for k in kernels)
+                report.append(f"{Q} per row over {L} keys: {times}")
+        _chosen[key] = (*one_row, *chosen)
         logger.info("attention over the cache (%s, %d KV heads x %d, head_dim %d): decode %s / %s, verify %s / %s "
-                    "(short / long cache; %s)", dtype, num_kv_heads, group, head_dim, *_chosen[key], "; ".join(report))
+                    "(short / long cache; one row: %s; %s)", dtype, num_kv_heads, group, head_dim, *chosen,
+                    " / ".join(one_row), "; ".join(report))
     return _chosen[key]

@@ -1,5 +1,5 @@
-"""Attention over the cache (service/models/attention.py): both kernels compute the same attention, the choice
-is made by timing once per layout, and the engine matches transformers with either kernel."""
+"""Attention over the cache (service/models/attention.py): the kernels compute the same attention, the choice
+is made by timing once per layout, and the engine matches transformers with any kernel."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ import torch
 from helpers import make_checkpoint
 from test_model_parity import check_logits_every_step
 
-from service.models import attention
+from service.models import attention, attention_cpp
 
 CPU = torch.device("cpu")
 
@@ -22,7 +22,7 @@ def reference(q, keys, values, bias):
 @pytest.mark.parametrize("kernel", attention.KERNELS)
 @pytest.mark.parametrize("dtype,tol", [(torch.float32, 1e-5), (torch.bfloat16, 2e-2)], ids=["float32", "bf16"])
 @pytest.mark.parametrize("B,Q,L", [(1, 1, 9), (3, 5, 40), (24, 1, 70), (16, 5, 100)])  # tiny and bmm-sized
-def test_both_kernels_compute_masked_attention(kernel, dtype, tol, B, Q, L):
+def test_every_kernel_computes_masked_attention(kernel, dtype, tol, B, Q, L):
     Hkv, G, D = 2, 3, 16
     gen = torch.Generator().manual_seed(B * 100 + Q)
     cache = torch.randn(2, B, Hkv, L + 7, D, generator=gen).to(dtype)  # views of a longer cache, as served
@@ -38,26 +38,68 @@ def test_both_kernels_compute_masked_attention(kernel, dtype, tol, B, Q, L):
     torch.testing.assert_close(got.double(), reference(q, keys, values, bias), atol=tol, rtol=tol)
 
 
-def test_the_faster_kernel_is_chosen_per_kind_of_step_and_cache_length_once_per_layout(monkeypatch):
+def test_the_fastest_kernel_is_chosen_per_kind_of_step_and_cache_length_once_per_layout(monkeypatch):
     monkeypatch.setattr(attention, "_chosen", {})
+    monkeypatch.setattr(attention, "usable", lambda kernel, dtype, head_dim: True)
+    times = [{"sdpa": 1.0, "bmm": 0.5, "cpp": 0.8},  # decode, short cache: bmm
+             {"sdpa": 1.0, "bmm": 0.95, "cpp": 1.2},  # decode, long: sdpa (bmm saves under 1 - WIN_MARGIN)
+             {"sdpa": 1.0, "bmm": 1.0, "cpp": 0.6},  # verify, short: cpp
+             {"sdpa": 1.0, "bmm": 0.5, "cpp": 0.4}]  # verify, long: cpp
     calls = []
 
-    def bmm_faster_at_short_decode_and_long_verify(fn) -> float:
+    def fake(fn) -> float:
         calls.append(fn)
-        n = len(calls)  # per timed shape (decode short, long, verify short, long): sdpa, then bmm
-        return 0.5 if n in (2, 8) else 1.0
+        shape, kernel = divmod(len(calls) - 1, len(attention.KERNELS))  # per timed shape, each kernel in turn
+        return times[shape][attention.KERNELS[kernel]]
 
-    fake = bmm_faster_at_short_decode_and_long_verify
-    want = ("bmm", "sdpa", "sdpa", "bmm")
+    want = ("bmm", "sdpa", "sdpa", "bmm", "bmm", "sdpa", "cpp", "cpp")  # one-row steps: sdpa or bmm
     assert attention.choose(2, 3, 16, torch.float32, CPU, fake) == want
-    assert len(calls) == 2 * len(attention.TIMED_SHAPES)
+    assert len(calls) == len(attention.KERNELS) * len(attention.TIMED_SHAPES)
     assert attention.choose(2, 3, 16, torch.float32, CPU, fake) == want  # kept
-    assert len(calls) == 2 * len(attention.TIMED_SHAPES)
-    assert attention.choose(2, 3, 16, torch.bfloat16, CPU, lambda fn: 1.0) == ("sdpa",) * 4  # ties: one call
-    assert attention.choose(2, 3, 16, torch.float32, torch.device("cuda"), fake) == ("sdpa",) * 4
-    assert len(calls) == 2 * len(attention.TIMED_SHAPES)  # CUDA: never timed
+    assert len(calls) == len(attention.KERNELS) * len(attention.TIMED_SHAPES)
+    assert attention.choose(2, 3, 16, torch.bfloat16, CPU, lambda fn: 1.0) == ("sdpa",) * 8  # ties: one call
+    assert attention.choose(2, 3, 16, torch.float32, torch.device("cuda"), fake) == ("sdpa",) * 8
+    assert len(calls) == len(attention.KERNELS) * len(attention.TIMED_SHAPES)  # CUDA: never timed
     long = attention.LONG_KEYS + 1
-    assert [attention.pick(want, q, n) for q, n in ((1, 9), (1, long), (5, 9), (2, long))] == list(want)
+    steps = [(rows, q, n) for rows in (1, 3) for q, n in ((1, 9), (1, long), (5, 9), (2, long))]
+    assert [attention.pick(want, *step) for step in steps] == list(want)
+
+
+def test_the_cpp_kernel_is_left_out_where_it_does_not_run(monkeypatch):
+    assert attention.usable("cpp", torch.bfloat16, 64) and attention.usable("cpp", torch.float32, 48)
+    assert not attention.usable("cpp", torch.float16, 64)
+    assert not attention.usable("cpp", torch.float32, 40)  # not a multiple of 16
+    assert not attention.usable("cpp", torch.float32, 272)  # over 16 x 16
+    monkeypatch.setattr(attention, "_chosen", {})
+    timed = []
+    attention.choose(1, 2, 40, torch.float32, CPU, lambda fn: timed.append(fn) or 1.0)
+    assert len(timed) == 2 * len(attention.TIMED_SHAPES)  # sdpa and bmm only
+
+
+@pytest.mark.parametrize("dtype,tol", [(torch.float32, 1e-5), (torch.bfloat16, 2e-2)], ids=["float32", "bf16"])
+@pytest.mark.parametrize("Hkv,G,Q,D", [(1, 4, 5, 32), (2, 1, 3, 48), (1, 2, 9, 64), (2, 2, 2, 128), (1, 1, 17, 256)])
+def test_the_cpp_kernel_over_head_sizes_and_groups(dtype, tol, Hkv, G, Q, D):
+    """Every head size it takes (fixed and run-time vector counts), GQA groups, more query rows than one block of
+    P.V accumulators, and a query row masked everywhere (zeros, where the library kernels give NaN)."""
+    B, L = 3, 37
+    gen = torch.Generator().manual_seed(D)
+    cache = torch.randn(2, B, Hkv, L + 3, D, generator=gen).to(dtype)
+    keys, values = cache[0, :, :, :L], cache[1, :, :, :L]
+    q = torch.randn(B, Hkv, G * Q, D, generator=gen).to(dtype)
+    bias = torch.where(torch.rand(B, Hkv, G * Q, L, generator=gen) < 0.3, -torch.inf, 0.0)
+    bias[..., 0] = 0.0
+    bias[1, -1, -1] = -torch.inf  # one query row sees nothing
+    got = attention.cached_attention(q, keys, values, bias.to(dtype), "cpp")
+    want = reference(q, keys, values, bias)
+    want[1, -1, -1] = 0.0
+    torch.testing.assert_close(got.double(), want, atol=tol, rtol=tol)
+
+
+def test_the_cpp_kernel_is_built_once_per_machine_and_reused(tmp_path):
+    built = attention_cpp.build(tmp_path)
+    stamp = built.stat().st_mtime_ns
+    assert attention_cpp.build(tmp_path) == built and built.stat().st_mtime_ns == stamp
+    assert [p.name for p in tmp_path.iterdir()] == [built.name]  # no temporary file left beside it
 
 
 def test_each_kind_of_step_runs_its_kernel(monkeypatch, tiny_qwen2):
@@ -65,7 +107,7 @@ def test_each_kind_of_step_runs_its_kernel(monkeypatch, tiny_qwen2):
     from service.engine.kv_cache import KVCache
     from service.models.loader import load_model
 
-    monkeypatch.setattr(attention, "choose", lambda *args, **kw: ("bmm", "sdpa", "sdpa", "bmm"))
+    monkeypatch.setattr(attention, "choose", lambda *args, **kw: ("sdpa",) * 4 + ("bmm", "sdpa", "sdpa", "bmm"))
     model = load_model(tiny_qwen2, torch.bfloat16, CPU)
     cached = CachedModel(model, KVCache(model.config, 4, 400, torch.bfloat16, CPU), CPU)
     long = attention.LONG_KEYS
@@ -77,13 +119,16 @@ def test_each_kind_of_step_runs_its_kernel(monkeypatch, tiny_qwen2):
     assert (verify.kernel, verify.bias.dtype) == ("sdpa", torch.bfloat16)
     assert (long_decode.kernel, long_decode.bias.dtype) == ("sdpa", torch.bfloat16)
     assert (long_verify.kernel, long_verify.bias.dtype) == ("bmm", torch.float32)
+    one_row = [cached.build_meta(0, [start], [q])[0] for start, q in ((5, 1), (5, 3), (long, 1), (long, 3))]
+    assert [meta.kernel for meta in one_row] == ["sdpa"] * 4  # the one-row half of `Kernels`
 
 
-@pytest.mark.parametrize("kernels", [("sdpa", "sdpa"), ("bmm", "bmm"), ("bmm", "sdpa"), ("sdpa", "bmm")],
+@pytest.mark.parametrize("kernels", [("sdpa", "sdpa"), ("bmm", "bmm"), ("bmm", "sdpa"), ("sdpa", "bmm"),
+                                     ("cpp", "cpp")],
                          ids=lambda k: "decode-{}-prefill-{}".format(*k))
 def test_engine_matches_transformers_with_either_kernel(kernels, monkeypatch):
     """Batches large enough that `bmm` does not hand over to SDPA (rows x keys > TINY_ROWS_X_KEYS)."""
-    monkeypatch.setattr(attention, "choose", lambda *args, **kw: (kernels[0], kernels[0], kernels[1], kernels[1]))
+    monkeypatch.setattr(attention, "choose", lambda *args, **kw: (kernels[0], kernels[0], kernels[1], kernels[1]) * 2)
     lengths = (100, 1, 60, 90, 37, 110)
     assert len(lengths) * max(lengths) > attention.TINY_ROWS_X_KEYS
     check_logits_every_step(make_checkpoint("qwen2", tied=True), steps=6, lengths=lengths)

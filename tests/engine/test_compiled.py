@@ -55,7 +55,7 @@ def test_compiled_before_the_first_request_and_never_again_for_a_push(target, dr
     """Start-up compiles the decode and verify variants; serving them (any batch, any k, any cache length, with
     either attention kernel), pushing a new target and starting a second engine of the same layout compile
     nothing more."""
-    monkeypatch.setattr(attention, "choose", lambda *a, **kw: (kernel,) * 4)
+    monkeypatch.setattr(attention, "choose", lambda *a, **kw: (kernel,) * 8)
     engine = engine_on(target, False, drafter=f"{draft},suffix")
     start = compiled.compiles()
     engine.generate(PROMPTS, GREEDY)
@@ -81,7 +81,7 @@ def test_a_fresh_process_compiles_nothing_after_start_up(target, draft, tmp_path
     code = ("from service.config import EngineConfig\nfrom service.engine import compiled\n"
             "from service.engine.llm_engine import LLMEngine\nfrom service.models import attention\n"
             "from service.params import SamplingParams\n"
-            "attention.choose = lambda *a, **kw: ('bmm', 'sdpa', 'sdpa', 'bmm')\n"
+            "attention.choose = lambda *a, **kw: ('bmm', 'sdpa', 'sdpa', 'bmm') * 2\n"
             f"e = LLMEngine(EngineConfig(model={str(target)!r}, drafter={f'{draft},suffix'!r},"
             f" max_model_len={attention.LONG_KEYS + 64}, max_num_seqs=16))\n"
             "start = compiled.compiles()\n"
@@ -101,7 +101,7 @@ def test_a_fresh_process_compiles_nothing_after_start_up(target, draft, tmp_path
 def test_kernels_for_long_caches_are_compiled_before_the_first_request_too(target, draft, monkeypatch):
     """Where decode and verify over a long cache run other attention kernels than over a short one, start-up
     compiles those variants as well: a rollout whose rows grow past `attention.LONG_KEYS` compiles nothing."""
-    monkeypatch.setattr(attention, "choose", lambda *a, **kw: ("bmm", "sdpa", "sdpa", "bmm"))
+    monkeypatch.setattr(attention, "choose", lambda *a, **kw: ("bmm", "sdpa", "sdpa", "bmm") * 2)
     engine = LLMEngine(EngineConfig(model=str(target), max_model_len=attention.LONG_KEYS + 64, max_num_seqs=4,
                                     drafter=str(draft), spec="fixed", spec_k=3))
     start = compiled.compiles()
@@ -137,7 +137,8 @@ def test_compiled_decode_steps_write_the_engines_cache(target):
 
 
 def test_without_a_cxx_compiler_forwards_stay_eager(target, tmp_path):
-    """A PATH without g++ (as in a slim container): the engine logs it and serves eagerly."""
+    """A PATH without g++ (as in a slim container): the engine logs it and serves eagerly, with the library
+    attention kernels."""
     bindir = tmp_path / "bin"
     bindir.mkdir()
     (bindir / "python3").symlink_to(sys.executable)
@@ -145,16 +146,16 @@ def test_without_a_cxx_compiler_forwards_stay_eager(target, tmp_path):
             "from service.config import EngineConfig\nfrom service.engine.llm_engine import LLMEngine\n"
             "from service.params import SamplingParams\n"
             f"e = LLMEngine(EngineConfig(model={str(target)!r}, max_model_len=64, max_num_seqs=2))\n"
-            "assert e.runner.target.compiled is None\n"
+            "assert e.runner.target.compiled is None and 'cpp' not in e.runner.target.attn_kernels\n"
             "out = e.generate([[5, 6, 7]], SamplingParams(temperature=0, max_tokens=4, ignore_eos=True))\n"
             "print('tokens', len(out[0].outputs[0].token_ids))\n")
     env = {"PATH": str(bindir), "PYTHONPATH": f"{ROOT}{os.pathsep}{os.environ.get('PYTHONPATH', '')}",
-           "HOME": os.environ.get("HOME", str(tmp_path))}
+           "HOME": os.environ.get("HOME", str(tmp_path)), "SPECROLL_CACHE": str(tmp_path / "cache")}
     proc = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=300,
                           cwd=tmp_path)
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert "tokens 4" in proc.stdout
-    assert "no C++ compiler" in proc.stderr
+    assert "no C++ compiler" in proc.stderr and "the cpp attention kernel is not available" in proc.stderr
 
 
 def test_batched_variants_compile_their_loops_for_all_threads(target, tmp_path):

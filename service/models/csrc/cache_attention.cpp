@@ -1,0 +1,228 @@
+// Attention of a step's query rows over the static KV cache on CPU, for service/models/native_attention.py.
+//
+// One task per (row, KV head), spread over OpenMP threads. For each tile of 16 cached keys, every query's 16 dot
+// products are summed across lanes at once (a 16 x 16 transpose-and-add), so each key is read once per query and no
+// score needs a horizontal sum of its own. A float32 softmax with a polynomial exp that vectorises, then P.V with
+// each cached value read once for all the task's queries. Scores stay in a per-thread buffer.
+// Portable C++ with GCC/Clang vector types (16 floats: one AVX-512 register, two AVX2 ones), no torch headers: built
+// for the machine it runs on (-O3 -march=native) in about a second. Head sizes: multiples of 16.
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <algorithm>
+#include <vector>
+
+namespace {
+
+constexpr int W = 16;  // floats per vector
+typedef float vf __attribute__((vector_size(64)));
+typedef int32_t vi __attribute__((vector_size(64)));
+typedef uint16_t vh __attribute__((vector_size(32)));
+typedef uint32_t vu __attribute__((vector_size(64)));
+typedef uint16_t bf16;  // bfloat16 bits
+
+inline vf load16(const float* p) {
+  vf x;
+  std::memcpy(&x, p, sizeof x);
+  return x;
+}
+
+inline vf load16(const bf16* p) {  // bf16 -> float32 is exact: the bits shifted into the high half
+  vh h;
+  std::memcpy(&h, p, sizeof h);
+  const vu bits = __builtin_convertvector(h, vu) << 16;
+  vf x;
+  std::memcpy(&x, &bits, sizeof x);
+  return x;
+}
+
+inline float load1(const float* p) { return *p; }
+
+inline float load1(const bf16* p) {
+  const uint32_t bits = static_cast<uint32_t>(*p) << 16;
+  float f;
+  std::memcpy(&f, &bits, sizeof f);
+  return f;
+}
+
+inline void store1(float* p, float x) { *p = x; }
+
+inline void store1(bf16* p, float f) {  // round to nearest even, as torch does; NaN stays NaN
+  uint32_t bits;
+  std::memcpy(&bits, &f, sizeof bits);
+  if ((bits & 0x7fffffffu) > 0x7f800000u) {
+    *p = static_cast<bf16>((bits >> 16) | 0x40u);
+    return;
+  }
+  bits += 0x7fffu + ((bits >> 16) & 1u);
+  *p = static_cast<bf16>(bits >> 16);
+}
+
+// e^x for x <= 0 (scores minus their row's max), -inf -> 0: e^x = 2^n e^r with n = round(x log2 e), |r| <= ln 2 / 2,
+// and a degree-6 Taylor polynomial for e^r (relative error ~2e-7). Branch-free, so loops over it vectorise.
+inline float exp_nonpositive(float x) {
+  const float clamped = x < -87.0f ? -87.0f : x;
+  const float n = std::nearbyint(clamped * 1.44269504088896341f);
+  float r = clamped - n * 0.693359375f;
+  r = r + n * 2.12194440e-4f;
+  float p = 1.0f / 720;
+  p = p * r + 1.0f / 120;
+  p = p * r + 1.0f / 24;
+  p = p * r + 1.0f / 6;
+  p = p * r + 0.5f;
+  p = p * r + 1.0f;
+  p = p * r + 1.0f;
+  const int32_t exponent_bits = (static_cast<int32_t>(n) + 127) << 23;  // 2^n; n >= -126 after the clamp
+  float scale;
+  std::memcpy(&scale, &exponent_bits, sizeof scale);
+  return x == -INFINITY ? 0.0f : p * scale;
+}
+
+// Halves the vectors to sum: lane t of the result is x[t] + x[t + h] where t & h == 0, else y[t - h] + y[t].
+template <int H>
+inline vf fold(vf x, vf y) {
+  constexpr vi lo = {0 & H ? 16 + 0 - H : 0, 1 & H ? 16 + 1 - H : 1, 2 & H ? 16 + 2 - H : 2, 3 & H ? 16 + 3 - H : 3,
+                     4 & H ? 16 + 4 - H : 4, 5 & H ? 16 + 5 - H : 5, 6 & H ? 16 + 6 - H : 6, 7 & H ? 16 + 7 - H : 7,
+                     8 & H ? 16 + 8 - H : 8, 9 & H ? 16 + 9 - H : 9, 10 & H ? 16 + 10 - H : 10,
+                     11 & H ? 16 + 11 - H : 11, 12 & H ? 16 + 12 - H : 12, 13 & H ? 16 + 13 - H : 13,
+                     14 & H ? 16 + 14 - H : 14, 15 & H ? 16 + 15 - H : 15};
+  constexpr vi hi = {0 & H ? 16 + 0 : 0 + H, 1 & H ? 16 + 1 : 1 + H, 2 & H ? 16 + 2 : 2 + H, 3 & H ? 16 + 3 : 3 + H,
+                     4 & H ? 16 + 4 : 4 + H, 5 & H ? 16 + 5 : 5 + H, 6 & H ? 16 + 6 : 6 + H, 7 & H ? 16 + 7 : 7 + H,
+                     8 & H ? 16 + 8 : 8 + H, 9 & H ? 16 + 9 : 9 + H, 10 & H ? 16 + 10 : 10 + H,
+                     11 & H ? 16 + 11 : 11 + H, 12 & H ? 16 + 12 : 12 + H, 13 & H ? 16 + 13 : 13 + H,
+                     14 & H ? 16 + 14 : 14 + H, 15 & H ? 16 + 15 : 15 + H};
+  return __builtin_shuffle(x, y, lo) + __builtin_shuffle(x, y, hi);
+}
+
+// Lane t of the result: the sum of the lanes of a[bit-reversed t] (four rounds of `fold`, each taking one bit).
+inline vf sum_lanes(vf* a) {
+  for (int j = 0; j < 8; ++j) a[j] = fold<8>(a[2 * j], a[2 * j + 1]);
+  for (int j = 0; j < 4; ++j) a[j] = fold<4>(a[2 * j], a[2 * j + 1]);
+  for (int j = 0; j < 2; ++j) a[j] = fold<2>(a[2 * j], a[2 * j + 1]);
+  return fold<1>(a[0], a[1]);
+}
+
+constexpr int64_t kAccumulators = 16;  // vectors of P.V sums kept in registers; a head is at most this many
+constexpr int kBitReversed[16] = {0, 8, 4, 12, 2, 10, 6, 14, 1, 9, 5, 13, 3, 11, 7, 15};
+
+struct Shape {
+  int64_t B, H, Q, L, D;                      // rows, KV heads, query rows per KV head (G x positions), keys, head size
+  int64_t qs[3], ks[3], vs[3], bs[3], os[3];  // strides (elements) of the row, head and query/key axes; the last is 1
+};
+
+// NV: vectors per head (D / 16) when fixed at compile time, else 0 (s.D / 16 at run time)
+template <int NV, typename T, typename M>
+void attend(const Shape& s, const T* q, const T* k, const T* v, const M* bias, T* out, float scale, int threads) {
+  const int64_t Q = s.Q, L = s.L, nv = NV ? NV : s.D / W;
+#pragma omp parallel num_threads(threads)
+  {
+    const int64_t rows = (Q + kAccumulators - 1) / kAccumulators * kAccumulators;  // Q rounded up for P.V's blocks
+    std::vector<float> scores(rows * L);  // rows past Q stay zero
+    std::vector<vf> queries(Q * nv);
+#pragma omp for schedule(static)
+    for (int64_t task = 0; task < s.B * s.H; ++task) {
+      const int64_t b = task / s.H, h = task % s.H;
+      const T* kb = k + b * s.ks[0] + h * s.ks[1];
+      const T* vb = v + b * s.vs[0] + h * s.vs[1];
+      const M* bb = bias + b * s.bs[0] + h * s.bs[1];
+      for (int64_t i = 0; i < Q; ++i)
+        for (int64_t c = 0; c < nv; ++c) queries[i * nv + c] = load16(q + b * s.qs[0] + h * s.qs[1] + i * s.qs[2] + c * W) * scale;
+      // scores[i, l] = (q_i * scale) . k_l + bias[i, l], 16 keys at a time
+      for (int64_t l0 = 0; l0 < L; l0 += W) {
+        const int64_t n = L - l0 < W ? L - l0 : W;
+        for (int64_t i = 0; i < Q; ++i) {
+          const vf* qi = queries.data() + i * nv;
+          vf dots[W];
+          for (int j = 0; j < W; ++j) {
+            vf dot = {};
+            if (j < n) {
+              const T* kl = kb + (l0 + j) * s.ks[2];
+              for (int64_t c = 0; c < nv; ++c) dot += qi[c] * load16(kl + c * W);
+            }
+            dots[kBitReversed[j]] = dot;
+          }
+          const vf sums = sum_lanes(dots);
+          float* si = scores.data() + i * L + l0;
+          const M* bi = bb + i * s.bs[2] + l0;
+          for (int j = 0; j < n; ++j) si[j] = sums[j] + load1(bi + j);
+        }
+      }
+      // softmax over each query's keys, in place; a query that may attend to nothing gets zeros
+      for (int64_t i = 0; i < Q; ++i) {
+        float* si = scores.data() + i * L;
+        float top = -INFINITY;
+#pragma omp simd reduction(max : top)
+        for (int64_t l = 0; l < L; ++l) top = si[l] > top ? si[l] : top;
+        if (top == -INFINITY) {
+          std::fill(si, si + L, 0.0f);
+          continue;
+        }
+        float total = 0.0f;
+#pragma omp simd reduction(+ : total)
+        for (int64_t l = 0; l < L; ++l) {
+          si[l] = exp_nonpositive(si[l] - top);
+          total += si[l];
+        }
+        const float inv = 1.0f / total;  // >= 1: the max's own term is e^0
+#pragma omp simd
+        for (int64_t l = 0; l < L; ++l) si[l] *= inv;
+      }
+      // out[i] = sum_l p[i, l] v_l for a block of queries at a time, its accumulators in registers: each value is
+      // read once per block (rows past Q have zero scores)
+      const int64_t block = kAccumulators / nv < Q ? kAccumulators / nv : Q;
+      for (int64_t i0 = 0; i0 < Q; i0 += block) {
+        vf acc[kAccumulators] = {};
+        for (int64_t l = 0; l < L; ++l) {
+          const T* vl = vb + l * s.vs[2];
+          for (int64_t c = 0; c < nv; ++c) {
+            const vf value = load16(vl + c * W);
+            for (int64_t i = 0; i < block; ++i) acc[i * nv + c] += scores[(i0 + i) * L + l] * value;
+          }
+        }
+        for (int64_t i = 0; i < block && i0 + i < Q; ++i) {
+          T* oi = out + b * s.os[0] + h * s.os[1] + (i0 + i) * s.os[2];
+          for (int64_t c = 0; c < nv; ++c)
+            for (int j = 0; j < W; ++j) store1(oi + c * W + j, acc[i * nv + c][j]);
+        }
+      }
+    }
+  }
+}
+
+template <int NV>
+int dispatch(int dtype, const Shape& s, const void* q, const void* k, const void* v, const void* bias, void* out,
+             float scale, int threads) {
+  switch (dtype) {
+    case 0:
+      attend<NV>(s, static_cast<const float*>(q), static_cast<const float*>(k), static_cast<const float*>(v),
+                 static_cast<const float*>(bias), static_cast<float*>(out), scale, threads);
+      return 0;
+    case 1:
+      attend<NV>(s, static_cast<const bf16*>(q), static_cast<const bf16*>(k), static_cast<const bf16*>(v),
+                 static_cast<const bf16*>(bias), static_cast<bf16*>(out), scale, threads);
+      return 0;
+    default:
+      return 1;
+  }
+}
+
+}  // namespace
+
+// dtype: 0 = float32 tensors and mask, 1 = bfloat16 tensors and mask.
+// shape: B, H, Q, L, D, then the strides of the first three axes of q, k, v, bias and out in turn (the last axis
+// of each is contiguous). Returns 0, or 1 for a dtype code or head size it does not take.
+extern "C" int specroll_cache_attention(int dtype, const int64_t* shape, const void* q, const void* k, const void* v,
+                                        const void* bias, void* out, float scale, int threads) {
+  Shape s{shape[0], shape[1], shape[2], shape[3], shape[4], {}, {}, {}, {}, {}};
+  int64_t* strides[5] = {s.qs, s.ks, s.vs, s.bs, s.os};
+  for (int t = 0; t < 5; ++t)
+    for (int a = 0; a < 3; ++a) strides[t][a] = shape[5 + 3 * t + a];
+  if (s.D <= 0 || s.D % W != 0 || s.D > W * kAccumulators) return 1;
+  switch (s.D / W) {
+    case 1: return dispatch<1>(dtype, s, q, k, v, bias, out, scale, threads);
+    case 2: return dispatch<2>(dtype, s, q, k, v, bias, out, scale, threads);
+    case 4: return dispatch<4>(dtype, s, q, k, v, bias, out, scale, threads);
+    case 8: return dispatch<8>(dtype, s, q, k, v, bias, out, scale, threads);
+    default: return dispatch<0>(dtype, s, q, k, v, bias, out, scale, threads);
+  }
+}
