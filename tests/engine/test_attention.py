@@ -3,6 +3,11 @@ is made by timing once per layout, and the engine matches transformers with any 
 
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
+from pathlib import Path
+
 import pytest
 import torch
 from helpers import make_checkpoint
@@ -11,6 +16,10 @@ from test_model_parity import check_logits_every_step
 from service.models import attention, attention_cpp
 
 CPU = torch.device("cpu")
+TESTS = Path(__file__).resolve().parents[1]
+ROOT = TESTS.parent
+# (KV heads, group, positions, head size) for the cpp kernel
+CPP_SHAPES = [(1, 4, 5, 32), (2, 1, 3, 48), (1, 2, 8, 48), (1, 2, 9, 64), (2, 2, 2, 128), (1, 1, 17, 256)]
 
 
 def reference(q, keys, values, bias):
@@ -77,10 +86,11 @@ def test_the_cpp_kernel_is_left_out_where_it_does_not_run(monkeypatch):
 
 
 @pytest.mark.parametrize("dtype,tol", [(torch.float32, 1e-5), (torch.bfloat16, 2e-2)], ids=["float32", "bf16"])
-@pytest.mark.parametrize("Hkv,G,Q,D", [(1, 4, 5, 32), (2, 1, 3, 48), (1, 2, 9, 64), (2, 2, 2, 128), (1, 1, 17, 256)])
+@pytest.mark.parametrize("Hkv,G,Q,D", CPP_SHAPES)
 def test_the_cpp_kernel_over_head_sizes_and_groups(dtype, tol, Hkv, G, Q, D):
     """Every head size it takes (fixed and run-time vector counts), GQA groups, more query rows than one block of
-    P.V accumulators, and a query row masked everywhere (zeros, where the library kernels give NaN)."""
+    P.V accumulators (16 rows in blocks of 5 at D = 48), and a query row masked everywhere (zeros, where the
+    library kernels give NaN)."""
     B, L = 3, 37
     gen = torch.Generator().manual_seed(D)
     cache = torch.randn(2, B, Hkv, L + 3, D, generator=gen).to(dtype)
@@ -93,6 +103,31 @@ def test_the_cpp_kernel_over_head_sizes_and_groups(dtype, tol, Hkv, G, Q, D):
     want = reference(q, keys, values, bias)
     want[1, -1, -1] = 0.0
     torch.testing.assert_close(got.double(), want, atol=tol, rtol=tol)
+
+
+def test_the_cpp_kernel_stays_inside_its_buffers_under_address_sanitizer(tmp_path):
+    """The kernel's shapes above, built with AddressSanitizer, in a fresh process: any read or write outside a
+    buffer (a past bug: P.V's last block of queries read past the scores) aborts it."""
+    from torch._inductor.cpp_builder import get_cpp_compiler
+
+    compiler = get_cpp_compiler()  # the one the kernel is built with
+    asan = subprocess.run([compiler, "-print-file-name=libasan.so"], capture_output=True, text=True).stdout.strip()
+    if not os.path.isabs(asan):
+        pytest.skip(f"{compiler} has no libasan here")
+    flags = (*(f for f in attention_cpp.FLAGS if f != "-O3"), "-O1", "-g", "-fsanitize=address")
+    library = attention_cpp.build(tmp_path, flags)
+    code = (f"import sys; sys.path[:0] = [{str(TESTS)!r}, {str(TESTS / 'engine')!r}]\n"
+            "from pathlib import Path\nimport torch\nfrom service.models import attention_cpp\n"
+            f"attention_cpp.build = lambda *args: Path({str(library)!r})\n"
+            "import test_attention as t\n"
+            "for shape in t.CPP_SHAPES:\n"
+            "    for dtype, tol in ((torch.float32, 1e-5), (torch.bfloat16, 2e-2)):\n"
+            "        t.test_the_cpp_kernel_over_head_sizes_and_groups(dtype, tol, *shape)\n"
+            "print('checked', len(t.CPP_SHAPES))\n")
+    env = dict(os.environ, LD_PRELOAD=asan, ASAN_OPTIONS="detect_leaks=0",
+               PYTHONPATH=f"{ROOT}{os.pathsep}{os.environ.get('PYTHONPATH', '')}")
+    proc = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0 and f"checked {len(CPP_SHAPES)}" in proc.stdout, proc.stderr[-3000:]
 
 
 def test_the_cpp_kernel_is_built_once_per_machine_and_reused(tmp_path):

@@ -116,8 +116,8 @@ void attend(const Shape& s, const T* q, const T* k, const T* v, const M* bias, T
   const int64_t Q = s.Q, L = s.L, nv = NV ? NV : s.D / W;
 #pragma omp parallel num_threads(threads)
   {
-    const int64_t rows = (Q + kAccumulators - 1) / kAccumulators * kAccumulators;  // Q rounded up for P.V's blocks
-    std::vector<float> scores(rows * L);  // rows past Q stay zero
+    // P.V's last block of queries may run up to kAccumulators - 1 rows past Q: those rows' scores stay zero
+    std::vector<float> scores((Q + kAccumulators) * L);
     std::vector<vf> queries(Q * nv);
 #pragma omp for schedule(static)
     for (int64_t task = 0; task < s.B * s.H; ++task) {
@@ -125,8 +125,10 @@ void attend(const Shape& s, const T* q, const T* k, const T* v, const M* bias, T
       const T* kb = k + b * s.ks[0] + h * s.ks[1];
       const T* vb = v + b * s.vs[0] + h * s.vs[1];
       const M* bb = bias + b * s.bs[0] + h * s.bs[1];
-      for (int64_t i = 0; i < Q; ++i)
-        for (int64_t c = 0; c < nv; ++c) queries[i * nv + c] = load16(q + b * s.qs[0] + h * s.qs[1] + i * s.qs[2] + c * W) * scale;
+      for (int64_t i = 0; i < Q; ++i) {
+        const T* qi = q + b * s.qs[0] + h * s.qs[1] + i * s.qs[2];
+        for (int64_t c = 0; c < nv; ++c) queries[i * nv + c] = load16(qi + c * W) * scale;
+      }
       // scores[i, l] = (q_i * scale) . k_l + bias[i, l], 16 keys at a time
       for (int64_t l0 = 0; l0 < L; l0 += W) {
         const int64_t n = L - l0 < W ? L - l0 : W;
