@@ -38,13 +38,15 @@ logger = logging.getLogger(__name__)
 
 KERNELS = ("sdpa", "bmm", "cpp")
 TINY_ROWS_X_KEYS = 512
-# (batch, query positions, keys): decode and verify steps over a short and a long cache, in the order of `Kernels`
+# (batch, query positions, keys): decode and verify steps over a short and a long cache, in the order of each half
+# of `Kernels`
 TIMED_SHAPES = ((32, 1, 128), (32, 1, 512), (64, 5, 128), (64, 5, 512))
 LONG_KEYS = 256  # a step attending to more keys than this runs the kernel timed over the long cache
 WIN_MARGIN = 0.9  # another kernel must take under this fraction of sdpa's time to be chosen (sdpa: the default)
 
-# Kernels a one-row step may run: the `cpp` kernel is a Python custom op, and its dispatch and arguments (~15 us a
-# layer) outweigh its gain at one row. Demo model, float32, one thread, compiled one-row forwards over 300 keys:
+# Kernels a one-row step may run: the `cpp` kernel is an op implemented in Python, and its dispatch and arguments
+# (15-20 us a layer) outweigh its gain at one row. Demo model, float32, one thread, compiled one-row forwards over
+# 300 keys (measured with `torch.library.custom_op`, ~3 us a call dearer than the registration it has now):
 # decode cpp 0.56-0.59 ms, bmm 0.44-0.46, sdpa 0.49-0.50; verify of 5 positions cpp 0.91-0.93, bmm 0.71-0.74.
 ONE_ROW_KERNELS = ("sdpa", "bmm")
 # The kernel for decode over a short cache, decode over a long one, verify (or prefill) short, verify long: of
