@@ -77,11 +77,12 @@ def test_a_fresh_process_compiles_nothing_after_start_up(target, draft, tmp_path
     """The tests around run after others have compiled for these layouts; a server compiles from nothing. Its
     first compiles are the warm-up's, at 16 rows here, the same as the cache's slot count and the head size:
     sizes a compile could tie to one another, making a variant that serves that batch size alone. Long caches
-    run other kernels here, so their variants are compiled at start-up too."""
+    run other kernels here, and batched steps others than one-row ones (as the cpp kernel is chosen), so their
+    variants are compiled at start-up too."""
     code = ("from service.config import EngineConfig\nfrom service.engine import compiled\n"
             "from service.engine.llm_engine import LLMEngine\nfrom service.models import attention\n"
             "from service.params import SamplingParams\n"
-            "attention.choose = lambda *a, **kw: ('bmm', 'sdpa', 'sdpa', 'bmm') * 2\n"
+            "attention.choose = lambda *a, **kw: ('sdpa',) * 4 + ('cpp', 'sdpa', 'cpp', 'bmm')\n"
             f"e = LLMEngine(EngineConfig(model={str(target)!r}, drafter={f'{draft},suffix'!r},"
             f" max_model_len={attention.LONG_KEYS + 64}, max_num_seqs=16))\n"
             "start = compiled.compiles()\n"
