@@ -8,6 +8,13 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+
+def default_cache_root() -> Path:
+    """The cache root: ``$SPECROLL_CACHE`` if set, else ``~/.cache/specroll``."""
+    env = os.environ.get("SPECROLL_CACHE")
+    return Path(env).expanduser() if env else Path.home() / ".cache" / "specroll"
+
+
 SUPPORTED_ARCHITECTURES = {
     "LlamaForCausalLM": "llama",
     "Qwen2ForCausalLM": "qwen2",

@@ -21,6 +21,8 @@ from typing import Any
 
 import torch
 
+from service.config import default_cache_root
+
 logger = logging.getLogger(__name__)
 
 DEFAULT_MODEL_NAME = "default-v2"
@@ -29,12 +31,6 @@ REQUIRED_FILES = ("config.json", "generation_config.json", "model.safetensors", 
 WEIGHT_SEED = 0
 INIT_STD = 0.02
 BIAS_STD = 0.01
-
-
-def default_cache_root() -> Path:
-    """The cache root: ``$SPECROLL_CACHE`` if set, else ``~/.cache/specroll``."""
-    env = os.environ.get("SPECROLL_CACHE")
-    return Path(env).expanduser() if env else Path.home() / ".cache" / "specroll"
 
 
 def model_name(size: str | None = None) -> str:

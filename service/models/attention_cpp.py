@@ -39,6 +39,8 @@ from pathlib import Path
 
 import torch
 
+from service.config import default_cache_root
+
 logger = logging.getLogger(__name__)
 
 SOURCE = Path(__file__).with_name("csrc") / "cache_attention.cpp"
@@ -52,10 +54,6 @@ MAX_HEAD_DIM = 16 * VECTOR
 def supports(dtype: torch.dtype, head_dim: int) -> bool:
     """Whether the kernel takes this cache dtype and head size (and could be built here)."""
     return dtype in DTYPES and head_dim % VECTOR == 0 and head_dim <= MAX_HEAD_DIM and available()
-
-
-def _cache_dir() -> Path:
-    return Path(os.environ.get("SPECROLL_CACHE") or Path.home() / ".cache" / "specroll") / "kernels"
 
 
 def _cpu_flags() -> str:
@@ -78,7 +76,7 @@ def build(cache_dir: Path | None = None, flags: tuple[str, ...] = FLAGS) -> Path
         raise RuntimeError(f"no working C++ compiler ({exc})") from exc
     source = SOURCE.read_bytes()
     key = hashlib.sha256(b"\0".join([source, version.encode(), " ".join(flags).encode(), _cpu_flags().encode()]))
-    target = (cache_dir or _cache_dir()) / f"cache_attention-{key.hexdigest()[:16]}.so"
+    target = (cache_dir or default_cache_root() / "kernels") / f"cache_attention-{key.hexdigest()[:16]}.so"
     if target.exists():
         return target
     target.parent.mkdir(parents=True, exist_ok=True)
