@@ -73,9 +73,22 @@ bash bench/setup_vllm_venv.sh .venv-vllm
 echo "==> ruff check"
 python3 -m ruff check .
 
-run_pytest() {  # exit 5 (no tests collected) is a failure, not a pass
-    local rc=0
-    "$@" || rc=$?
+# Each pytest run has a time limit of its own, well above its usual time (about 11 and 8 minutes on 2 cores), so
+# that a hang still leaves the other run and the log's summary inside CI's 90 minutes: SIGINT first (pytest then
+# prints its summary), SIGKILL a minute later. Unbuffered, so a killed run's log ends where it stopped.
+export PYTHONUNBUFFERED=1
+MAIN_LIMIT_S="${SPECROLL_TEST_LIMIT_S:-2400}"
+VLLM_LIMIT_S="${SPECROLL_VLLM_TEST_LIMIT_S:-1200}"
+
+run_pytest() {  # exit 5 (no tests collected) is a failure, not a pass; 124/130/137: over its time limit
+    local limit="$1" rc=0 started=$SECONDS
+    shift
+    timeout -s INT -k 60 "$limit" "$@" || rc=$?
+    echo "scripts/test.sh: exit $rc after $((SECONDS - started)) s: $*"
+    df -h . "${TMPDIR:-/tmp}" 2>/dev/null || true
+    if [[ "$rc" -eq 124 || "$rc" -eq 137 ]]; then
+        echo "scripts/test.sh: stopped at its time limit of ${limit} s ($*)" >&2
+    fi
     if [[ "$rc" -eq 5 ]]; then
         echo "scripts/test.sh: pytest collected no tests ($*); treating that as a failure" >&2
         return 1
@@ -85,11 +98,11 @@ run_pytest() {  # exit 5 (no tests collected) is a failure, not a pass
 
 rc=0
 if [[ $# -gt 0 ]]; then  # a chosen subset: the vLLM interpreter sees everything the system one does, and vllm
-    run_pytest .venv-vllm/bin/python -m pytest -q "$@" || rc=$?
+    run_pytest "$MAIN_LIMIT_S" .venv-vllm/bin/python -m pytest -q "$@" || rc=$?
     exit "$rc"
 fi
 echo "==> pytest"
-run_pytest python3 -m pytest -q --ignore=tests/vllm || rc=$?
+run_pytest "$MAIN_LIMIT_S" python3 -m pytest -q --durations=10 --ignore=tests/vllm || rc=$?
 echo "==> pytest tests/vllm (vLLM backend, under .venv-vllm)"
-run_pytest .venv-vllm/bin/python -m pytest -q tests/vllm || rc=$?
+run_pytest "$VLLM_LIMIT_S" .venv-vllm/bin/python -m pytest -q --durations=10 tests/vllm || rc=$?
 exit "$rc"

