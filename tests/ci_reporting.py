@@ -1,4 +1,5 @@
-"""A pytest plugin for CI runs (`CI` set): each failure is printed the moment it happens, with the disk's free space.
+"""A pytest plugin for CI runs (`CI` set): each failure is printed the moment it happens, with the disk's free
+space, the load average and the number of threads in pytest.
 
 A CI run killed at its time limit prints no summary; one such run left nothing in its log but a row of E and F, so
 neither the errors nor what the machine was short of could be read. conftest.py loads this plugin; the test of it
@@ -10,6 +11,7 @@ from __future__ import annotations
 import os
 import shutil
 import tempfile
+import threading
 
 import pytest
 
@@ -31,8 +33,9 @@ class FailuresAsTheyHappen:
         free = ", ".join(f"{path}: {shutil.disk_usage(path).free / 2**30:.1f} GiB free"
                          for path in dict.fromkeys((os.getcwd(), tempfile.gettempdir())))
         terminal.write_line("")
-        terminal.write_line(f"!!! {report.when} of {report.nodeid} failed after {report.duration:.1f} s ({free})",
-                            red=True)
+        load = "/".join(f"{x:.1f}" for x in os.getloadavg())
+        terminal.write_line(f"!!! {report.when} of {report.nodeid} failed after {report.duration:.1f} s ({free}; "
+                            f"load {load}; {threading.active_count()} threads in pytest)", red=True)
         for line in report.longreprtext.splitlines()[-TAIL_LINES:]:
             terminal.write_line(f"    {line}")
 
