@@ -8,6 +8,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from service.config import default_cache_root
+
 SPOOL_FULL_POLICIES = ("drop_oldest", "drop_newest")
 
 
@@ -63,8 +65,7 @@ class BufferConfig:
     def spool_path(self) -> Path:
         if self.spool_dir:
             return Path(self.spool_dir)
-        cache = Path(os.environ.get("SPECROLL_CACHE", Path.home() / ".cache" / "specroll"))
-        return cache / "spool" / self.stream.replace(":", "_").replace("/", "_")
+        return default_cache_root() / "spool" / self.stream.replace(":", "_").replace("/", "_")
 
 
 def add_buffer_args(p: argparse.ArgumentParser) -> None:

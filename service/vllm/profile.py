@@ -35,7 +35,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from service.config import EngineConfig
+from service.config import EngineConfig, default_cache_root
 from service.vllm.config import DrafterSpec, VllmConfig
 from service.vllm.engine import build_engine
 from service.vllm.online import CostModel, OnlineDepth, best_depths, rows_of, tokens_per_step
@@ -135,8 +135,7 @@ def cache_path(config: EngineConfig, vcfg: VllmConfig, drafter: DrafterSpec, vll
            "dtype": str(config.dtype), "device": str(config.device), "vllm": vllm_version,
            "tp": vcfg.tensor_parallel_size, "pp": vcfg.pipeline_parallel_size, "cpus": os.cpu_count()}
     digest = hashlib.sha256(json.dumps(key, sort_keys=True).encode()).hexdigest()[:16]
-    root = Path(os.environ.get("SPECROLL_CACHE") or Path.home() / ".cache" / "specroll")
-    return root / "vllm-profiles" / f"{digest}.json"
+    return default_cache_root() / "vllm-profiles" / f"{digest}.json"
 
 
 def _fingerprint(folder: Path) -> str:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import pytest
 
+from service.buffer.config import BufferConfig
 from service.buffer.spool import Spool
 
 
@@ -84,3 +85,17 @@ def test_prepend_goes_before_everything(tmp_path):
     spool.close()
     reopened = Spool(tmp_path, max_bytes=1 << 20, segment_bytes=100)
     assert drain(reopened) == records(3) + records(4, start=12)
+
+
+@pytest.mark.parametrize("env, expected", [("~/rollouts-cache", "home/rollouts-cache/spool/specroll_rollouts"),
+                                           ("", "home/.cache/specroll/spool/specroll_rollouts"),
+                                           (None, "home/.cache/specroll/spool/specroll_rollouts")])
+def test_default_spool_folder_is_under_the_cache_root(tmp_path, monkeypatch, env, expected):
+    """The spool's default folder follows $SPECROLL_CACHE as every other cache does: `~` expanded, empty = unset
+    (it used to be the working directory)."""
+    monkeypatch.setenv("HOME", str(tmp_path / "home"))
+    if env is None:
+        monkeypatch.delenv("SPECROLL_CACHE", raising=False)
+    else:
+        monkeypatch.setenv("SPECROLL_CACHE", env)
+    assert BufferConfig(stream="specroll:rollouts").spool_path() == tmp_path / expected
