@@ -88,7 +88,7 @@ class Linear(nn.Linear):
             if x.dim() == 3 and x.shape[0] == 1 and rows <= ROW_CLASSES[1] and not self.packed_for[int(rows > 1)]:
                 # One sequence's decode or verify (a variant of its own: batch 1 is specialised; a guard keeps its
                 # positions in the row class): `F.linear` traced, which inductor calls directly. The opaque op
-                # below costs ~10 us of Python dispatch a call, a third of the demo model's one-row decode forward.
+                # below costs ~6 us of Python dispatch a call.
                 return F.linear(x, self.weight, self.bias)
             # One opaque op: the row class is chosen when it runs, not traced
             classes = sum(1 << i for i, on in enumerate(self.packed_for) if on)
@@ -103,20 +103,29 @@ def _linear(x: torch.Tensor, weight: torch.Tensor, packed: torch.Tensor, bias: t
     return F.linear(x, weight, bias)
 
 
-@torch.library.custom_op("specroll::linear", mutates_args=())
-def linear_op(x: torch.Tensor, weight: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None,
-              packed_classes: int) -> torch.Tensor:
-    """A packed `Linear` inside torch.compile (service/engine/compiled.py): the kernel of x's row class (bit i
-    of `packed_classes`: class i runs the packed weight). Opaque to inductor, whose own oneDNN lowering needs
-    weights frozen into the compiled code (a weight push could not replace them), and one compiled variant
-    serves every row count (a traced choice would compile one per row class)."""
+def _linear_op(x: torch.Tensor, weight: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None,
+               packed_classes: int) -> torch.Tensor:
     return _linear(x, weight, packed, bias, bool(packed_classes >> row_class(x.numel() // x.shape[-1]) & 1))
 
 
-@linear_op.register_fake
-def _(x: torch.Tensor, weight: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None,
-      packed_classes: int) -> torch.Tensor:
+def _linear_op_fake(x: torch.Tensor, weight: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None,
+                    packed_classes: int) -> torch.Tensor:
     return x.new_empty((*x.shape[:-1], weight.shape[0]))
+
+
+# `specroll::linear`: a packed `Linear` inside torch.compile (service/engine/compiled.py), the kernel of x's row
+# class (bit i of `packed_classes`: class i runs the packed weight). Opaque to inductor, whose own oneDNN lowering
+# needs weights frozen into the compiled code (a weight push could not replace them), and one compiled variant
+# serves every row count (a traced choice would compile one per row class). Registered with the dispatcher
+# directly, as the attention op is (attention_cpp.py): through `torch.library.custom_op`'s wrapper a call cost
+# ~10 us more than the oneDNN kernel alone, registered like this ~6 (bf16, 512 x 512, one row), and the engine
+# decoded the demo model 6-9% slower at batch 1 and 16. CompositeExplicitAutograd: the packed weight is an
+# MkldnnCPU tensor; autograd never reaches the op (`Linear.forward`).
+_LIB = torch.library.Library("specroll", "FRAGMENT")
+_LIB.define("linear(Tensor x, Tensor weight, Tensor packed, Tensor? bias, int packed_classes) -> Tensor")
+_LIB.impl("linear", _linear_op, "CompositeExplicitAutograd")
+torch.library.register_fake("specroll::linear", _linear_op_fake, lib=_LIB)
+linear_op = torch.ops.specroll.linear
 
 
 def calibrate(layers: Sequence[Linear], timer: Timer = median_seconds) -> tuple[bool, ...]:
