@@ -83,7 +83,7 @@ export PYTHONUNBUFFERED=1
 MAIN_LIMIT_S="${SPECROLL_TEST_LIMIT_S:-2400}"
 VLLM_LIMIT_S="${SPECROLL_VLLM_TEST_LIMIT_S:-1200}"
 
-run_pytest() {  # exit 5 (no tests collected) is a failure, not a pass; 124/130/137: over its time limit
+run_pytest() {  # exit 5 (no tests collected) is a failure, not a pass; 124 or 137: over its time limit
     local limit="$1" rc=0 started=$SECONDS
     shift
     timeout -s INT -k 60 "$limit" "$@" || rc=$?

@@ -32,8 +32,8 @@ class FailuresAsTheyHappen:
             return
         free = ", ".join(f"{path}: {shutil.disk_usage(path).free / 2**30:.1f} GiB free"
                          for path in dict.fromkeys((os.getcwd(), tempfile.gettempdir())))
-        terminal.write_line("")
         load = "/".join(f"{x:.1f}" for x in os.getloadavg())
+        terminal.write_line("")
         terminal.write_line(f"!!! {report.when} of {report.nodeid} failed after {report.duration:.1f} s ({free}; "
                             f"load {load}; {threading.active_count()} threads in pytest)", red=True)
         for line in report.longreprtext.splitlines()[-TAIL_LINES:]:
