@@ -192,10 +192,10 @@ PROMPTS = [[5, 6, 7], [9, 8, 7, 6, 5, 4, 3, 2, 1, 11, 12], [300], list(range(40,
 
 def _serve(model, monkeypatch, pack: bool):
     with monkeypatch.context() as mp:
-        # Library attention kernels, the same for both engines. With the opaque `cpp` kernel for batched verify
-        # steps the two engines' logprobs differed by ~1e-5 (tokens equal), from cccbb38 on, wherever this
-        # machine's timing chose it: the linears feeding it are traced in one engine's compiled graph and opaque
-        # ops in the other's, so inductor rounds around them differently (not pinned down further).
+        # Library attention kernels, the same for both engines. With the opaque `cpp` kernel (22f0392) for batched
+        # verify steps the two engines' logprobs differed by ~1e-5 (tokens equal) wherever this machine's timing
+        # chose it: the linears feeding it are traced in one engine's compiled graph and opaque ops in the other's,
+        # so inductor rounds around them differently (not pinned down further).
         mp.setattr(attention, "choose", lambda *args, **kwargs: ("bmm", "sdpa") * 4)
         if pack:
             mp.setattr(packed, "median_seconds", packed_wins(0, 1, 2, 3))  # every row class packed
