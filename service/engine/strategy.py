@@ -76,6 +76,10 @@ once the model's step runs, and the model keeps its cache current on every row. 
 well (repeats across a prompt's samples) and a draft model the rest; as separate arms the strategy had to pick
 one of them for the whole batch, and each switch back to the model paid its catch-up. Each row's acceptance
 goes to the drafter whose drafts it verified.
+
+Host time: `choose` and `record` run between two forwards every step, and a one-row step of a small model lasts
+about a millisecond, so per-row acceptance is tallied over distinct (accepted, drafted) pairs and a bucket's counts
+are discounted when next read (same choices: tests/speculative/test_strategy_bookkeeping.py).
 """
 
 from __future__ import annotations
@@ -83,40 +87,15 @@ from __future__ import annotations
 import math
 import random
 from collections import Counter
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 
-from service.engine.speculative.arm_costs import Arm, ArmCosts
+from service.engine.speculative.arm_costs import ArmCosts
+from service.engine.speculative.arms import PLAIN, Strategy, arm_of, bucket_of
 from service.engine.speculative.catch_up import CatchUps
 from service.engine.speculative.cost_model import StepCostModel
 from service.engine.speculative.estimates import Acceptance
 from service.engine.speculative.passes import cut_depth, verify_tokens
 from service.engine.speculative.tokens import assisted_from, by_drafts, mean_from, mean_tokens, tokens_per_row
-
-
-@dataclass(frozen=True, slots=True)
-class Strategy:
-    drafter: str | None  # None = plain decoding
-    k: int = 0
-    # (host drafter, n): rows it has n or more drafts for take its drafts (see the module docstring). The same
-    # arm as without: it costs the same step.
-    assist: tuple[str, int] | None = field(default=None, compare=False)
-
-    @property
-    def name(self) -> str:
-        if self.drafter is None or self.k == 0:
-            return "plain"
-        return f"{self.drafter}:k={self.k}" + (f"+{self.assist[0]}" if self.assist else "")
-
-
-PLAIN = Strategy(None, 0)
-
-
-def bucket_of(batch_size: int) -> int:
-    return 1 << max(batch_size - 1, 0).bit_length()
-
-
-def arm_of(batch_size: int, s: Strategy) -> Arm:
-    return bucket_of(batch_size), s.drafter if s.k else None, s.k
 
 
 @dataclass(slots=True)
@@ -143,6 +122,7 @@ class AdaptiveStrategy:
     _plain_buckets: set[int] = field(default_factory=set)
     _deepest: dict[str, int] = field(default_factory=dict)  # deepest k measured, per drafter
     _rng: random.Random = field(init=False)
+    _arms: tuple[tuple[tuple[str, ...], tuple[int, ...]], tuple[Strategy, ...]] | None = field(init=False, default=None)
 
     def __post_init__(self) -> None:
         self._rng = random.Random(self.seed)
@@ -157,8 +137,11 @@ class AdaptiveStrategy:
         return self.ks if self.drafters else ()
 
     @property
-    def arms(self) -> list[Strategy]:
-        return [PLAIN] + [Strategy(d, k) for d in self.drafters for k in self.ks]
+    def arms(self) -> tuple[Strategy, ...]:
+        key = (tuple(self.drafters), self.ks)
+        if self._arms is None or self._arms[0] != key:  # built once: `choose` walks them every step
+            self._arms = key, (PLAIN, *(Strategy(d, k) for d in self.drafters for k in self.ks))
+        return self._arms[1]
 
     def acceptance(self, drafter: str, batch_size: int | None = None) -> list[float]:
         """Posterior mean acceptance per draft position (conditional on reaching it): pooled over batch sizes,
@@ -176,9 +159,12 @@ class AdaptiveStrategy:
     def verified(self, s: Strategy, proposals: list[int] | None) -> Strategy:
         """The arm the runner runs for s: a verify pass cut to the longest proposal (none: plain), rounded up
         to a depth in `ks` where the runner replays captured CUDA graphs (`rounds_to_ks`)."""
-        if not s.k or proposals is None:
+        return s if not s.k or proposals is None else self._cut(s, max(proposals, default=0))
+
+    def _cut(self, s: Strategy, longest: int) -> Strategy:
+        """`verified` given the longest proposal."""
+        if longest >= s.k:
             return s
-        longest = min(s.k, max(proposals, default=0))
         if not longest:
             return PLAIN
         return Strategy(s.drafter, cut_depth(longest, s.k, self.ks if self.rounds_to_ks else None))
@@ -219,31 +205,33 @@ class AdaptiveStrategy:
             room = None  # binds no arm
         caps = self._caps(proposals, room)
         rows = {d: Counter(n) for d, n in caps.items() if n}  # drafts -> rows
-        alpha = {d: self.accept[d].rates(self.prior_alpha, self.prior_trials, self._rng, bucket_of(batch_size))
+        bucket = bucket_of(batch_size)
+        alpha = {d: self.accept[d].rates(self.prior_alpha, self.prior_trials, self._rng, bucket)
                  for d in self.drafters}
         tables = {d: by_drafts(a, max(self.ks)) for d, a in alpha.items()}  # expected tokens by drafts per row
         best, best_value, seen = PLAIN, -1.0, set()
         # (proposal, room) -> rows, per host drafter: what an assisted draft model's rows would verify
         hosts = {d: Counter(zip(n, room or [max(self.ks)] * len(n), strict=True))
                  for d, n in proposals.items() if n and d in alpha}
+        longest = {d: max(n, default=0) for d, n in caps.items()}
         for arm in self.arms:
-            s = self.verified(arm, caps.get(arm.drafter))
+            s = arm if arm.drafter not in longest else self._cut(arm, longest[arm.drafter])
             if s in seen:
                 continue  # a cut verify: the same step as a shallower arm
             seen.add(s)
             if s.k > 2 * self._deepest.get(s.drafter, self.ks[0]):
                 continue  # deeper than twice the deepest measured k: its cost is an extrapolation
             width = self._tokens(s, batch_size, rows.get(s.drafter)) if s.k else 0
-            cost = self.costs.draw(arm_of(batch_size, s), batch_size, width, self._rng)
+            cost = self.costs.draw((bucket, s.drafter, s.k), batch_size, width, self._rng)
             tokens = mean_from(tables[s.drafter], s.k, rows.get(s.drafter)) if s.k else 1.0
             if s.k and s.drafter not in proposals:  # a draft model: assisted by a host drafter where it pays
                 for host, pairs in hosts.items():
                     more, n = assisted_from(tables[s.drafter], s.k, tables[host], pairs)
                     if n is not None and more > tokens:
-                        tokens, s = more, replace(s, assist=(host, n))
+                        tokens, s = more, Strategy(s.drafter, s.k, (host, n))
             if s.k and catch_up and catch_up.get(s.drafter):
                 left = (steps_left or math.inf) / tokens  # at this arm's pace: its longest budget over a step's tokens
-                cost += self.catch_ups.charge(s.drafter, catch_up[s.drafter], bucket_of(batch_size), left)
+                cost += self.catch_ups.charge(s.drafter, catch_up[s.drafter], bucket, left)
             if tokens / cost > best_value:
                 best, best_value = s, tokens / cost
         if best.k and self.accept[best.drafter].trials[0] < self.probe_trials:
@@ -307,11 +295,4 @@ class AdaptiveStrategy:
             if d in self.accept:
                 by_drafter.setdefault(d, []).extend(rows)
         for d, rows in by_drafter.items():
-            # Draft j + 1 was tried by the rows that accepted the j drafts before it and proposed it, and
-            # accepted by those that accepted more than j. A draft a row's drafter did not propose is no
-            # trial: the choice knew the row had none (see `proposals` in `choose`).
-            depth = max((m for _, m in rows), default=0)
-            hits = [sum(1 for n, _ in rows if n > j) for j in range(depth)]
-            trials = [sum(1 for n, m in rows if n >= j and m > j) for j in range(depth)]
-            if depth and trials[0]:
-                self.accept[d].observe(hits, trials, self.trials_per_step, bucket_of(batch_size))
+            self.accept[d].observe_rows(rows, self.trials_per_step, bucket_of(batch_size))

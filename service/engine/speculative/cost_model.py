@@ -41,6 +41,7 @@ class StepCostModel:
     _aty: np.ndarray = field(init=False)  # [n] and of phi * seconds
     _prior: np.ndarray = field(init=False)  # [n, n] the priors' penalty, per unit of their weight
     _theta: list[float] | None = field(init=False, default=None)
+    _index: dict[str, int] = field(init=False)  # drafter -> its first own parameter
     _scale: float | None = field(init=False, default=None)  # typical step cost, for scale-free priors
 
     def __post_init__(self) -> None:
@@ -50,6 +51,7 @@ class StepCostModel:
         if len(self.own) != len(self.drafters) or min(self.own, default=0.0) < 0:
             raise ValueError(f"own costs {self.own} do not give each of {self.drafters} a cost of 0 or more")
         self._ata, self._aty = np.zeros((n, n)), np.zeros(n)
+        self._index = {d: 4 + 2 * i for i, d in enumerate(self.drafters)}
         # Each prior adds (r . theta)^2: b = a / prior_rows, u = prior_marginal * a, v = prior_marginal * b, each
         # drafter's (u_d, v_d) = own[d] * (a, b); and a tiny ridge keeps unseen drafters' parameters defined.
         rows = [{1: self.prior_rows, 0: -1.0}, {2: 1.0, 0: -self.prior_marginal},
@@ -65,7 +67,7 @@ class StepCostModel:
     def _features(self, drafter: str | None, k: int, batch: int, tokens: int | None = None) -> list[float]:
         phi = [1.0, float(batch)] + [0.0] * (2 + 2 * len(self.drafters))
         if drafter is not None and k:
-            i = 4 + 2 * self.drafters.index(drafter)
+            i = self._index[drafter]
             phi[2], phi[i], phi[i + 1] = float(k), float(k), float(k * batch)
             phi[3] = float(k * batch if tokens is None else tokens)
         return phi
@@ -112,16 +114,16 @@ class StepCostModel:
 
     def predict(self, drafter: str | None, k: int, batch: int, tokens: int | None = None) -> float:
         """Predicted seconds of one step (`tokens` as in `record`); 1.0 (any unit) before anything was measured."""
-        if not self.measured:
+        if self._scale is None:  # nothing measured yet
             own = self.own[self.drafters.index(drafter)] if drafter is not None and k else 0.0
             return 1.0 * (1 + (self.prior_marginal + own) * k)
-        theta = self.theta()
+        theta = self._theta if self._theta is not None else self.theta()
         plain = max(theta[0] + theta[1] * batch, 0.05 * self._scale * (1 + batch / self.prior_rows))
         if drafter is None or not k:
             return plain
         # The speculative terms of `_features` . theta, written out: `choose` predicts ~17 arms a step, and the sum
         # over all features took 2 us a call against 1 (a GPU step lasts a few ms).
-        i = 4 + 2 * self.drafters.index(drafter)
+        i = self._index[drafter]
         verified = k * batch if tokens is None else tokens
         extra = k * theta[2] + verified * theta[3] + k * theta[i] + k * batch * theta[i + 1]
         return plain + max(extra, 0.0)

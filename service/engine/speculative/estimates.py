@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import math
 import random
-from collections import deque
+from collections import Counter, deque
 from dataclasses import dataclass, field
 
 
@@ -46,8 +46,12 @@ class Acceptance:
     hits: list[float]
     trials: list[float]
     bucket_trials: float = 16.0
-    buckets: dict[int, tuple[list[float], list[float]]] = field(default_factory=dict)  # bucket -> (hits, trials)
+    # bucket -> (hits, trials), discounted up to `_faded[bucket]` of `_fades` (see `fade`): read them by `_bucket`
+    buckets: dict[int, tuple[list[float], list[float]]] = field(default_factory=dict)
     recent: deque[tuple[int, list[int], list[int]]] = field(default_factory=lambda: deque(maxlen=4))  # per step
+    _fades: int = 0  # `fade` calls so far
+    _keep: float = 1.0  # their discount
+    _faded: dict[int, int] = field(default_factory=dict)  # bucket -> `_fades` its counts are discounted to
 
     @classmethod
     def empty(cls, depth: int, bucket_trials: float = 16.0) -> Acceptance:
@@ -69,7 +73,7 @@ class Acceptance:
             return out
         # Position j's prior is the pooled rate scaled as the bucket's rate at j - 1 stands to the pooled one:
         # where a bucket's first drafts fare worse than elsewhere, its deeper ones are expected to as well.
-        hits, trials = self.buckets[bucket]
+        hits, trials = self._bucket(bucket)
         n, scale, rates = self.bucket_trials, 1.0, []
         for p, h, t in zip(out, hits, trials, strict=True):
             prior = min(p * scale, 1.0)
@@ -78,12 +82,41 @@ class Acceptance:
         return rates
 
     def fade(self, keep: float) -> None:
-        """Discount every count (once per step), so a drafter not run for a while becomes uncertain again."""
+        """Discount every count (once per step), so a drafter not run for a while becomes uncertain again. A
+        bucket's counts are discounted when next read (`_bucket`), by every fade since: a step reads one bucket of
+        the up to seven a rollout passes through."""
+        if keep != self._keep:  # bring every bucket up to date at the old discount first
+            for bucket in self.buckets:
+                self._bucket(bucket)
+            self._keep = keep
         self.hits = [h * keep for h in self.hits]
         self.trials = [t * keep for t in self.trials]
-        for hits, trials in self.buckets.values():
+        self._fades += 1
+
+    def _bucket(self, bucket: int) -> tuple[list[float], list[float]]:
+        """A bucket's (hits, trials), discounted up to now."""
+        hits, trials = self.buckets[bucket]
+        if lag := self._fades - self._faded.get(bucket, 0):
+            keep = self._keep ** lag
             hits[:] = [h * keep for h in hits]
             trials[:] = [t * keep for t in trials]
+            self._faded[bucket] = self._fades
+        return hits, trials
+
+    def observe_rows(self, rows: list[tuple[int, int]], trials_per_step: float, bucket: int = 0) -> None:
+        """One step's rows, as (num_accepted, num_drafted) each, in batch bucket `bucket` (see `observe`). Draft
+        j + 1 was tried by the rows that accepted the j drafts before it and proposed it, and accepted by those that
+        accepted more than j. A draft a row's drafter did not propose is no trial: the strategy's choice knew the row
+        had none."""
+        depth = max((m for _, m in rows), default=0)
+        hits, trials = [0] * depth, [0] * depth
+        for (n, m), count in Counter(rows).items():  # a batch's rows share a few (accepted, drafted) pairs
+            for j in range(min(n, depth)):
+                hits[j] += count
+            for j in range(min(n + 1, m)):
+                trials[j] += count
+        if depth and trials[0]:
+            self.observe(hits, trials, trials_per_step, bucket)
 
     def observe(self, hits: list[int], trials: list[int], trials_per_step: float, bucket: int = 0) -> None:
         """One step's counts per position, in batch bucket `bucket`. A change, not noise (a policy push made
@@ -93,7 +126,7 @@ class Acceptance:
         rate is not the others' (rows deep in the tail's long responses are not those at full batch), and
         tested against the pooled rate, the tail's first steps restarted a drafter right at full batch."""
         self.recent.append((bucket, hits, trials))
-        own = self.buckets.get(bucket)
+        own = self._bucket(bucket) if bucket in self.buckets else None
         if own is None or own[1][0] < self.bucket_trials:
             self._add(bucket, hits, trials, trials_per_step)
             return
@@ -108,6 +141,7 @@ class Acceptance:
             if pooled_trials >= trials_per_step and t >= 6 and _changed(expected, h / t, t):
                 self.hits, self.trials = [0.0] * len(self.hits), [0.0] * len(self.trials)
                 self.buckets.clear()
+                self._faded.clear()
                 for step in list(self.recent)[-(i + 1):]:
                     self._add(*step, trials_per_step)
                 self.recent.clear()
@@ -123,7 +157,11 @@ class Acceptance:
             for bucket_hits, bucket_trials in self.buckets.values():
                 bucket_hits += [0.0] * grow
                 bucket_trials += [0.0] * grow
-        bucket_hits, bucket_trials = self.buckets.setdefault(bucket, ([0.0] * len(self.hits), [0.0] * len(self.hits)))
+        if bucket in self.buckets:
+            bucket_hits, bucket_trials = self._bucket(bucket)
+        else:
+            bucket_hits, bucket_trials = self.buckets[bucket] = [0.0] * len(self.hits), [0.0] * len(self.hits)
+            self._faded[bucket] = self._fades
         for j, (h, t) in enumerate(zip(hits, trials, strict=True)):
             self.hits[j] += h * scale
             self.trials[j] += t * scale

@@ -1,0 +1,34 @@
+"""What the adaptive strategy chooses between: an arm is plain decoding or (drafter, k), measured per batch bucket.
+Torch-free."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from service.engine.speculative.arm_costs import Arm
+
+
+@dataclass(frozen=True, slots=True)
+class Strategy:
+    drafter: str | None  # None = plain decoding
+    k: int = 0
+    # (host drafter, n): rows it has n or more drafts for take its drafts (see the module docstring). The same
+    # arm as without: it costs the same step.
+    assist: tuple[str, int] | None = field(default=None, compare=False)
+
+    @property
+    def name(self) -> str:
+        if self.drafter is None or self.k == 0:
+            return "plain"
+        return f"{self.drafter}:k={self.k}" + (f"+{self.assist[0]}" if self.assist else "")
+
+
+PLAIN = Strategy(None, 0)
+
+
+def bucket_of(batch_size: int) -> int:
+    return 1 << max(batch_size - 1, 0).bit_length()
+
+
+def arm_of(batch_size: int, s: Strategy) -> Arm:
+    return bucket_of(batch_size), s.drafter if s.k else None, s.k
