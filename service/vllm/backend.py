@@ -4,6 +4,7 @@ A driver thread runs its own asyncio loop with vLLM's `AsyncLLM` (whose engine c
 tensor / pipeline / data parallel and the Ray executor are vLLM's). Every interface call either posts a
 coroutine to that loop (returning a concurrent Future) or reads what the loop published. Everything a request or
 a push carries is validated before it reaches vLLM: an exception inside its workers kills its engine.
+Weight pushes: service/vllm/pushes.py.
 """
 
 from __future__ import annotations
@@ -11,7 +12,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import threading
-from collections.abc import Coroutine, Iterable
+from collections.abc import Coroutine
 from concurrent.futures import Future
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, TypeVar
@@ -22,13 +23,8 @@ from service.backend.base import (
     CAP_TOP_LOGPROBS,
     BackendInfo,
     NotReady,
-    PushError,
-    PushUnsupported,
     RolloutBackend,
-    Staged,
     StatsSnapshot,
-    SwapResult,
-    WeightSpec,
     check_mode,
 )
 from service.backend.events import Failed
@@ -39,13 +35,13 @@ from service.tokenizer import Tokenizer
 from service.vllm.config import VllmConfig, parse_drafter
 from service.vllm.engine import build_engine, spec_table_for, wants_profile
 from service.vllm.profile import profiled_table
+from service.vllm.pushes import WeightPushes
 from service.vllm.requests import Outbox, RequestRun, Versions
 from service.vllm.sampling import check_params
 from service.vllm.stats import step_logger, vllm_counters
-from service.vllm.weights import WeightFiles, drafter_spec, drafter_unsupported, target_spec
+from service.vllm.weights import WeightFiles, drafter_spec, target_spec
 
 if TYPE_CHECKING:
-    import torch
 
     from service.backend.events import GenRequest, RequestHandle
     from service.backend.metrics import Metrics
@@ -54,7 +50,7 @@ logger = logging.getLogger(__name__)
 T = TypeVar("T")
 
 
-class VllmBackend(RolloutBackend):
+class VllmBackend(WeightPushes, RolloutBackend):
     def __init__(self, config: EngineConfig, vllm_config: VllmConfig | None = None, metrics: Metrics | None = None,
                  hooks: Hooks | None = None, admission: Admission | None = None) -> None:
         if not config.model:
@@ -274,75 +270,3 @@ class VllmBackend(RolloutBackend):
     async def _resume(self) -> None:
         await self._engine.resume_generation()
         self._paused = False
-
-    # -- weights ---------------------------------------------------------------------------------------------
-    def weight_roles(self) -> dict[str, WeightSpec]:
-        self.info()
-        return dict(self._roles)
-
-    def unsupported(self, role: str) -> str:
-        if role == "drafter" and role not in self._roles:
-            if self.drafter.has_weights and not self.table:
-                return "the server runs with speculation off (--spec off): its drafter is not loaded"
-            return drafter_unsupported(self.drafter)
-        return ""
-
-    def stage_weights(self, role: str, tensors: Iterable[tuple[str, torch.Tensor]]) -> Staged:
-        if role not in self._roles:
-            raise PushUnsupported(self.unsupported(role) or f"no weights to push for role {role!r}")
-        folder, nbytes = self._files.stage(tensors, self.config.dtype)
-        return Staged(role, nbytes, folder)
-
-    def commit_weights(self, staged: Staged, version: str, mode: str,
-                       drafter: tuple[Staged, str] | None = None) -> Future[SwapResult]:
-        """A target commit follows `mode`; a drafter commit freezes generation (keep) for the reload only."""
-        mode = check_mode(mode) if staged.role == "target" else "keep"
-        fut = self._call(self._commit(staged, version, mode, drafter))
-
-        def cleanup(f: Future[SwapResult]) -> None:
-            for s in (staged, drafter[0] if drafter else None):
-                if s is not None:
-                    self._files.release(s.payload)
-
-        fut.add_done_callback(cleanup)
-        return fut
-
-    async def _commit(self, staged: Staged, version: str, mode: str,
-                      drafter: tuple[Staged, str] | None) -> SwapResult:
-        """Inside a pause: load the staged files into the serving model(s), drop cached prefixes computed by
-        the old target weights, tag later tokens with the new versions, resume (unless an admin paused before).
-        A paired drafter loads first: if it fails, the target is not touched (fail closed)."""
-        loop = asyncio.get_running_loop()
-        t_wait = loop.time()
-        was_paused = self._paused
-        aborted = [] if was_paused else await self._pause(mode)
-        t0 = loop.time()
-        try:
-            draft = drafter or ((staged, version) if staged.role == "drafter" else None)
-            if draft is not None:
-                await self._reload_drafter(draft[0].payload)
-            if staged.role == "target":
-                await self._engine.collective_rpc("reload_weights", kwargs={"weights_path": str(staged.payload)})
-                await self._engine.reset_prefix_cache()
-                self.versions.policy = str(version)
-            if draft is not None:
-                self.versions.drafter = f"{self.drafter.method}@{draft[1]}"
-        finally:
-            if not was_paused:
-                await self._resume()
-        logger.info("now serving %s", f"policy {self.versions.policy}, drafter {self.versions.drafter}")
-        if staged.role == "target" and drafter is None and "drafter" in self._roles:
-            logger.warning("the %s drafter keeps its weights after target push %s: acceptance may drop until a "
-                           "drafter push (or one paired with the target: mode %r) lands", self.drafter.method,
-                           version, "with_target")
-        return SwapResult(str(version), loop.time() - t0, t0 - t_wait, aborted)
-
-    async def _reload_drafter(self, folder: Path) -> None:
-        """Every worker loads the draft model's weights (`service/vllm/worker_ext.py`); they answer instead of
-        raising, so a failure refuses the push and leaves the engine alive."""
-        errors = [e for e in await self._engine.collective_rpc("specroll_reload_drafter", args=(str(folder),)) if e]
-        if errors:
-            raise PushError(f"drafter reload failed: {errors[0]}")
-
-    def discard(self, staged: Staged) -> None:
-        self._files.release(staged.payload)
