@@ -39,6 +39,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from service.models.remembered import remembered
 from service.models.timing import Timer, median_seconds
 
 logger = logging.getLogger(__name__)
@@ -155,9 +156,10 @@ def _pack(m: Linear) -> None:
     m.packed = torch.ops.mkldnn._reorder_linear_weight(m.weight.detach().contiguous(), 1)
 
 
-def _choose(layers: list[Linear], timer: Timer) -> tuple[bool, ...]:
+def _choose(layers: list[Linear], timer: Timer | None) -> tuple[bool, ...]:
     """The row classes packed weights serve for this layout; the first time, packs and times the leading
-    layers (up to `CALIBRATION_BYTES`), not the whole model."""
+    layers (up to `CALIBRATION_BYTES`), not the whole model. Without a `timer`, that time is the first on this
+    machine (service/models/remembered.py)."""
     sample, nbytes = [], 0
     for m in layers:
         if nbytes >= CALIBRATION_BYTES:
@@ -166,11 +168,19 @@ def _choose(layers: list[Linear], timer: Timer) -> tuple[bool, ...]:
         nbytes += m.weight.numel() * m.weight.element_size()
     key = (sample[0].weight.dtype, tuple((m.out_features, m.in_features, m.bias is not None) for m in sample))
     if key not in _chosen:
-        for m in sample:
-            _pack(m)
-        _chosen[key] = calibrate(sample, timer)
-        logger.info("%s linear layers: prepacked weights serve row classes %s", key[0],
-                    [f"<={hi}" for hi, on in zip((*ROW_CLASSES, "inf"), _chosen[key], strict=True) if on] or "none")
+
+        def timed() -> tuple[bool, ...]:
+            for m in sample:
+                _pack(m)
+            return calibrate(sample, timer or median_seconds)
+
+        if timer is not None:
+            _chosen[key], again = timed(), False
+        else:
+            _chosen[key], again = remembered("packed", key, timed)
+        logger.info("%s linear layers: prepacked weights serve row classes %s%s", key[0],
+                    [f"<={hi}" for hi, on in zip((*ROW_CLASSES, "inf"), _chosen[key], strict=True) if on] or "none",
+                    ", as timed at an earlier start on this machine" if again else "")
     return _chosen[key]
 
 
@@ -197,7 +207,7 @@ def pack_linears(model: nn.Module, timer: Timer | None = None) -> int:
     count = 0
     with torch.no_grad():
         for group in groups:
-            packed_for = _choose(group, timer or median_seconds)
+            packed_for = _choose(group, timer)
             if not any(packed_for):
                 for m in group:
                     m.packed = None  # the timed layers' packs, never used
