@@ -58,8 +58,10 @@ from __future__ import annotations
 import functools
 import logging
 import subprocess
+import sysconfig
 import threading
 from collections.abc import Callable
+from pathlib import Path
 
 import torch
 
@@ -101,7 +103,8 @@ _counter = _CompileCounter()
 
 @functools.cache
 def available() -> bool:
-    """Whether inductor can build CPU code here (it needs a working C++ compiler); logs why not."""
+    """Whether inductor can build CPU code here (it needs a working C++ compiler and Python's headers: its kernels
+    are Python extensions); logs why not."""
     from torch._inductor.cpp_builder import get_cpp_compiler
     from torch._inductor.exc import InvalidCxxCompiler
 
@@ -109,6 +112,10 @@ def available() -> bool:
         get_cpp_compiler()
     except (InvalidCxxCompiler, OSError, subprocess.CalledProcessError):
         logger.warning("no C++ compiler for torch.compile: CPU forwards run eagerly (install g++ for compiled ones)")
+        return False
+    if not (Path(sysconfig.get_paths()["include"]) / "Python.h").is_file():
+        logger.warning("no Python headers (Python.h) for torch.compile: CPU forwards run eagerly (install the "
+                       "python3-dev package for compiled ones)")
         return False
     return True
 

@@ -13,6 +13,7 @@ import http.server
 import json
 import logging
 import os
+import re
 import shutil
 import subprocess
 import threading
@@ -193,6 +194,12 @@ def test_container_serves(container: dict[str, int | str]) -> None:
     # the admin token came from the secret file: the right one is accepted, none is refused
     assert httpx.post(f"{base}/resume", timeout=10).status_code == 401
     assert httpx.post(f"{base}/resume", headers={"authorization": f"Bearer {TOKEN}"}, timeout=10).status_code == 200
+    # the image's compiler and headers serve compiled forwards and the cpp attention kernel (not eager ones)
+    logs = _docker("logs", name, check=False)
+    text = logs.stdout + logs.stderr
+    assert re.search(r"compiled \d+ decode / verify forwards", text), text[-4000:]
+    for eager in ("no C++ compiler", "no Python headers", "cpp attention kernel is not available"):
+        assert eager not in text, text[-4000:]
 
 
 def test_grpc_health_service(container: dict[str, int | str]) -> None:

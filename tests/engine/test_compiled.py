@@ -159,6 +159,16 @@ def test_without_a_cxx_compiler_forwards_stay_eager(target, tmp_path):
     assert "no C++ compiler" in proc.stderr and "the cpp attention kernel is not available" in proc.stderr
 
 
+def test_without_python_headers_forwards_stay_eager(tmp_path, monkeypatch, caplog):
+    """A compiler but no Python.h (a Debian python3 without python3-dev): inductor's kernels, Python extensions,
+    would fail to build at the engine's warm-up, so the engine stays eager and says why."""
+    if not compiled.available.__wrapped__():
+        pytest.skip("torch.compile cannot build CPU code here (no C++ compiler or no Python headers)")
+    monkeypatch.setattr(compiled.sysconfig, "get_paths", lambda: {"include": str(tmp_path)})
+    assert not compiled.available.__wrapped__()
+    assert "no Python headers" in caplog.text
+
+
 def test_batched_variants_compile_their_loops_for_all_threads(target, tmp_path):
     """The batched decode variant is compiled at a serving size (`CachedModel.warm_up`), so inductor runs its
     fused loops on all the engine's threads; compiled at batch 2 over 2 positions they all ran on one thread, and
