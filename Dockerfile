@@ -55,20 +55,20 @@ COPY service ./service
 COPY client ./client
 COPY drafter_trainer ./drafter_trainer
 COPY deploy/docker/entrypoint.sh /usr/local/bin/specroll-entrypoint
-RUN env -u PIP_FIND_LINKS python3 -m pip install --no-deps -e . && \
-    python3 -m client.protogen && \
-    specroll build-default-model && \
-    chown -R specroll /opt/specroll
-
-USER specroll
 # With a compiler: time the kernels and compile the default model's forwards (and build the cpp kernel) now, into
 # the image's caches (service/models/remembered.py), so a container on a CPU like the build's starts serving after
 # ~45 s of tracing instead of 2-3 minutes of compiling (2 cores). On another CPU the caches miss (keyed by its
 # features) and the server times and compiles at start-up. (Not inductor's precompiled header, 150 MB in /tmp,
 # which only speeds up compiling.)
-RUN if [ "$COMPILER" = 1 ]; then \
+RUN env -u PIP_FIND_LINKS python3 -m pip install --no-deps -e . && \
+    python3 -m client.protogen && \
+    specroll build-default-model && \
+    if [ "$COMPILER" = 1 ]; then \
         specroll generate --drafter auto --prompt 1+2= --max-tokens 8 > /dev/null && rm -rf /tmp/torchinductor_*; \
-    fi
+    fi && \
+    chown -R specroll /opt/specroll
+
+USER specroll
 EXPOSE 8000 50051
 HEALTHCHECK --interval=10s --timeout=3s --start-period=60s --retries=3 \
     CMD python3 -c "import os, urllib.request; urllib.request.urlopen('http://127.0.0.1:%s/health' \
