@@ -40,6 +40,7 @@ from pathlib import Path
 import torch
 
 from service.config import default_cache_root
+from service.models.timing import cpu_flags
 
 logger = logging.getLogger(__name__)
 
@@ -56,14 +57,6 @@ def supports(dtype: torch.dtype, head_dim: int) -> bool:
     return dtype in DTYPES and head_dim % VECTOR == 0 and head_dim <= MAX_HEAD_DIM and available()
 
 
-def _cpu_flags() -> str:
-    try:
-        lines = Path("/proc/cpuinfo").read_text().splitlines()
-    except OSError:
-        return ""
-    return next((line for line in lines if line.startswith(("flags", "Features"))), "")
-
-
 def build(cache_dir: Path | None = None, flags: tuple[str, ...] = FLAGS) -> Path:
     """The shared library for this machine: built once, then found by its name. Raises RuntimeError where it cannot
     be built (no compiler, a failed compile). `flags`: other compiler flags (the tests build it with a sanitizer)."""
@@ -75,7 +68,7 @@ def build(cache_dir: Path | None = None, flags: tuple[str, ...] = FLAGS) -> Path
     except Exception as exc:  # inductor raises several kinds where no compiler works
         raise RuntimeError(f"no working C++ compiler ({exc})") from exc
     source = SOURCE.read_bytes()
-    key = hashlib.sha256(b"\0".join([source, version.encode(), " ".join(flags).encode(), _cpu_flags().encode()]))
+    key = hashlib.sha256(b"\0".join([source, version.encode(), " ".join(flags).encode(), cpu_flags().encode()]))
     target = (cache_dir or default_cache_root() / "kernels") / f"cache_attention-{key.hexdigest()[:16]}.so"
     if target.exists():
         return target

@@ -11,7 +11,6 @@ time again. An unreadable or unwritable file only means timing again.
 
 from __future__ import annotations
 
-import functools
 import hashlib
 import json
 import logging
@@ -23,25 +22,16 @@ from pathlib import Path
 import torch
 
 from service.config import default_cache_root
+from service.models.timing import cpu_flags
 
 logger = logging.getLogger(__name__)
 
 FILE = "choices.json"
 
 
-@functools.cache
-def _cpu() -> str:
-    """This CPU's model name and feature flags (where /proc/cpuinfo has them)."""
-    try:
-        lines = Path("/proc/cpuinfo").read_text().splitlines()
-    except OSError:
-        return ""
-    return "|".join(next((line for line in lines if line.startswith(f)), "") for f in ("model name", "flags"))
-
-
 def _machine() -> str:
     """What a timing depends on besides the shapes timed: torch, the CPU and the calling thread's thread count."""
-    return hashlib.sha256(f"{torch.__version__}|{_cpu()}|{torch.get_num_threads()}".encode()).hexdigest()[:16]
+    return hashlib.sha256(f"{torch.__version__}|{cpu_flags()}|{torch.get_num_threads()}".encode()).hexdigest()[:16]
 
 
 def remembered(kind: str, key: tuple, choose: Callable[[], tuple]) -> tuple[tuple, bool]:
