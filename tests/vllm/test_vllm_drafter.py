@@ -131,9 +131,14 @@ def test_sidecar_distils_the_vllm_drafter(server, pair, redis_server, stream, tm
                             checkpoint_dir=str(tmp_path / "ckpt"), gate="always", min_new=16, block_ms=20,
                             max_wait_s=0.2, info_interval_s=0.0, k=3, min_heldout=8, lr=1e-3)  # a random drafter
         trainer = build(cfg)
-        for i in range(6):
+        # How many rounds reach a push depends on which rollouts the random hash holds out: six rounds gave 2-6
+        # pushes, and the rise after 2 (0.09-0.12) was under half that after 4-6 (0.22-0.30). So it trains to a
+        # number of pushes, not of rounds.
+        for i in range(24):
+            if trainer.pushes >= 4:
+                break
             run(server, c, [[(7 * i + j) % 16, (j * j + i) % 16, j % 16] for j in range(16)])
             pump(trainer)
         out1, rate1 = run(server, c, fresh)
-        assert trainer.pushes >= 1 and "distill-" in c.server_info().drafter_version
+        assert trainer.pushes >= 4 and "distill-" in c.server_info().drafter_version, trainer.pushes
         assert out1 == out0 and rate1 > rate0 + 0.1, (rate0, rate1)
