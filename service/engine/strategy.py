@@ -42,6 +42,11 @@ What makes it fast to converge is sharing across arms:
   posterior restarts from those steps, so the strategy leaves a collapsed drafter after one step instead
   of after a slow decay. Not before the bucket has counts of its own: a tail where the drafter is poorer than
   at full batch is no collapse.
+- Pushes: a drafter that serves new weights is another model, and what was measured of the old one does not
+  hold for it: its acceptance restarts from the prior (`renew`), as at start-up, and a draw that picks it probes
+  it. Why: a sidecar pushes a drafter distilled towards a policy that had left the old one behind, and that old
+  one's collapsed counts only faded at the discount's pace: after a silent recovery, a scripted run re-used the
+  drafter in 25-37 of the last 100 steps for some seeds.
 Three rules keep exploration cheap: a new bucket starts with one plain step until two buckets have had one (a
 plain step is never a costly mistake, and it separates the target's cost from the drafters' in the model;
 after two, the line knows it, and a plain probe in every bucket was a third of the steps of a near-uniform
@@ -248,6 +253,12 @@ class AdaptiveStrategy:
             return proposals
         caps = {d: [min(n, r) for n, r in zip(p, room, strict=True)] for d, p in proposals.items()}
         return caps | {d: room for d in self.drafters if d not in proposals}
+
+    def renew(self, drafter: str) -> None:
+        """`drafter` serves new weights (a push): its acceptance restarts from the prior, as a new drafter's
+        (see "Pushes" in the module docstring). Its costs stand: a push keeps the model's shapes."""
+        if drafter in self.accept:
+            self.accept[drafter] = Acceptance.empty(max(self.ks), self.bucket_trials)
 
     def probes_plain(self, batch_size: int) -> bool:
         return bucket_of(batch_size) not in self._plain_buckets and len(self._plain_buckets) < 2

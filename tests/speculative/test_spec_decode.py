@@ -193,6 +193,24 @@ def test_after_a_drafter_push_running_samples_catch_up_and_new_ones_do_not(targe
     assert not engine.drafters["draft"]._current
 
 
+def test_a_drafter_push_restarts_what_the_strategy_knows_of_it(target, drafters):
+    """The strategy measured the old weights: their acceptance does not hold for the pushed ones (another
+    drafter's, the suffix table's, does)."""
+    from service.models.loader import load_model
+
+    engine = LLMEngine(EngineConfig(model=str(target), max_model_len=256, drafter=f"{drafters['near']},suffix"))
+    params = SamplingParams(n=4, temperature=0, max_tokens=24, ignore_eos=True)
+    for fixed in (Strategy("draft", 2), Strategy("suffix", 2)):  # both measured
+        engine.strategy.fixed = fixed
+        engine.generate(PROMPTS, params)
+    known = {name: engine.strategy.accept[name].trials[0] for name in ("draft", "suffix")}
+    assert known["draft"] > 8 and known["suffix"] > 0
+    engine.swap_drafter(load_model(drafters["near"], engine.dtype, engine.device), "1")
+    assert engine.strategy.accept["draft"].trials == [0.0] * len(engine.strategy.accept["draft"].trials)
+    assert engine.strategy.acceptance("draft") == pytest.approx([engine.strategy.prior_alpha] * max(engine.strategy.ks))
+    assert engine.strategy.accept["suffix"].trials[0] == known["suffix"]
+
+
 @pytest.mark.parametrize("name", ["near", "eagle"])
 def test_a_drafter_says_what_it_will_catch_up_on_and_times_it(target, drafters, monkeypatch, name):
     """Before a step a draft model (an EAGLE head) says how many tokens it would feed beyond what follows its own

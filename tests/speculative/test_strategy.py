@@ -208,13 +208,16 @@ def test_each_bucket_has_its_own_acceptance() -> None:
     assert sum(d == "b" for d in picks[2][-60 * 3:]) >= 0.85 * 180, picks[2]
 
 
-def collapse_run(batch: int, seed: int = 2) -> list[Strategy]:
-    """400 steps at one batch size; the drafter's acceptance collapses at step 100 and recovers at 200."""
+def collapse_run(batch: int, seed: int = 2, pushed: bool = False) -> list[Strategy]:
+    """400 steps at one batch size; the drafter's acceptance collapses at step 100 and recovers at 200 (`pushed`:
+    as new drafter weights were pushed, which the engine tells the strategy)."""
     strategy = AdaptiveStrategy(["draft"], seed=seed)
     rng = random.Random(0)
     chosen = []
     for step in range(400):
         alpha = 0.9 if step < 100 or step >= 200 else 0.02
+        if pushed and step == 200:
+            strategy.renew("draft")
         s = strategy.choose(batch)
         strategy.record(s, batch, launch_bound_cost(batch, s.drafter, s.k), accepted_counts(batch, s.k, alpha, rng))
         chosen.append(s)
@@ -236,6 +239,21 @@ def test_leaves_a_collapsed_drafter_within_a_few_steps_at_batch_two() -> None:
     assert PLAIN in chosen[100:108]
     assert sum(s.k >= 3 for s in chosen[110:200]) == 0
     assert sum(s.k >= 3 for s in chosen[-100:]) >= 80
+
+
+@pytest.mark.parametrize("batch", [2, 8, 64])
+def test_a_pushed_drafter_is_taken_up_at_once(batch: int) -> None:
+    """A push that restores the drafter: measured anew from the next step on, not after its collapsed counts have
+    faded (at 64 rows, where one step's 48 trials outweigh the discount, not within the 200 steps left at all)."""
+    before = collapse_run(batch, seed=0)
+    used = sum(s.k > 0 for s in before[60:100])
+    assert used >= 36 and sum(s.k > 0 for s in before[110:200]) <= 10  # it left the collapsed drafter
+    for seed in range(4):
+        chosen = collapse_run(batch, seed=seed, pushed=True)
+        assert any(s.k for s in chosen[200:203]), chosen[200:203]  # probed right after the push
+        assert sum(s.k > 0 for s in chosen[210:250]) >= used - 4  # and used as before the collapse
+    if batch == 64:
+        assert sum(s.k > 0 for s in before[200:]) == 0  # without being told, it never came back
 
 
 def test_a_pinned_k_deeper_than_the_arms_is_recorded() -> None:
