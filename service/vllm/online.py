@@ -18,6 +18,11 @@ every few steps (`OnlineScheduler` in `service/vllm/scheduler.py` runs this insi
 - The lookup gives each batch size b the k of most tokens per second, (1 + r_0 + ... + r_(k-1)) / t(b, k).
 - Batch sizes whose k is 0 learn nothing: after `probe_every` steps without a draft, one step drafts at the
   smallest k where the lookup says 0 (a cheap probe), so a drafter that recovers is used again.
+- A push (of the drafter, the policy or both) changes what acceptance measures, so the counts restart from the
+  profile's rates (`renew`): a drafter pushed after a collapse is drafted with at once, not after the collapsed
+  counts fade and probes find it (one draft per probe step at one row: hundreds of steps). Re-learning costs
+  about `prior_weight` drafts, one step at a full batch. vLLM's scheduler is told nothing of pushes, but every
+  push happens inside a pause (`service/vllm/pushes.py`), so the scheduler renews when it resumes.
 
 Pure Python and no torch: it runs in vLLM's scheduler, once per step.
 """
@@ -90,8 +95,15 @@ class OnlineDepth:
             raise ValueError(f"bad online depth settings: ks={self.ks}, max_num_seqs={self.max_num_seqs}")
         depth = max(self.ks)
         self.prior = tuple(self.prior[:depth]) + (0.0,) * (depth - len(self.prior))
+        self.renew()
+
+    def renew(self) -> None:
+        """Forget the measured acceptance and start again from the profile's: the weights it was measured on
+        changed (a push). Called when vLLM's scheduler resumes from a pause, which every push is inside."""
+        depth = len(self.prior)
         self.accepted = [0.0] * depth
         self.drafted = [0.0] * depth
+        self._since_draft = self._new = 0
         self.lookup = best_depths(self.cost, self.prior, self.ks, self.max_num_seqs)
 
     def to_json(self) -> dict[str, Any]:

@@ -87,7 +87,10 @@ class WeightPushes:
                 await self._reload_drafter(draft[0].payload)
             if staged.role == "target":
                 await self._engine.collective_rpc("reload_weights", kwargs={"weights_path": str(staged.payload)})
-                await self._engine.reset_prefix_cache()
+                # Every cached block's KV came from the old weights: none may serve a later prefix hit. vLLM can
+                # drop the cache only with no block in use, so requests kept running (mode keep) are preempted:
+                # their prompt and output so far are prefilled again by the new weights when generation resumes.
+                await self._engine.reset_prefix_cache(reset_running_requests=True)
                 self.versions.policy = str(version)
             if draft is not None:
                 self.versions.drafter = f"{self.drafter.method}@{draft[1]}"

@@ -3,13 +3,15 @@
 Loaded by name in vLLM's engine-core process (`scheduler_cls`), configured through
 `additional_config["specroll_online"]`. It changes one thing: the batch size -> k lookup vLLM's scheduler reads
 each step (`dynamic_sd_lookup`) is the one `OnlineDepth` gives for that step, fed with every verified draft
-vLLM reports (`make_spec_decoding_stats`, called per request per step, counted before vLLM's own
-`log_stats` check). Verification, sampling and the rest of scheduling are vLLM's, unchanged: k only decides how
-many drafted tokens a step verifies, so outputs stay exactly those of the target (greedy tests run through it).
+vLLM reports (`make_spec_decoding_stats`, called per request per step, counted before vLLM's own `log_stats`
+check). A resume from a pause (`set_pause_state`), where every weight push happens, restarts the measured
+acceptance from the profile's (`OnlineDepth.renew`). Verification, sampling and the rest of scheduling are
+vLLM's, unchanged: k only decides how many drafted tokens a step verifies, so outputs stay exactly those of the
+target (greedy tests run through it).
 
-vLLM calls its scheduler interface internal: the subclass touches two members (`dynamic_sd_lookup`,
-`make_spec_decoding_stats`) and the pinned range is tested in CI; on any mismatch it logs and leaves vLLM's
-table in place rather than failing the engine.
+vLLM calls its scheduler interface internal: the subclass touches three members (`dynamic_sd_lookup`,
+`make_spec_decoding_stats`, `set_pause_state`) and the pinned range is tested in CI; on any mismatch it logs and
+leaves vLLM's table in place rather than failing the engine.
 """
 
 from __future__ import annotations
@@ -18,6 +20,7 @@ import logging
 from typing import Any
 
 from vllm.v1.core.sched.async_scheduler import AsyncScheduler
+from vllm.v1.core.sched.interface import PauseState
 from vllm.v1.core.sched.scheduler import Scheduler
 
 from service.vllm.online import OnlineDepth, rows_of
@@ -60,6 +63,15 @@ class _OnlineDepthMixin:
                 logger.info("speculation table now %s (acceptance per position %s)", rows,
                             [round(a, 3) for a in self._online.acceptance()])
         return super().schedule(*args, **kwargs)  # type: ignore[misc]
+
+    def set_pause_state(self, pause_state: Any) -> None:
+        was = getattr(self, "pause_state", PauseState.UNPAUSED)
+        super().set_pause_state(pause_state)  # type: ignore[misc]
+        online = getattr(self, "_online", None)  # None while vLLM's __init__ runs
+        if online is not None and was != PauseState.UNPAUSED and pause_state == PauseState.UNPAUSED:
+            online.renew()
+            logger.info("resumed (weights may have changed): speculation table back to the profile's %s",
+                        rows_of(online.lookup))
 
     def make_spec_decoding_stats(self, spec_decoding_stats: Any, num_draft_tokens: int, num_accepted_tokens: int,
                                  *args: Any, **kwargs: Any) -> Any:

@@ -68,6 +68,20 @@ def test_collapse_turns_speculation_off_and_a_probe_brings_it_back():
     assert all(recovered[-5:]) and depth.lookup[1] >= 2 and depth.acceptance()[0] > 0.5
 
 
+def test_a_push_restarts_from_the_profile():
+    """Collapsed at one row (k = 0 there, a probe every 64 steps), a recovered drafter is drafted with in at most
+    one step of 60 (a probe, one draft, against the collapsed counts); a push renews the counts, and the very
+    next step drafts at the profile's k again."""
+    rng = random.Random(3)
+    depth = OnlineDepth(COST, KS, 64, (0.9, 0.8, 0.7, 0.6))
+    start = list(depth.lookup)
+    run(depth, 1, 40, 0.0, rng)
+    assert depth.lookup[1] == 0 and sum(1 for k in run(depth, 1, 60, 0.9, rng) if k) <= 1
+    depth.renew()
+    assert depth.lookup == start and depth.acceptance() == pytest.approx([0.9 ** (j + 1) for j in range(4)])
+    assert all(run(depth, 1, 20, 0.9, rng)) and depth.lookup[1] == start[1] > 0
+
+
 def test_no_probe_while_drafts_flow():
     rng = random.Random(2)
     depth = OnlineDepth(COST, KS, 64, (0.9, 0.8, 0.7, 0.6), probe_every=4)
