@@ -251,14 +251,22 @@ class VllmBackend(WeightPushes, RolloutBackend):
         return self._call(self._pause(check_mode(mode)))
 
     async def _pause(self, mode: str) -> list[str]:
-        """vLLM's own pause: abort ends running requests (partial outputs), wait lets them finish first, keep
-        freezes them. New requests queue meanwhile."""
-        running = [rid for rid, r in self._runs.items() if r.num_running()] if mode == "abort" else []
+        """vLLM's own pause: wait lets running requests finish first, keep freezes them. New requests queue
+        meanwhile. abort ends the running rows only (partial outputs): vLLM's abort pause would end the waiting
+        ones too, so it freezes everything (keep), then aborts the rows that have produced tokens."""
         self._held = mode == "wait"
         try:
-            await self._engine.pause_generation(mode=mode, clear_cache=False)
+            await self._engine.pause_generation(mode="keep" if mode == "abort" else mode, clear_cache=False)
         finally:
             self._held = False
+        running: list[str] = []
+        if mode == "abort":
+            await self._engine.is_paused()  # a round trip: step outputs sent before the pause are queued first
+            await asyncio.sleep(0.02)  # ... and handed to their rows (as vLLM's own pause waits)
+            running = [rid for rid, r in self._runs.items() if r.num_running()]
+            ids = [sid for rid in running for sid in self._runs[rid].running_sample_ids()]
+            if ids:
+                await self._engine.abort(ids)
         self._paused = True
         if running and self.metrics is not None:
             self.metrics.aborted("pause", len(running))

@@ -94,6 +94,7 @@ class WeightPushes:
                 self.versions.policy = str(version)
             if draft is not None:
                 self.versions.drafter = f"{self.drafter.method}@{draft[1]}"
+            await self._engine.update_weight_version(self.versions.publish())  # every later step carries it
         finally:
             if not was_paused:
                 await self._resume()

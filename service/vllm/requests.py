@@ -68,10 +68,37 @@ class Outbox:
 
 
 class Versions:
-    """The weight versions serving now (set by commits on the driver loop)."""
+    """The weight versions serving now, and the label vLLM puts on every engine step under them.
+
+    A token's versions come from that label, not from what serves when its output reaches us: outputs vLLM made
+    before a push's pause can arrive after the push committed (hundreds of rows put a backlog in front of the
+    driver loop), and were tagged with the new versions. `publish` runs inside the push's pause: vLLM labels
+    every later step with it (`AsyncLLM.update_weight_version`), and the output processor keeps each request's
+    labels per output token."""
 
     def __init__(self, policy: str, drafter: str) -> None:
         self.policy, self.drafter = policy, drafter
+        self.label = "default"  # vLLM's label before any update_weight_version
+        self._pairs = {self.label: (policy, drafter)}
+
+    def publish(self) -> str:
+        """A new label for the versions serving now (after a commit set them)."""
+        self.label = f"specroll-{len(self._pairs)}"
+        self._pairs[self.label] = (self.policy, self.drafter)
+        return self.label
+
+    def of(self, label: str | None) -> tuple[str, str]:
+        return self._pairs.get(label or "", (self.policy, self.drafter))
+
+
+def token_labels(starts: list[tuple[str, int]], first: int, count: int) -> list[str]:
+    """Labels of output tokens first .. first + count - 1, from (label, first token index) starts in order."""
+    out, j = [], 0
+    for i in range(first, first + count):
+        while j + 1 < len(starts) and starts[j + 1][1] <= i:
+            j += 1
+        out.append(starts[j][0])
+    return out
 
 
 class RequestRun:
@@ -91,6 +118,9 @@ class RequestRun:
     def sample_ids(self) -> list[str]:
         return [sample_id(self.req.request_id, i) for i in range(self.req.params.n)]
 
+    def running_sample_ids(self) -> list[str]:
+        return [sample_id(self.req.request_id, s.index) for s in self.samples if s.running]
+
     def num_running(self) -> int:
         return sum(1 for s in self.samples if s.running)
 
@@ -103,11 +133,12 @@ class RequestRun:
         reason = "abort"
         last_time = 0.0
         try:
-            async for out in self.engine.generate(prompt, params, request_id=sample_id(self.req.request_id,
-                                                                                       s.index)):
+            sid = sample_id(self.req.request_id, s.index)
+            async for out in self.engine.generate(prompt, params, request_id=sid):
                 c = out.outputs[0]
                 if c.token_ids:
-                    self._chunk(s, list(c.token_ids), c.logprobs)
+                    self._chunk(s, list(c.token_ids), c.logprobs, self._labels(sid, c, len(s.token_ids),
+                                                                               len(c.token_ids)))
                     now = time.monotonic()
                     if self.metrics is not None:
                         self.metrics.observe_tokens(None if not last_time else now - self.handle.arrival,
@@ -125,17 +156,39 @@ class RequestRun:
             reason = "abort"
         self._finish(s, reason)
 
-    def _chunk(self, s: Sample, tokens: list[int], logprobs: Any) -> None:
+    def _labels(self, sid: str, c: Any, first: int, count: int) -> list[str | None]:
+        """vLLM's weight-version label of each new token: the final output carries its spans; before that, the
+        output processor's state of the request holds where each label started (it has processed exactly the
+        tokens handed to us so far). None where vLLM has none."""
+        spans = getattr(c, "weight_versions", None)
+        if spans:
+            starts = [(span.version, span.start) for span in spans]
+        else:
+            processor = getattr(self.engine, "output_processor", None)
+            internal = (getattr(processor, "external_req_ids", None) or {}).get(sid) or [sid]  # vLLM adds a suffix
+            state = (getattr(processor, "request_states", None) or {}).get(internal[-1])
+            starts = list(getattr(state, "weight_version_starts", None) or [])
+        return list(token_labels(starts, first, count)) if starts else [None] * count
+
+    def _chunk(self, s: Sample, tokens: list[int], logprobs: Any, labels: list[str | None]) -> None:
+        """One event per run of tokens with the same versions (a chunk across a push is split)."""
+        lo = 0
+        for i in range(1, len(tokens) + 1):
+            if i == len(tokens) or labels[i] != labels[lo]:
+                self._piece(s, tokens[lo:i], logprobs, lo, labels[lo])
+                lo = i
+
+    def _piece(self, s: Sample, tokens: list[int], logprobs: Any, offset: int, label: str | None) -> None:
         lps: list[float] = []
         tops: list[dict[int, float]] | None = [] if self.req.params.top_logprobs else None
         for j, tok in enumerate(tokens):
-            entry = logprobs[j] if logprobs is not None and j < len(logprobs) else {}
+            entry = logprobs[offset + j] if logprobs is not None and offset + j < len(logprobs) else {}
             lps.append(float(entry[tok].logprob) if tok in entry else float("nan"))
             if tops is not None:
                 k = self.req.params.top_logprobs
                 ranked = sorted(((v.rank, t, v.logprob) for t, v in entry.items() if v.rank is not None))
                 tops.append({t: float(lp) for _, t, lp in ranked[:k]})
-        policy, drafter = self.versions.policy, self.versions.drafter
+        policy, drafter = self.versions.of(label)
         s.add(tokens, lps, tops, policy, drafter)
         s.running = True
         self.outbox.put(self.handle, [Chunk(s.index, tokens, lps, None, tops, policy, drafter)])
@@ -147,14 +200,16 @@ class RequestRun:
         rollout_id = f"{rid}:{s.index}"
         n_prompt, n_out = len(self.req.prompt_token_ids), len(s.token_ids)
         tops = list(s.top_logprobs) if self.req.params.top_logprobs else None
+        last = ((s.spans[-1].policy_version, s.spans[-1].drafter_version) if s.spans
+                else (self.versions.policy, self.versions.drafter))
         if self.metrics is not None:
             self.metrics.observe_finished(time.monotonic() - self.handle.arrival, reason)
         record = RolloutRecord(
             rollout_id=rollout_id, request_id=rid, index=s.index, group_id=self.req.group_id,
             prompt_token_ids=list(self.req.prompt_token_ids), output_token_ids=list(s.token_ids),
             logprobs=list(s.logprobs), version_spans=list(s.spans), finish_reason=reason, num_prompt_tokens=n_prompt,
-            num_output_tokens=n_out, metadata=dict(self.req.metadata), policy_version=self.versions.policy,
-            drafter_version=self.versions.drafter, created_at=self.handle.created_at, params=self.req.params,
+            num_output_tokens=n_out, metadata=dict(self.req.metadata), policy_version=last[0],
+            drafter_version=last[1], created_at=self.handle.created_at, params=self.req.params,
             top_logprobs=tops)
         done = SampleDone(index=s.index, rollout_id=rollout_id, finish_reason=reason, num_prompt_tokens=n_prompt,
                           num_output_tokens=n_out, version_spans=list(s.spans), num_steps=s.steps,

@@ -60,15 +60,18 @@ def hf_of(folder):
     return AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
 
 
+ROWS = 64  # greedy rows of one prompt: enough for outputs made before a push to reach the server after it
+
+
 @pytest.mark.parametrize("mode", ["keep", "wait", "abort"])
 def test_no_token_after_a_push_comes_from_the_old_weights_kv(server, vllm_model, tmp_path, mode):
     base = checkpoint_tensors(vllm_model)
     new = perturbed(base, seed=3)
     started, done = threading.Event(), []
 
-    def long_rollout() -> None:  # greedy, long enough to be running when the push lands
+    def long_rollouts() -> None:  # greedy, long enough to be running when the push lands
         with SpecrollClient(server.grpc_target) as c:
-            for ev in c.stream(LONG, max_tokens=LEN - len(LONG), temperature=0.0, ignore_eos=True):
+            for ev in c.stream(LONG, n=ROWS, max_tokens=LEN - len(LONG), temperature=0.0, ignore_eos=True):
                 started.set()
                 if hasattr(ev, "finish_reason"):
                     done.append(ev)
@@ -76,24 +79,32 @@ def test_no_token_after_a_push_comes_from_the_old_weights_kv(server, vllm_model,
     with SpecrollClient(server.grpc_target, admin_token=ADMIN) as c:
         c.push_weights(base, f"{mode}-old")
         cached = c.generate_one(PROMPT, max_tokens=8, temperature=0.0, ignore_eos=True).samples[0].token_ids
-        thread = threading.Thread(target=long_rollout)
+        thread = threading.Thread(target=long_rollouts)
         thread.start()
         assert started.wait(60)
         c.push_weights(new, f"{mode}-new", mode=mode)
         after = c.generate_one(PROMPT, max_tokens=8, temperature=0.0, ignore_eos=True).samples[0].token_ids
-        thread.join(120)
+        thread.join(300)
     old_model, new_model = hf_of(vllm_model), hf_of(write_checkpoint(vllm_model, new, tmp_path / "new"))
     assert cached == hf_greedy(old_model, PROMPT, 8) != hf_greedy(new_model, PROMPT, 8)
     assert after == hf_greedy(new_model, PROMPT, 8)  # not from the block the old weights cached
-    (rollout,) = done
-    spans = [(v.policy_version, v.start, v.end) for v in rollout.version_spans]
-    if mode == "keep":  # it ran through the push: the rest is the new weights' greedy continuation of its prefix
+    assert len(done) == ROWS
+    if mode != "keep":
+        assert all([v.policy_version for v in r.version_spans] == [f"{mode}-old"] for r in done)
+        return
+    # The rows ran through the push: each one's tokens tagged old are the old weights' greedy output, and the
+    # rest is the new weights' greedy continuation of that prefix, from KV they recomputed. A token tagged by
+    # when it reached the server rather than by the weights that made it breaks the first or the second.
+    old_greedy = hf_greedy(old_model, LONG, LEN - len(LONG))
+    continuation: dict[int, list[int]] = {}
+    for r in done:
+        spans = [(v.policy_version, v.start, v.end) for v in r.version_spans]
         assert [s[0] for s in spans] == [f"{mode}-old", f"{mode}-new"], spans
-        cut, tokens = spans[0][2], list(rollout.token_ids)
-        assert tokens[:cut] == hf_greedy(old_model, LONG, cut)
-        assert tokens[cut:] == hf_greedy(new_model, LONG + tokens[:cut], len(tokens) - cut)
-    else:
-        assert [s[0] for s in spans] == [f"{mode}-old"]
+        cut, tokens = spans[0][2], list(r.token_ids)
+        assert tokens[:cut] == old_greedy[:cut]
+        if cut not in continuation:
+            continuation[cut] = hf_greedy(new_model, LONG + old_greedy[:cut], len(tokens) - cut)
+        assert tokens[cut:] == continuation[cut], cut
 
 
 def _drafts(c: SpecrollClient, prompt: list[int]) -> int:

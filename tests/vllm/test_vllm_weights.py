@@ -79,10 +79,10 @@ def test_refused_pushes_leave_the_old_weights_serving(server, vllm_model):
         assert greedy(anon) == before
 
 
-def _stream_in_background(srv, results: list, started: threading.Event) -> threading.Thread:
+def _stream_in_background(srv, results: list, started: threading.Event, n: int = 64) -> threading.Thread:
     def run() -> None:
         with SpecrollClient(srv.grpc_target) as c:
-            for ev in c.stream([1, 2, 3], n=64, max_tokens=MAX_LEN - 3, temperature=1.0, ignore_eos=True):
+            for ev in c.stream([1, 2, 3], n=n, max_tokens=MAX_LEN - 3, temperature=1.0, ignore_eos=True):
                 started.set()
                 if hasattr(ev, "finish_reason"):
                     results.append(ev)
@@ -122,3 +122,72 @@ def test_push_modes(server, vllm_model, mode):
             assert reasons == {"length"} and all(v == [old] for v in spans)
     else:
         assert mode != "keep", "no rollout was in flight when the push landed, in 5 tries"
+
+
+def test_an_abort_push_leaves_waiting_requests_to_the_new_weights(server, vllm_model):
+    """Mode abort ends the running rows only: 300 rows (5 requests of 60) on a server of 256 sequences leave at
+    least 44 not running, and those go on after the push, on the new weights, to their length. (A row whose first
+    tokens had not reached the server when the pause took effect counts as not running: it goes on too.)"""
+    srv, _ = server
+    base = checkpoint_tensors(vllm_model)
+    results: list = []
+    threads, started = [], [threading.Event() for _ in range(5)]
+    for ev in started:
+        threads.append(_stream_in_background(srv, results, ev, n=60))
+    assert all(ev.wait(60) for ev in started[:4])  # 240 rows running
+    with SpecrollClient(srv.grpc_target, admin_token=ADMIN) as c:
+        old = c.server_info().policy_version
+        c.push_weights(base, "abort-waiting", mode="abort")
+    for t in threads:
+        t.join(120)
+    assert len(results) == 300
+    spans = [[v.policy_version for v in s.version_spans] for s in results]
+    aborted = [v for s, v in zip(results, spans, strict=True) if s.finish_reason == "abort"]
+    kept = [(s, v) for s, v in zip(results, spans, strict=True) if s.finish_reason != "abort"]
+    # every token is tagged with the weights that made it: no aborted row's with the new version, even where its
+    # outputs reached the server after the push committed (a backlog of 256 rows)
+    assert aborted and all(v in ([old], []) for v in aborted), sorted({tuple(v) for v in aborted})
+    assert len(kept) >= 300 - 256 and all(s.finish_reason == "length" and v[-1] == "abort-waiting"
+                                          for s, v in kept), (len(aborted), sorted({tuple(v) for _, v in kept}))
+
+
+def test_tokens_are_tagged_by_the_weights_that_made_them(server, vllm_model, tmp_path):
+    """256 greedy rows of one prompt through a keep push (the new weights perturbed): outputs made before the
+    pause can reach the server after the push committed. Each row's tokens tagged old must be the old weights'
+    greedy output and the rest the new weights' greedy continuation of that prefix."""
+    srv, _ = server
+    base = checkpoint_tensors(vllm_model)
+    new = perturbed(base, seed=4)
+    prompt, rows = [2, 9, 4], []
+    started = [threading.Event() for _ in range(4)]
+
+    def run(ev: threading.Event) -> None:
+        with SpecrollClient(srv.grpc_target) as c:
+            for out in c.stream(prompt, n=64, max_tokens=MAX_LEN - 3, temperature=0.0, ignore_eos=True):
+                ev.set()
+                if hasattr(out, "finish_reason"):
+                    rows.append(out)
+
+    threads = [threading.Thread(target=run, args=(ev,)) for ev in started]
+    for t in threads:
+        t.start()
+    assert all(ev.wait(60) for ev in started)
+    with SpecrollClient(srv.grpc_target, admin_token=ADMIN) as c:
+        old = c.server_info().policy_version
+        c.push_weights(new, "tagged", mode="keep")
+        for t in threads:
+            t.join(120)
+        c.push_weights(base, "tagged-back")  # the original weights for the other tests
+    old_greedy = hf_greedy(hf_of(vllm_model), prompt, MAX_LEN - 3)
+    new_model = hf_of(write_checkpoint(vllm_model, new, tmp_path / "tagged"))
+    continuation: dict[int, list[int]] = {}
+    assert len(rows) == 256
+    for r in rows:
+        spans = [(v.policy_version, v.start, v.end) for v in r.version_spans]
+        cut = spans[0][2] if spans[0][0] == old else 0
+        assert [s[0] for s in spans] in ([old], [old, "tagged"], ["tagged"]), spans
+        tokens = list(r.token_ids)
+        assert tokens[:cut] == old_greedy[:cut], spans
+        if cut not in continuation:
+            continuation[cut] = hf_greedy(new_model, prompt + old_greedy[:cut], MAX_LEN - 3 - cut)
+        assert tokens[cut:] == continuation[cut], spans
