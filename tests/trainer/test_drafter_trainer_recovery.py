@@ -60,6 +60,24 @@ def pending_of(r: redis.Redis, stream: str, consumer: str | None = None) -> int:
     return sum(int(c["pending"]) for c in info["consumers"] if c["name"].decode() == consumer)
 
 
+def mid_batch(proc: subprocess.Popen[bytes], ckpt: Path, r: redis.Redis, stream: str) -> bool:
+    """Whether the sidecar is caught with a checkpoint written and entries in flight; it is left stopped
+    (SIGSTOP) if so, else running. Checked while it runs, it could ack its batch between the check and a kill."""
+    if not (state(ckpt).get("taken_total", 0) > 0 and pending_of(r, stream, "c1") > 0):
+        return False
+    proc.send_signal(signal.SIGSTOP)
+    stat = Path(f"/proc/{proc.pid}/stat")
+    for _ in range(200):  # until it is stopped ("T"), then let a write it sent before that reach Redis
+        if stat.read_text().rsplit(") ", 1)[1].startswith("T"):
+            break
+        time.sleep(0.01)
+    time.sleep(0.2)
+    if state(ckpt).get("taken_total", 0) > 0 and pending_of(r, stream, "c1") > 0:
+        return True
+    proc.send_signal(signal.SIGCONT)
+    return False
+
+
 def test_kill9_mid_batch_restart_trains_every_rollout_exactly_once(redis_server, tmp_path):
     target = make_checkpoint("qwen2", tied=True, init_std=0.1, seed=3)
     draft = write_checkpoint(target, perturbed(checkpoint_tensors(target), seed=5, scale=1.0), tmp_path / "draft")
@@ -76,9 +94,8 @@ def test_kill9_mid_batch_restart_trains_every_rollout_exactly_once(redis_server,
             wait_for(lambda: r.xlen(stream) == 160, 30, "160 rollouts in the stream")
             first = sidecar(srv, redis_server, stream, ckpt, "c1", log)
             procs.append(first)
-            wait_for(lambda: state(ckpt).get("taken_total", 0) > 0 and pending_of(r, stream, "c1") > 0, 90,
-                     "a checkpoint and entries in flight")
-            first.send_signal(signal.SIGKILL)
+            wait_for(lambda: mid_batch(first, ckpt, r, stream), 90, "a checkpoint and entries in flight")
+            first.send_signal(signal.SIGKILL)  # stopped mid-batch (SIGSTOP), so nothing moved since the check
             first.wait(10)
             at_kill = state(ckpt).get("taken_total", 0)
             in_flight = pending_of(r, stream, "c1")
