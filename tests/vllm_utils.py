@@ -31,3 +31,25 @@ def hf_greedy(model, prompt: list[int], n: int) -> list[int]:
         for _ in range(n):
             ids.append(int(model(torch.tensor([ids])).logits[0, -1].argmax()))
     return ids[len(prompt):]
+
+
+def hf_of(folder: Path):
+    """transformers' model of a checkpoint folder, float32, eval mode: the reference greedy decoder."""
+    from transformers import AutoModelForCausalLM
+
+    return AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
+
+
+def check_cut_at_push(rows, old: str, prompt: list[int], old_model, new_model, length: int) -> None:
+    """Greedy rows that ran through a push: each one's tokens tagged `old` are the old weights' greedy output, and
+    the rest is the new weights' greedy continuation of that prefix. A token tagged by when it reached the server
+    rather than by the weights that made it breaks the first or the second."""
+    old_greedy = hf_greedy(old_model, prompt, length)
+    continuation: dict[int, list[int]] = {}
+    for r in rows:
+        spans = [(v.policy_version, v.start, v.end) for v in r.version_spans]
+        cut, tokens = (spans[0][2] if spans[0][0] == old else 0), list(r.token_ids)
+        assert tokens[:cut] == old_greedy[:cut], spans
+        if cut not in continuation:
+            continuation[cut] = hf_greedy(new_model, prompt + old_greedy[:cut], length - cut)
+        assert tokens[cut:] == continuation[cut], spans

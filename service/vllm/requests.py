@@ -78,22 +78,22 @@ class Versions:
 
     def __init__(self, policy: str, drafter: str) -> None:
         self.policy, self.drafter = policy, drafter
-        self.label = "default"  # vLLM's label before any update_weight_version
-        self._pairs = {self.label: (policy, drafter)}
+        self._pairs = {"default": (policy, drafter)}  # "default": vLLM's label before any update_weight_version
 
     def publish(self) -> str:
         """A new label for the versions serving now (after a commit set them)."""
-        self.label = f"specroll-{len(self._pairs)}"
-        self._pairs[self.label] = (self.policy, self.drafter)
-        return self.label
+        label = f"specroll-{len(self._pairs)}"
+        self._pairs[label] = (self.policy, self.drafter)
+        return label
 
     def of(self, label: str | None) -> tuple[str, str]:
         return self._pairs.get(label or "", (self.policy, self.drafter))
 
 
-def token_labels(starts: list[tuple[str, int]], first: int, count: int) -> list[str]:
+def token_labels(starts: list[tuple[str, int]], first: int, count: int) -> list[str | None]:
     """Labels of output tokens first .. first + count - 1, from (label, first token index) starts in order."""
-    out, j = [], 0
+    out: list[str | None] = []
+    j = 0
     for i in range(first, first + count):
         while j + 1 < len(starts) and starts[j + 1][1] <= i:
             j += 1
@@ -168,7 +168,7 @@ class RequestRun:
             internal = (getattr(processor, "external_req_ids", None) or {}).get(sid) or [sid]  # vLLM adds a suffix
             state = (getattr(processor, "request_states", None) or {}).get(internal[-1])
             starts = list(getattr(state, "weight_version_starts", None) or [])
-        return list(token_labels(starts, first, count)) if starts else [None] * count
+        return token_labels(starts, first, count) if starts else [None] * count
 
     def _chunk(self, s: Sample, tokens: list[int], logprobs: Any, labels: list[str | None]) -> None:
         """One event per run of tokens with the same versions (a chunk across a push is split)."""

@@ -11,9 +11,8 @@ import threading
 from pathlib import Path
 
 import pytest
-import torch
 from service_utils import ADMIN, checkpoint_tensors, engine_config, perturbed, start_server, write_checkpoint
-from vllm_utils import hf_greedy
+from vllm_utils import check_cut_at_push, hf_greedy, hf_of
 
 from client import SpecrollClient
 from service.api.generation import Limits
@@ -27,6 +26,7 @@ LEN = 512
 BLOCK = 128  # vLLM's CPU block size: this prompt fills one block, which prefix caching keeps
 PROMPT = [(3 * i + 1) % 16 for i in range(BLOCK + 20)]
 LONG = [5, 6, 7]
+ROWS = 64  # greedy rows of one prompt: enough for outputs made before a push to reach the server after it
 
 
 K = 3
@@ -52,15 +52,6 @@ def server(vllm_model, tmp_path_factory):
                            vllm=vcfg)
     yield srv
     srv.stop()
-
-
-def hf_of(folder):
-    from transformers import AutoModelForCausalLM
-
-    return AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
-
-
-ROWS = 64  # greedy rows of one prompt: enough for outputs made before a push to reach the server after it
 
 
 @pytest.mark.parametrize("mode", ["keep", "wait", "abort"])
@@ -92,19 +83,9 @@ def test_no_token_after_a_push_comes_from_the_old_weights_kv(server, vllm_model,
     if mode != "keep":
         assert all([v.policy_version for v in r.version_spans] == [f"{mode}-old"] for r in done)
         return
-    # The rows ran through the push: each one's tokens tagged old are the old weights' greedy output, and the
-    # rest is the new weights' greedy continuation of that prefix, from KV they recomputed. A token tagged by
-    # when it reached the server rather than by the weights that made it breaks the first or the second.
-    old_greedy = hf_greedy(old_model, LONG, LEN - len(LONG))
-    continuation: dict[int, list[int]] = {}
-    for r in done:
-        spans = [(v.policy_version, v.start, v.end) for v in r.version_spans]
-        assert [s[0] for s in spans] == [f"{mode}-old", f"{mode}-new"], spans
-        cut, tokens = spans[0][2], list(r.token_ids)
-        assert tokens[:cut] == old_greedy[:cut]
-        if cut not in continuation:
-            continuation[cut] = hf_greedy(new_model, LONG + old_greedy[:cut], len(tokens) - cut)
-        assert tokens[cut:] == continuation[cut], cut
+    # The rows ran through the push, and went on from KV the new weights recomputed.
+    assert all([v.policy_version for v in r.version_spans] == [f"{mode}-old", f"{mode}-new"] for r in done)
+    check_cut_at_push(done, f"{mode}-old", LONG, old_model, new_model, LEN - len(LONG))
 
 
 def _drafts(c: SpecrollClient, prompt: list[int]) -> int:

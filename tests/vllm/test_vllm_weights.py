@@ -5,12 +5,10 @@ serving and the engine alive."""
 from __future__ import annotations
 
 import threading
-from pathlib import Path
 
 import pytest
-import torch
 from service_utils import ADMIN, checkpoint_tensors, perturbed, write_checkpoint
-from vllm_utils import MAX_LEN, hf_greedy, start_vllm
+from vllm_utils import MAX_LEN, check_cut_at_push, hf_greedy, hf_of, start_vllm
 
 from client import SpecrollClient
 from client.errors import FailedPrecondition, InvalidArgument, PermissionDenied, Unauthenticated
@@ -31,12 +29,6 @@ def server(vllm_model):
 
 def greedy(c: SpecrollClient, n: int = 10) -> list[list[int]]:
     return [d.samples[0].token_ids for d in c.generate(PROMPTS, max_tokens=n, temperature=0.0, ignore_eos=True)]
-
-
-def hf_of(folder: Path):
-    from transformers import AutoModelForCausalLM
-
-    return AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
 
 
 def test_push_switches_outputs_and_versions(server, vllm_model, tmp_path):
@@ -178,16 +170,7 @@ def test_tokens_are_tagged_by_the_weights_that_made_them(server, vllm_model, tmp
         for t in threads:
             t.join(120)
         c.push_weights(base, "tagged-back")  # the original weights for the other tests
-    old_greedy = hf_greedy(hf_of(vllm_model), prompt, MAX_LEN - 3)
-    new_model = hf_of(write_checkpoint(vllm_model, new, tmp_path / "tagged"))
-    continuation: dict[int, list[int]] = {}
     assert len(rows) == 256
-    for r in rows:
-        spans = [(v.policy_version, v.start, v.end) for v in r.version_spans]
-        cut = spans[0][2] if spans[0][0] == old else 0
-        assert [s[0] for s in spans] in ([old], [old, "tagged"], ["tagged"]), spans
-        tokens = list(r.token_ids)
-        assert tokens[:cut] == old_greedy[:cut], spans
-        if cut not in continuation:
-            continuation[cut] = hf_greedy(new_model, prompt + old_greedy[:cut], MAX_LEN - 3 - cut)
-        assert tokens[cut:] == continuation[cut], spans
+    assert all([v.policy_version for v in r.version_spans] in ([old], [old, "tagged"], ["tagged"]) for r in rows)
+    new_model = hf_of(write_checkpoint(vllm_model, new, tmp_path / "tagged"))
+    check_cut_at_push(rows, old, prompt, hf_of(vllm_model), new_model, MAX_LEN - 3)
