@@ -56,8 +56,9 @@ COPY client ./client
 COPY drafter_trainer ./drafter_trainer
 COPY deploy/docker/entrypoint.sh /usr/local/bin/specroll-entrypoint
 # With a compiler: time the kernels and compile the default model's forwards (and build the cpp kernel) now, into
-# the image's caches (service/models/remembered.py), so a container on a CPU like the build's starts serving after
-# ~45 s of tracing instead of 2-3 minutes of compiling (2 cores). On another CPU the caches miss (keyed by its
+# the image's caches (service/models/remembered.py), so a container on a CPU like the build's serves compiled
+# forwards after ~45 s of tracing them in the background (eager ones until then) instead of 2-3 minutes of
+# compiling (2 cores). On another CPU the caches miss (keyed by its
 # features) and the server times and compiles at start-up. (Not inductor's precompiled header, 150 MB in /tmp,
 # which only speeds up compiling.)
 RUN env -u PIP_FIND_LINKS python3 -m pip install --no-deps -e . && \

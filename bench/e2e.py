@@ -62,6 +62,7 @@ def run_config(name: str, server_kw: dict[str, Any], cfg: GRPOConfig, args: argp
     with ServerProcess(str(model), threads=args.server_threads, cpus=args.server_cpus,
                        max_model_len=cfg.max_tokens + 256,
                        max_num_seqs=max(64, cfg.prompts_per_step * cfg.group_size), extra_args=extra,
+                       compile_before_serving=True,  # every timed step on compiled forwards
                        log_path=log_dir / f"server_{name}.log", **server_kw) as server:
         run_cfg = replace(cfg, server=server.grpc_target, admin_token=server.admin_token, model=str(model),
                           server_pid=server.proc.pid if server.proc else None)

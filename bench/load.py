@@ -70,7 +70,7 @@ def local_server(server_args: list[str]) -> Iterator[tuple[str, str]]:
     http_port, grpc_port = _free_port(), _free_port()
     env = {**os.environ, "SPECROLL_DEMO_SIZE": os.environ.get("SPECROLL_DEMO_SIZE", "tiny")}
     cmd = [sys.executable, "-m", "service.cli", "serve", "--http-port", str(http_port), "--grpc-port",
-           str(grpc_port), *server_args]
+           str(grpc_port), "--compile-before-serving", *server_args]  # measured on compiled forwards
     logger.info("starting %s", " ".join(cmd))
     proc = subprocess.Popen(cmd, env=env)
     url = f"http://127.0.0.1:{http_port}"

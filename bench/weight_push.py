@@ -66,7 +66,7 @@ def start_server(model: Path, args: argparse.Namespace, http_port: int, grpc_por
     cmd = [sys.executable, "-m", "service.cli", "--log-level", "WARNING", "serve", "--model", str(model),
            "--http-port", str(http_port), "--grpc-port", str(grpc_port), "--admin-token", "bench",
            "--device", args.device, "--dtype", args.serve_dtype, "--max-model-len", "512", "--max-num-seqs", "16",
-           "--kv-cache-gb", "0.5"]
+           "--kv-cache-gb", "0.5", "--compile-before-serving"]
     return subprocess.Popen(cmd, env=dict(os.environ, SPECROLL_LOG_LEVEL="WARNING"))
 
 

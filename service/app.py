@@ -10,7 +10,9 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import os
 import signal
+import sys
 import threading
 from collections.abc import Iterator
 from dataclasses import dataclass, field
@@ -204,10 +206,19 @@ def run_server(engine_config: EngineConfig, config: ServerConfig) -> int:
         await server.serve()
 
     asyncio.run(main())
+    code = 0
     if server.backend.load_error is not None:
         logger.error("the model failed to load: %s", server.backend.load_error)
-        return 1
-    return 0
+        code = 1
+    from service.engine.background_compile import still_compiling
+
+    if still_compiling():  # everything is closed: exit without finalizing (service/engine/background_compile.py)
+        logger.info("exiting with the background compile unfinished")
+        logging.shutdown()
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(code)
+    return code
 
 
 class BackgroundServer:

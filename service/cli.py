@@ -115,6 +115,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
 
     engine_config = _engine_config(args)
     engine_config.drafter = args.drafter
+    engine_config.compile_background = not args.compile_before_serving
     if args.max_upload_gb <= 0:
         raise ValueError(f"--max-upload-gb must be > 0, got {args.max_upload_gb}")
     limits = Limits(max_tokens=args.max_tokens_per_request, max_n=args.max_n,
@@ -167,6 +168,10 @@ def _serve_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-request-mb", type=int, default=int(_env("max_request_mb", "16")))
     p.add_argument("--max-upload-gb", type=float, default=float(_env("max_upload_gb", "64") or 64),
                    help="largest safetensors upload, in GiB (fractions allowed, e.g. 0.5)")
+    p.add_argument("--compile-before-serving", action="store_true",
+                   default=_env("compile_before_serving", "") not in ("", "0", "false"),
+                   help="native backend on CPU: compile the forwards before answering (default: answer at once "
+                        "with eager forwards, compile in the background and switch when done)")
     p.add_argument("--free-replaced-weights", action="store_true",
                    default=_env("free_replaced_weights", "") not in ("", "0", "false"),
                    help="free weights a push replaced instead of keeping them as the next push's buffer")

@@ -157,6 +157,9 @@ class EngineConfig:
     # Run decode and verify forwards eagerly: no CUDA graphs on a GPU (service/engine/graphs.py), no torch.compile
     # on CPU (service/engine/compiled.py)
     enforce_eager: bool = False
+    # CPU: compile those forwards in a thread while steps run eagerly, and switch to them once compiled
+    # (service/engine/background_compile.py); else compile them before the engine is built
+    compile_background: bool = False
     # Append one JSON line per decode step to this file: the strategy's choice, its cost and what it believed
     # (service/engine/trace.py; native backend)
     strategy_trace: str | None = None

@@ -32,6 +32,9 @@ class ServerProcess:
     max_num_seqs: int = 64
     seed: int = 0
     extra_args: list[str] = field(default_factory=list)
+    # Compile the forwards before answering (benchmarks: no eager steps in the timed ones); else the server answers
+    # at once and compiles in the background
+    compile_before_serving: bool = False
     log_path: Path | None = None
     cpus: set[int] | None = None  # pin the server process to these CPU cores (Linux)
     admin_token: str = field(default_factory=lambda: secrets.token_hex(16))
@@ -53,6 +56,8 @@ class ServerProcess:
             cmd += ["--threads", str(self.threads)]
         if not self.drafter_trainer:
             cmd.append("--no-drafter-trainer")
+        if self.compile_before_serving:
+            cmd.append("--compile-before-serving")
         return cmd + self.extra_args
 
     def start(self, timeout_s: float = 600.0) -> ServerProcess:

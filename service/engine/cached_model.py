@@ -7,6 +7,7 @@ from __future__ import annotations
 import itertools
 import logging
 import math
+from collections.abc import Callable
 
 import torch
 
@@ -124,10 +125,13 @@ class CachedModel:
             return self.compiled(self.model, input_ids, meta, self.cache.k, self.cache.v)
         return self.forward(input_ids, meta)
 
-    def warm_up(self, query_lens: list[int]) -> None:
-        """Compile (CPU) the uniform forwards of these query lengths before serving: one run per compiled variant
-        (batch 1 or more x one position per row or more; other sizes share them). Rows are cache slots from 0,
-        written before any sequence owns them: call it before the first request.
+    def warm_up(self, query_lens: list[int], cache: KVCache | None = None,
+                forward: Callable[..., torch.Tensor] | None = None) -> bool:
+        """Compile (CPU) the uniform forwards of these query lengths: one run per compiled variant (batch 1 or
+        more x one position per row or more; other sizes share them), on rows from slot 0 of `cache` (default:
+        this model's own, written before any sequence owns them: call it before the first request), with
+        `forward` (default: `self.compiled`; none: nothing to compile). False where the compiler stack failed
+        (logged; `self.compiled` is then None: forwards run eagerly).
 
         The batched variants compile at a serving size (`WARM_UP_ROWS` rows over a short and a long cache,
         `WARM_UP_POSITIONS`, where each may run its own attention kernel), not the smallest: inductor decides from
@@ -135,23 +139,29 @@ class CachedModel:
         keeps that for every size. Compiled at batch 2 over 2 positions, every loop ran on one thread: the demo
         model in bf16 on 2 threads decoded 18,000 tokens/s at batch 64 and 12,300 at batch 16, against 29,700 and
         14,700 compiled at a serving size (bench/engine_throughput.py; batches 2-8 gained 8-15% too)."""
-        if self.compiled is None:
-            return
+        forward = forward or self.compiled
+        if forward is None:
+            return True
+        cache = cache or self.cache
         try:
             widths = sorted({min(q, 2) for q in query_lens})  # sizes 0 and 1 are specialised, not 2
-            last = self.cache.max_positions - 1 - widths[-1]  # the last position is scratch
+            last = cache.max_positions - 1 - widths[-1]  # the last position is scratch
             short, long = (max(min(p, last), 0) for p in WARM_UP_POSITIONS)
             # The long cache only where one of its kernels differs (else the same variants: nothing to compile).
-            rows = sorted({1, min(WARM_UP_ROWS, self.cache.num_slots)})
+            rows = sorted({1, min(WARM_UP_ROWS, cache.num_slots)})
             kernels = [attention.pick(self.attn_kernels, B, Q, start + Q) for B in rows for Q in widths
                        for start in (short, long)]
             for start in (short, long) if kernels[0::2] != kernels[1::2] else (short,):
                 for B in rows:
                     for Q in widths:
-                        self.forward_rows(torch.ones(B, Q, dtype=torch.int64, device=self.device), [start] * B)
+                        meta, _ = self.build_meta(0, [start] * B, [Q] * B)
+                        ids = torch.ones(B, Q, dtype=torch.int64, device=self.device)
+                        forward(self.model, ids, meta, cache.k, cache.v)
         except Exception as exc:  # any failure of the compiler stack: serve eagerly rather than not at all
             logger.warning("torch.compile failed, forwards run eagerly: %s: %s", type(exc).__name__, exc)
             self.compiled = None
+            return False
+        return True
 
     def extend(self, slot_lo: int, starts: list[int], tokens: list[list[int]]) -> tuple[torch.Tensor, torch.Tensor]:
         """Append per-row token lists at positions starts[b]...; returns the hidden states as rows [B * Q or N,

@@ -38,6 +38,16 @@ class KVCache:
             2 * self.k.numel() * self.k.element_size() / 2**20,
         )
 
+    @classmethod
+    def scratch_like(cls, other: KVCache) -> KVCache:
+        """A cache of `other`'s shape that nothing serves from, to compile forwards on while `other` serves
+        (service/engine/background_compile.py). Allocated, not zeroed: on Linux a page of it takes memory only
+        once written, and a warm-up writes a few positions per slot."""
+        scratch = cls.__new__(cls)
+        scratch.num_slots, scratch.max_positions = other.num_slots, other.max_positions
+        scratch.k, scratch.v = torch.empty_like(other.k), torch.empty_like(other.v)
+        return scratch
+
     @property
     def scratch_pos(self) -> int:
         return self.max_positions - 1

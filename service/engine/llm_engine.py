@@ -74,8 +74,11 @@ class LLMEngine:
                                                 self.runner.target)
         self.strategy = self.driver.strategy
         self.runner.prefill_drafters = self.driver.may_run()
-        t0 = time.perf_counter()  # CUDA graphs (GPU) or compiled forwards (CPU) before the first step
-        if n := self.runner.prepare(self.strategy.depths()):
+        # CUDA graphs (GPU) or compiled forwards (CPU) before the first step, or compiled while steps run eagerly
+        self.compiling = self.runner.prepare_in_background(self.strategy.depths()) if config.compile_background \
+            else None
+        t0 = time.perf_counter()
+        if self.compiling is None and (n := self.runner.prepare(self.strategy.depths())):
             how = "captured" if self.runner.target.graphs is not None else "compiled"
             logger.info("%s %d decode / verify forwards in %.1f s", how, n, time.perf_counter() - t0)
         self.last_strategy = PLAIN.name  # the label of the last step's choice (metrics, rollout records)
@@ -148,6 +151,11 @@ class LLMEngine:
     def num_running(self) -> int:
         return len(self.scheduler.running)
 
+    def close(self) -> None:
+        """At shutdown: stop compiling in the background (the engine serves no more steps)."""
+        if self.compiling is not None:
+            self.compiling.stop()
+
     @property
     def num_waiting(self) -> int:
         return self.scheduler.num_waiting_seqs
@@ -169,6 +177,10 @@ class LLMEngine:
         return self._between_steps.value or 0.0
 
     def _step(self, start: float) -> list[StepOutput]:
+        if self.compiling is not None and self.compiling.done:
+            if self.compiling.take():  # compiled forwards from this step on: their steps cost other seconds
+                self.strategy.forget_costs()
+            self.compiling = None
         outputs = self._drain_aborted()
         if self.paused:
             return outputs

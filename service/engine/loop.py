@@ -245,3 +245,4 @@ class EngineLoop:
                 logger.exception("could not drain aborted requests at shutdown")
         self._disp.fail_all("the server is shutting down")
         self.holds.shutdown()
+        engine.close()

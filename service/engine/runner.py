@@ -8,6 +8,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from service.engine.background_compile import BackgroundCompile
 from service.engine.cached_model import CachedModel, last_rows
 from service.engine.compiled import compiles
 from service.engine.graphs import StepGraphs
@@ -175,12 +176,23 @@ class ModelRunner:
         self._depths = sorted(ks)
         with torch.inference_mode():
             for c in self.cached_models():
-                query_lens = [1] + [k + 1 for k in ks] if c is self.target else [1]
                 if c.graphs is not None:
-                    c.graphs.capture_all(query_lens)
+                    c.graphs.capture_all(self._query_lens(c, ks))
                 else:
-                    c.warm_up(query_lens)
+                    c.warm_up(self._query_lens(c, ks))
         return self.builds() - built
+
+    def prepare_in_background(self, ks: tuple[int, ...]) -> BackgroundCompile | None:
+        """`prepare` where it compiles (CPU), in a thread while steps run eagerly (engine/background_compile.py);
+        None where nothing compiles (eager forwards; a GPU captures CUDA graphs in `prepare`)."""
+        if self.target.compiled is None or self.target.graphs is not None:
+            return None
+        self._depths = sorted(ks)
+        return BackgroundCompile([(c, self._query_lens(c, ks)) for c in self.cached_models()])
+
+    def _query_lens(self, c: CachedModel, ks: tuple[int, ...]) -> list[int]:
+        """The query lengths of `c`'s uniform forwards: the target decodes and verifies k + 1, a drafter decodes."""
+        return [1] + [k + 1 for k in ks] if c is self.target else [1]
 
     def packs_verify(self, row_lengths: list[int] | None, k: int) -> bool:
         """Whether a verify pass k drafts wide, with rows of these draft counts (None: unknown on the host), runs

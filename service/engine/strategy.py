@@ -131,9 +131,17 @@ class AdaptiveStrategy:
 
     def __post_init__(self) -> None:
         self._rng = random.Random(self.seed)
+        self.forget_costs()
+        self.accept = {d: Acceptance.empty(max(self.ks), self.bucket_trials) for d in self.drafters}
+
+    def forget_costs(self) -> None:
+        """Start measuring step costs afresh, as at start-up; acceptance stands. For when every step's seconds
+        change at once: the engine's compiled forwards took over from eager ones (engine/background_compile.py)."""
         own = [self.own_costs.get(d, 0.0) for d in self.drafters]
         self.costs = ArmCosts(StepCostModel(list(self.drafters), own), self.cost_spread)
-        self.accept = {d: Acceptance.empty(max(self.ks), self.bucket_trials) for d in self.drafters}
+        self.catch_ups = CatchUps()
+        self._plain_buckets.clear()
+        self._deepest.clear()
 
     def depths(self) -> tuple[int, ...]:
         """The draft depths this strategy may run (what the engine captures or compiles verify forwards for)."""

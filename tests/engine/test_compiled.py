@@ -7,6 +7,7 @@ eager forwards where no C++ compiler exists."""
 
 from __future__ import annotations
 
+import json
 import os
 import re
 import subprocess
@@ -97,6 +98,52 @@ def test_a_fresh_process_compiles_nothing_after_start_up(target, draft, tmp_path
     found = re.search(r"spec_drafts (\d+) compiled after start-up (\d+)", proc.stdout)
     assert found and int(found[1]) > 0, proc.stdout
     assert int(found[2]) == 0, proc.stdout
+
+
+def test_a_background_compile_serves_at_once_then_switches_and_compiles_nothing_more(target, draft, tmp_path):
+    """`compile_background` (what `specroll serve` runs): the engine answers before its forwards are compiled,
+    eagerly, with the eager engine's tokens; a thread compiles them on scratch caches (in a fresh process: dynamo
+    traces every variant, seconds of work, so it is still compiling when the first requests are answered). At the
+    first step after it is done, the compiled forwards of the target and the draft model serve, the adaptive
+    strategy measures step costs afresh, and serving compiles nothing more: the scratch caches' guards are the
+    serving caches' (made in inference mode, they were not, and every variant compiled again after the switch)."""
+    code = f"""
+import json
+from helpers import assert_same_up_to_near_ties
+from service.config import EngineConfig
+from service.engine import compiled
+from service.engine.llm_engine import LLMEngine
+from service.params import SamplingParams
+kw = dict(model={str(target)!r}, drafter={f"{draft},suffix"!r}, max_model_len=200, max_num_seqs=16)
+prompts, greedy = {PROMPTS!r}, SamplingParams(temperature=0, max_tokens=40, ignore_eos=True)
+eager = LLMEngine(EngineConfig(enforce_eager=True, **kw)).generate(prompts, greedy)
+e = LLMEngine(EngineConfig(compile_background=True, **kw))
+out = dict(eager_at_first=e.runner.target.compiled is None and e.drafters["draft"].cached.compiled is None)
+assert_same_up_to_near_ties(eager, e.generate(prompts, greedy), atol=1e-4)
+out.update(answered_while_compiling=not e.compiling.done, costs_measured=e.strategy.costs.model.measured)
+assert e.compiling.wait(600)
+e.add_request([5, 6], SamplingParams(max_tokens=2))
+e.step()  # a prefill step: the switch, and no step cost measured after it
+out.update(switched=e.runner.target.compiled is not None and e.drafters["draft"].cached.compiled is not None,
+           costs_forgotten=not e.strategy.costs.model.measured, compiled=e.compiling is None)
+start = compiled.compiles()
+for rows in (16, 5, 1):
+    e.generate([[i + 1] * 20 for i in range(rows)], SamplingParams(temperature=1.0, max_tokens=30, seed=rows))
+assert_same_up_to_near_ties(eager, e.generate(prompts, greedy), atol=1e-4)
+out.update(compiled_after_switch=compiled.compiles() - start, spec_drafts=e.stats.spec_drafts)
+print("RESULT", json.dumps(out))
+"""
+    path = os.pathsep.join([str(ROOT), str(ROOT / "tests"), os.environ.get("PYTHONPATH", "")])
+    env = dict(os.environ, PYTHONPATH=path)
+    proc = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=900,
+                          cwd=tmp_path)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    found = re.search(r"RESULT (.*)", proc.stdout)
+    assert found, proc.stdout
+    got = json.loads(found[1])
+    assert got["eager_at_first"] and got["answered_while_compiling"] and got["costs_measured"], got
+    assert got["switched"] and got["costs_forgotten"] and got["compiled"], got
+    assert got["compiled_after_switch"] == 0 and got["spec_drafts"] > 0, got
 
 
 def test_kernels_for_long_caches_are_compiled_before_the_first_request_too(target, draft, monkeypatch):
