@@ -185,7 +185,13 @@ def window(stack: dict[str, Any]) -> tuple[float, float]:
     start = time.monotonic()
     step = 0
     pushed = aborted = rewarded = 0
-    while time.monotonic() - start < WORKLOAD_S or pushed < 2 or not aborted or not rewarded:
+    # Generation goes on for a few scrapes after the last push and abort: a rate over the window needs two samples
+    # of a counter series, and the aborted-requests series begins at the abort. A server still compiling its
+    # forwards in the background runs slow steps, and an abort in the workload's last iteration left that panel
+    # empty (one CI run).
+    last_event = start
+    while (time.monotonic() - start < WORKLOAD_S or pushed < 2 or not aborted or not rewarded
+           or time.monotonic() - last_event < 4 * SCRAPE_S):
         results = client.generate(PROMPTS, n=2, max_tokens=48, temperature=1.0, seed=step)
         r = httpx.post(f"{base}/v1/completions", json={"prompt": PROMPTS[step % len(PROMPTS)], "max_tokens": 24,
                                                          "temperature": 0}, timeout=60)
@@ -195,10 +201,12 @@ def window(stack: dict[str, Any]) -> tuple[float, float]:
             pushed += 1
             result = client.push_weights(perturbed(tensors, seed=pushed, scale=0.05), version=f"v{pushed}")
             assert result.version == f"v{pushed}"
+            last_event = time.monotonic()
         if not aborted and elapsed > WORKLOAD_S / 2:
             _abort_running(client, stack["grpc"], stack["http"])
             _abort_running(client, stack["grpc"], stack["http"])
             aborted = 1
+            last_event = time.monotonic()
         rewards = {s.rollout_id: float(i % 2) for c in results for i, s in enumerate(c.samples)}
         rewarded += client.report_rewards(rewards)
         step += 1
