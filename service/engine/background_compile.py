@@ -104,10 +104,9 @@ class BackgroundCompile:
 
         return run
 
-    def stop(self, wait: float = 0.0) -> None:
-        """End the compile after the variant in progress; wait for that at most `wait` seconds."""
+    def stop(self) -> None:
+        """End the compile after the variant in progress (nothing waits for it: see the module docstring)."""
         self._stop.set()
-        self._thread.join(wait)
 
     @property
     def done(self) -> bool:
