@@ -107,6 +107,7 @@ class StatsSnapshot:
     num_waiting: int = 0
     paused: bool = False
     admission_held: bool = False  # a wait-mode push or pause holds waiting requests back
+    compiling: bool = False  # steps run eager forwards while the compiled ones are built in the background
     strategy: str = "plain"  # the decoding strategy of the last step
     mean_accepted_length: float = 0.0  # tokens per sequence per speculative step, recent steps
     num_steps: int = 0

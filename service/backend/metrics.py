@@ -47,6 +47,8 @@ class _EngineCollector(Collector):
             ("paused", "1 while generation is paused", 1.0 if stats.paused else 0.0),
             ("admission_held", "1 while a push or pause in mode wait holds waiting requests back",
              1.0 if stats.admission_held else 0.0),
+            ("compiling", "1 while the forwards compile in the background (steps run eager ones meanwhile)",
+             1.0 if stats.compiling else 0.0),
             ("spec_decode_mean_accepted_length", "Tokens per sequence per speculative step (recent steps)",
              stats.mean_accepted_length),
         ):

@@ -60,31 +60,29 @@ class BackgroundCompile:
 
     def __init__(self, work: list[tuple[CachedModel, list[int]]]) -> None:
         # Each model's compiled forward, held back until all are compiled: until then they serve eagerly.
-        self._forwards: list[tuple[CachedModel, Callable[..., torch.Tensor]]] = []
-        for c, _ in work:
+        self._forwards: list[tuple[CachedModel, Callable[..., torch.Tensor], list[int]]] = []
+        for c, query_lens in work:
             if c.compiled is not None:
-                self._forwards.append((c, c.compiled))
+                self._forwards.append((c, c.compiled, query_lens))
                 c.compiled = None
         self._done = threading.Event()
         self._stop = threading.Event()
         self._ok = False
         self._taken = False
         self.compiled = 0  # variants compiled, once done
-        self._thread = threading.Thread(target=self._run, args=(work,), name=THREAD_NAME, daemon=True)
+        self._thread = threading.Thread(target=self._run, name=THREAD_NAME, daemon=True)
         self._thread.start()
 
-    def _run(self, work: list[tuple[CachedModel, list[int]]]) -> None:
+    def _run(self) -> None:
         start, before = time.perf_counter(), compiles()
         try:
-            forwards = {id(c): self._stoppable(f) for c, f in self._forwards}
             # Made outside inference mode, as the serving caches were: an inference tensor has other dispatch
             # keys, which the guards check (every variant compiled again at the switch).
-            scratch = {id(c): KVCache.scratch_like(c.cache) for c, _ in self._forwards}
+            scratch = [KVCache.scratch_like(c.cache) for c, _, _ in self._forwards]
             ok = True
             with torch.inference_mode():  # as the engine's steps run: grad mode is part of the guards
-                for c, query_lens in work:
-                    if id(c) in forwards:
-                        ok = c.warm_up(query_lens, scratch[id(c)], forwards[id(c)]) and ok
+                for (c, forward, query_lens), cache in zip(self._forwards, scratch, strict=True):
+                    ok = c.warm_up(query_lens, cache, self._stoppable(forward)) and ok
             self._ok = ok
             self.compiled = compiles() - before
             logger.info("compiled %d decode / verify forwards in the background in %.1f s%s", self.compiled,
@@ -122,6 +120,6 @@ class BackgroundCompile:
             return False
         self._taken = True
         if self._ok:
-            for c, forward in self._forwards:
+            for c, forward, _ in self._forwards:
                 c.compiled = forward
         return self._ok

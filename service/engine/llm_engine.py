@@ -176,11 +176,15 @@ class LLMEngine:
     def between_steps_s(self) -> float:
         return self._between_steps.value or 0.0
 
-    def _step(self, start: float) -> list[StepOutput]:
+    def take_compiled(self) -> None:
+        """Serve the forwards compiled in the background once they are all done (engine thread, between steps)."""
         if self.compiling is not None and self.compiling.done:
             if self.compiling.take():  # compiled forwards from this step on: their steps cost other seconds
                 self.strategy.forget_costs()
             self.compiling = None
+
+    def _step(self, start: float) -> list[StepOutput]:
+        self.take_compiled()
         outputs = self._drain_aborted()
         if self.paused:
             return outputs
@@ -303,7 +307,7 @@ class LLMEngine:
         return StatsSnapshot(
             policy_version=str(self.policy_version), drafter_version=self.drafter_version,
             num_running=self.num_running, num_waiting=self.num_waiting, paused=self.paused,
-            admission_held=self.hold_admission, strategy=self.last_strategy,
+            admission_held=self.hold_admission, compiling=self.compiling is not None, strategy=self.last_strategy,
             mean_accepted_length=s.mean_accepted_length, num_steps=s.num_steps, prompt_tokens=s.prompt_tokens,
             generation_tokens=s.generation_tokens, spec_drafts=s.spec_drafts, spec_draft_tokens=s.spec_draft_tokens,
             spec_accepted_tokens=s.spec_accepted_tokens, accepted_per_position=tuple(s.accepted_per_position))

@@ -167,6 +167,7 @@ class EngineLoop:
                 if not produced and (engine.paused or engine.num_running == 0):
                     self._wait(0.02 if not engine.paused else IDLE_WAIT_S)
             else:
+                engine.take_compiled()  # an idle server switches too (its gauge would say compiling)
                 self._publish(engine)
                 self._wait(IDLE_WAIT_S)
 

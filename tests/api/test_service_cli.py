@@ -79,7 +79,9 @@ def test_serve_answers_before_its_forwards_are_compiled_and_exits_cleanly_mid_co
                 assert time.monotonic() < deadline, "server never answered"
                 time.sleep(0.1)
             assert len(r.json()["choices"][0]["token_ids"]) == 8
+            metrics = httpx.get(url + "/metrics", timeout=10).text
             assert "in the background" not in log_path.read_text()  # answered before the forwards were compiled
+            assert "\nspecroll:compiling 1.0\n" in metrics  # and the operator's gauge says so
             proc.send_signal(signal.SIGTERM)
             assert proc.wait(timeout=30) == 0, log_path.read_text()[-3000:]
         finally:

@@ -203,6 +203,9 @@ def test_container_serves(container: dict[str, int | str]) -> None:
     wait_for("compiled forwards", lambda: re.search(r"compiled \d+ decode / verify forwards in the background .*"
                                                     r"steps run them from now on", logs()), 300,
              on_timeout=lambda: logs()[-4000:])
+    # an idle server switches to them too, and says so to Prometheus
+    gauge = "\nspecroll:compiling 0.0\n"
+    wait_for(gauge.strip(), lambda: gauge in httpx.get(f"{base}/metrics", timeout=5).text, 10)
     text = logs()
     for eager in ("no C++ compiler", "no Python headers", "cpp attention kernel is not available"):
         assert eager not in text, text[-4000:]

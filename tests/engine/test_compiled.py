@@ -120,12 +120,14 @@ eager = LLMEngine(EngineConfig(enforce_eager=True, **kw)).generate(prompts, gree
 e = LLMEngine(EngineConfig(compile_background=True, **kw))
 out = dict(eager_at_first=e.runner.target.compiled is None and e.drafters["draft"].cached.compiled is None)
 assert_same_up_to_near_ties(eager, e.generate(prompts, greedy), atol=1e-4)
-out.update(answered_while_compiling=not e.compiling.done, costs_measured=e.strategy.costs.model.measured)
+out.update(answered_while_compiling=not e.compiling.done, costs_measured=e.strategy.costs.model.measured,
+           gauge_while_compiling=e.snapshot().compiling)
 assert e.compiling.wait(600)
 e.add_request([5, 6], SamplingParams(max_tokens=2))
 e.step()  # a prefill step: the switch, and no step cost measured after it
 out.update(switched=e.runner.target.compiled is not None and e.drafters["draft"].cached.compiled is not None,
-           costs_forgotten=not e.strategy.costs.model.measured, compiled=e.compiling is None)
+           costs_forgotten=not e.strategy.costs.model.measured, compiled=e.compiling is None,
+           gauge_after=e.snapshot().compiling)
 start = compiled.compiles()
 for rows in (16, 5, 1):
     e.generate([[i + 1] * 20 for i in range(rows)], SamplingParams(temperature=1.0, max_tokens=30, seed=rows))
@@ -142,6 +144,7 @@ print("RESULT", json.dumps(out))
     assert found, proc.stdout
     got = json.loads(found[1])
     assert got["eager_at_first"] and got["answered_while_compiling"] and got["costs_measured"], got
+    assert got["gauge_while_compiling"] and not got["gauge_after"], got  # specroll:compiling
     assert got["switched"] and got["costs_forgotten"] and got["compiled"], got
     assert got["compiled_after_switch"] == 0 and got["spec_drafts"] > 0, got
 
