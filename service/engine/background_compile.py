@@ -15,6 +15,13 @@ How:
 - It keeps torch's thread count: inductor sizes each fused loop's parallelism by the compiling thread's count
   (`parallel_num_threads`), and code compiled on a one-thread thread (service/cpu_threads.py) would serve every
   loop on one thread. While it compiles, its OpenMP team and the C++ compiler slow the engine's steps.
+- Dynamo and inductor are Python: the thread holds the GIL most of the time, and every torch op of an eager step
+  lets the GIL go and waits to take it back, which CPython forces the holder to allow only after its switch
+  interval (5 ms). A request of 8 x 64 tokens (demo model + draft model, 2 cores, inductor's cache warm) took
+  7-26 s while compiling against 0.45-0.59 s alone. So while the thread runs the interval is 0.1 ms
+  (`SWITCH_INTERVAL_S`; process-wide: put back when the last compile ends): 1.8-3.5 s a request, and the
+  compile took 50-56 s instead of 44-46 s. Serving still shares two cores with the compile:
+  `--compile-before-serving` serves more in the first minutes, where answering at once does not matter.
 - Eager and compiled steps cost different seconds: at the switch the adaptive strategy forgets what steps cost
   (`AdaptiveStrategy.forget_costs`) and measures them again; what it learnt of acceptance stands.
 - Steps run eagerly until every model's forwards are compiled (a target compiled and a draft model eager would
@@ -30,6 +37,7 @@ How:
 from __future__ import annotations
 
 import logging
+import sys
 import threading
 import time
 from collections.abc import Callable
@@ -43,11 +51,38 @@ from service.engine.kv_cache import KVCache
 logger = logging.getLogger(__name__)
 
 THREAD_NAME = "specroll-compile"
+SWITCH_INTERVAL_S = 1e-4  # the GIL's switch interval while compiling (CPython's default: 5 ms)
 
 
 def still_compiling() -> bool:
     """Whether a background compile of this process is still running."""
     return any(t.name == THREAD_NAME and t.is_alive() for t in threading.enumerate())
+
+
+class _SwitchInterval:
+    """CPython's switch interval is the process's: the first compile to start shortens it, the last to end puts
+    back what it was."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._users = 0
+        self._saved = 0.0
+
+    def shorten(self) -> None:
+        with self._lock:
+            if self._users == 0:
+                self._saved = sys.getswitchinterval()
+                sys.setswitchinterval(min(self._saved, SWITCH_INTERVAL_S))
+            self._users += 1
+
+    def restore(self) -> None:
+        with self._lock:
+            self._users -= 1
+            if self._users == 0:
+                sys.setswitchinterval(self._saved)
+
+
+_SWITCH = _SwitchInterval()
 
 
 class _Stopped(BaseException):
@@ -70,6 +105,7 @@ class BackgroundCompile:
         self._ok = False
         self._taken = False
         self.compiled = 0  # variants compiled, once done
+        _SWITCH.shorten()  # until the thread ends
         self._thread = threading.Thread(target=self._run, name=THREAD_NAME, daemon=True)
         self._thread.start()
 
@@ -92,6 +128,7 @@ class BackgroundCompile:
         except Exception:  # anything else (a scratch cache that does not fit, say): stay eager
             logger.exception("compiling in the background failed; forwards stay eager")
         finally:
+            _SWITCH.restore()
             self._done.set()
 
     def _stoppable(self, forward: Callable[..., torch.Tensor]) -> Callable[..., torch.Tensor]:

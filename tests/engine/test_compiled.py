@@ -109,6 +109,7 @@ def test_a_background_compile_serves_at_once_then_switches_and_compiles_nothing_
     serving caches' (made in inference mode, they were not, and every variant compiled again after the switch)."""
     code = f"""
 import json
+import sys
 from helpers import assert_same_up_to_near_ties
 from service.config import EngineConfig
 from service.engine import compiled
@@ -118,11 +119,13 @@ kw = dict(model={str(target)!r}, drafter={f"{draft},suffix"!r}, max_model_len=20
 prompts, greedy = {PROMPTS!r}, SamplingParams(temperature=0, max_tokens=40, ignore_eos=True)
 eager = LLMEngine(EngineConfig(enforce_eager=True, **kw)).generate(prompts, greedy)
 e = LLMEngine(EngineConfig(compile_background=True, **kw))
-out = dict(eager_at_first=e.runner.target.compiled is None and e.drafters["draft"].cached.compiled is None)
+out = dict(eager_at_first=e.runner.target.compiled is None and e.drafters["draft"].cached.compiled is None,
+           switch_while=sys.getswitchinterval())
 assert_same_up_to_near_ties(eager, e.generate(prompts, greedy), atol=1e-4)
 out.update(answered_while_compiling=not e.compiling.done, costs_measured=e.strategy.costs.model.measured,
            gauge_while_compiling=e.snapshot().compiling)
 assert e.compiling.wait(600)
+out.update(switch_after=sys.getswitchinterval())
 e.add_request([5, 6], SamplingParams(max_tokens=2))
 e.step()  # a prefill step: the switch, and no step cost measured after it
 out.update(switched=e.runner.target.compiled is not None and e.drafters["draft"].cached.compiled is not None,
@@ -145,6 +148,8 @@ print("RESULT", json.dumps(out))
     got = json.loads(found[1])
     assert got["eager_at_first"] and got["answered_while_compiling"] and got["costs_measured"], got
     assert got["gauge_while_compiling"] and not got["gauge_after"], got  # specroll:compiling
+    # the GIL changes hands every 0.1 ms while the thread compiles (eager steps waited 5 ms an op), then 5 ms again
+    assert (got["switch_while"], got["switch_after"]) == (pytest.approx(1e-4), 0.005), got
     assert got["switched"] and got["costs_forgotten"] and got["compiled"], got
     assert got["compiled_after_switch"] == 0 and got["spec_drafts"] > 0, got
 
