@@ -238,7 +238,7 @@ class LLMEngine:
         if drafter is None:
             raise ValueError(f"no drafter with weights; drafters: {sorted(self.drafters)}")
         drafter.swap_weights(module, str(version))
-        self.strategy.renew(drafter.name)  # what it measured of the old weights does not hold for these
+        self.driver.renew(drafter.name)  # what it measured of the old weights does not hold for these
 
     def _postprocess(self, result: StepResult) -> list[StepOutput]:
         """Append each sequence's new tokens in order, stopping exactly where plain decoding would."""

@@ -5,11 +5,26 @@ row's room and how many tokens each drafter would catch up on, so the strategy v
 verify. After it (`feedback`): what the step cost and had accepted, and each host drafter's drafts the step did
 not verify set against the tokens the rows emitted (speculative/shadow.py); written to the strategy trace as well
 where one is open (service/engine/trace.py).
+
+Holding a choice. The choice is Python on the host between two forwards, and at a few rows a step is short: on the
+2-core dev machine the strategy's choice took 0.55-0.65 ms of a 4-7 ms one-row step of the demo model (its record
+another 0.3 ms), 10-15%, and the forward after it ran 0.1-0.5 ms slower than after a held step. Each evicts the
+other's data from the caches: the same choice took 0.25-0.35 ms timed alone, and cutting its arithmetic by a quarter
+saved 5% of it between forwards. So where a choice costs more than `HOST_SHARE` of the step it decides, it decides
+the next steps too (at most `MAX_HOLD` in all), while the batch keeps its rows and each host drafter has proposals
+for as many of them as when it chose: a held suffix-table arm runs plain steps where the table has nothing (the
+runner cuts the pass), and a table that starts matching a lone row ends the hold, so its drafts never wait on a held
+plain arm. Every held step is measured and recorded as any other. Only a drawn choice is held, never a probe (a new
+bucket's plain step, a barely known drafter's smallest k); a push (`renew`) ends a hold, and so do new compiled
+forwards (plain steps are probed again). At full batch a step is long and a choice decides one step, as before. The
+price: a collapsed drafter is left up to `MAX_HOLD` - 1 steps later at those batch sizes.
 """
 
 from __future__ import annotations
 
+import math
 import time
+from dataclasses import dataclass
 
 from service.config import ConfigError
 from service.engine.cached_model import CachedModel
@@ -21,6 +36,15 @@ from service.engine.strategy import PLAIN, AdaptiveStrategy, Strategy
 from service.engine.trace import StepTrace
 
 Shadow = dict[str, list[tuple[int, int]]]  # host drafter -> (num_accepted, num_drafted) per row not verified
+HOST_SHARE = 0.05  # a choice decides as many steps as keep its host seconds under this share of theirs
+MAX_HOLD = 4  # steps one choice decides, at most
+
+
+@dataclass(slots=True)
+class _Held:
+    strategy: Strategy
+    key: tuple[int, ...]  # the batch's rows, and per host drafter the rows it had proposals for, at the choice
+    left: int  # steps it still decides
 
 
 def open_trace(path: str | None) -> StepTrace | None:
@@ -40,6 +64,10 @@ class StrategyDriver:
         self.trace = trace
         self._drafts: dict[str, list[list[int]]] = {}  # what each host drafter had for the step's rows
         self._choose_s = 0.0  # the last choice's host seconds (the trace's host_ms)
+        self._decide_s = 0.0  # the last drawn choice's host seconds, lookahead included
+        self._step_s = 0.0  # the last decode step's seconds
+        self._held: _Held | None = None  # a choice that decides the next steps too (see the module docstring)
+        self.held = False  # the last step ran a held choice
         self._traced_rows: set[int] = set()  # the sequences of the last traced step (its `joined` count)
 
     @classmethod
@@ -72,14 +100,33 @@ class StrategyDriver:
             self._choose_s = time.perf_counter() - t0
 
     def _choose(self, seqs: list[Sequence], room: list[int] | None) -> Strategy:
-        self._drafts = {}
+        self._drafts, self.held = {}, False
         if self.strategy.fixed is not None or not self.strategy.drafters or self.strategy.probes_plain(len(seqs)):
+            self._held = None
             return self.strategy.choose(len(seqs))  # no proposals needed: nothing to ask the drafters
+        t0 = time.perf_counter()
         depth = max(self.strategy.depths())
         self._drafts = {name: n for name, d in self.drafters.items() if (n := d.lookahead(seqs, depth)) is not None}
         proposals = {name: [len(row) for row in drafts] for name, drafts in self._drafts.items()}
+        key = (len(seqs), *(sum(1 for n in p if n) for p in proposals.values()))
+        held = self._held
+        if held is not None and held.left and held.key == key:
+            held.left -= 1
+            self.held = True
+            return held.strategy
         catch_up = {name: n for name, d in self.drafters.items() if (n := d.catch_up(seqs))}
-        return self.strategy.choose(len(seqs), proposals, room, catch_up)
+        strategy = self.strategy.choose(len(seqs), proposals, room, catch_up)
+        self._decide_s = time.perf_counter() - t0
+        self._held = None
+        if self.strategy.drawn and self._step_s > 0:
+            steps = min(MAX_HOLD, math.ceil(self._decide_s / (HOST_SHARE * self._step_s)))
+            self._held = _Held(strategy, key, steps - 1) if steps > 1 else None
+        return strategy
+
+    def renew(self, drafter: str) -> None:
+        """`drafter` serves new weights: the strategy measures it afresh, from the next step on."""
+        self._held = None
+        self.strategy.renew(drafter)
 
     def feedback(self, strategy: Strategy, result: StepResult, seconds: float, cost: float | None,
                  postprocess_s: float = 0.0) -> None:
@@ -87,6 +134,7 @@ class StrategyDriver:
         proposed nothing), `cost`, its seconds with the work between two steps (None: no measure of its cost,
         e.g. it captured a CUDA graph), `postprocess_s`, the host seconds of appending its tokens (for the trace)."""
         t0 = time.perf_counter()
+        self._step_s = seconds
         shadow = self._shadow(strategy, result)
         # What the strategy believed when it chose (per drafter, the posterior mean per draft position)
         believed = ({d: self.strategy.acceptance(d, len(result.seqs)) for d in self.strategy.drafters}
@@ -120,7 +168,7 @@ class StrategyDriver:
         rows = {seq.seq_id for seq in result.seqs}
         joined, self._traced_rows = len(rows - self._traced_rows), rows
         self.trace.write({
-            "batch": len(result.seqs), "joined": joined, "arm": strategy.name, "ran_k": result.k,
+            "batch": len(result.seqs), "joined": joined, "arm": strategy.name, "held": self.held, "ran_k": result.k,
             "seconds": round(seconds, 6),
             "cost_seconds": None if cost is None else round(cost, 6),
             "emitted": result.num_emitted(),

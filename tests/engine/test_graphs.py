@@ -13,6 +13,7 @@ from reference import chi_square_pvalue, exact_joint
 
 from service.config import EngineConfig
 from service.engine import graphs as graphs_mod
+from service.engine import strategy_driver
 from service.engine.graphs import StepGraphs, key_buckets
 from service.engine.llm_engine import LLMEngine
 from service.engine.strategy import AdaptiveStrategy, Strategy
@@ -111,6 +112,7 @@ def run_suffix_steps(engine: LLMEngine, monkeypatch) -> list[tuple[list[int], ob
         return s
 
     monkeypatch.setattr(AdaptiveStrategy, "choose", recorded)  # slotted: patch the class
+    monkeypatch.setattr(strategy_driver, "MAX_HOLD", 1)  # a choice per step
     params = SamplingParams(n=4, temperature=1.0, max_tokens=40, seed=3, ignore_eos=True)
     engine.generate(PROMPTS, params)
     decode = [r for r in engine.stats.recent if r.kind != "prefill"]

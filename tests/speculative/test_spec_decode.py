@@ -14,6 +14,7 @@ from reference import chi_square_pvalue, exact_joint, processed_probs
 from safetensors.torch import load_file, save_file
 
 from service.config import EngineConfig, ModelConfig
+from service.engine import strategy_driver
 from service.engine.llm_engine import LLMEngine
 from service.engine.strategy import PLAIN, AdaptiveStrategy, Strategy
 from service.params import SamplingParams
@@ -295,6 +296,7 @@ def test_the_strategy_knows_what_the_suffix_table_has_for_each_row_before_it_cho
     it for a batch it has nothing for, never deeper than its longest proposal, and output is unchanged."""
     params = SamplingParams(temperature=0, max_tokens=30, ignore_eos=True)
     _, base = run(target, PROMPTS, params)
+    monkeypatch.setattr(strategy_driver, "MAX_HOLD", 1)  # a choice per step (none held: see the next test)
     engine = LLMEngine(EngineConfig(model=str(target), max_model_len=256, max_num_seqs=16,
                                     drafter=f"{drafters['llama']},suffix"))
     choose, seen, budgets, catch_ups = AdaptiveStrategy.choose, [], [], []
@@ -330,6 +332,46 @@ def test_the_strategy_knows_what_the_suffix_table_has_for_each_row_before_it_cho
     assert budgets[0] <= 29 and min(budgets) >= 1 and budgets == sorted(budgets, reverse=True), budgets
     for a, b in zip(base, got, strict=True):
         assert b.outputs[0].token_ids == a.outputs[0].token_ids
+
+
+def test_a_choice_that_costs_much_of_a_short_step_decides_the_next_steps_too(target, drafters, tmp_path,
+                                                                             monkeypatch):
+    """Where the strategy's choice costs more than HOST_SHARE of a step, it decides up to MAX_HOLD steps: the
+    held steps run its arm (plain where the suffix table has nothing), in the batch it was chosen for, with the
+    table's proposals for as many rows; every step is still measured. A push ends a hold. Output is unchanged."""
+    params = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True)
+    _, base = run(target, PROMPTS, params)
+
+    def traced(share: float, name: str) -> tuple[LLMEngine, list[dict]]:
+        monkeypatch.setattr(strategy_driver, "HOST_SHARE", share)
+        path = tmp_path / name
+        engine = LLMEngine(EngineConfig(model=str(target), max_model_len=256, max_num_seqs=16,
+                                        drafter=f"{drafters['llama']},suffix", strategy_trace=str(path)))
+        got = engine.generate(PROMPTS, params)
+        for a, b in zip(base, got, strict=True):
+            assert b.outputs[0].token_ids == a.outputs[0].token_ids
+        return engine, [json.loads(line) for line in path.read_text().splitlines()]
+
+    _, never = traced(1e9, "never.jsonl")  # every choice far under the share of its step
+    assert not any(line["held"] for line in never)
+    engine, lines = traced(1e-12, "always.jsonl")  # every drawn choice far over it
+    assert len(lines) == len([r for r in engine.stats.recent if r.kind != "prefill"])
+    held = [i for i, line in enumerate(lines) if line["held"]]
+    assert len(held) >= 3, [(line["held"], line["batch"], line["arm"], line["proposed"]) for line in lines]
+    run_length = 0
+    for i in range(1, len(lines)):
+        line, before = lines[i], lines[i - 1]
+        run_length = run_length + 1 if line["held"] else 0
+        if not line["held"]:
+            continue
+        assert run_length <= strategy_driver.MAX_HOLD - 1, i
+        assert line["batch"] == before["batch"], (i, line, before)
+        chosen = lines[i - run_length]
+        assert line["arm"] in (chosen["arm"], "plain"), (i, line["arm"], chosen["arm"])
+        assert line["proposed"] == before["proposed"] and line["host_ms"]["choose"] >= 0, (i, line, before)
+    engine.driver._held = strategy_driver._Held(Strategy("draft", 2), (1, 0), 3)  # as a choice leaves it
+    engine.swap_drafter(copy.deepcopy(engine.drafter_weights()[1]), "2")
+    assert engine.driver._held is None
 
 
 def test_a_suffix_tables_drafts_are_measured_on_the_steps_another_drafter_ran(target, drafters, monkeypatch):

@@ -87,7 +87,10 @@ class ArmCosts:
         mean_ratio, n = self._ratio(arm)
         if n and mean_ratio > STALL * seconds / self.model.predict(drafter, k, batch_size, tokens):
             del self.measured[arm]  # what it measured before was a stall (both against the line as it is now)
-        self.measured.setdefault(arm, Measured()).update(batch_size, seconds, tokens)
+        measured = self.measured.get(arm)
+        if measured is None:
+            measured = self.measured[arm] = Measured()
+        measured.update(batch_size, seconds, tokens)
         self.model.record(drafter, k, batch_size, seconds, tokens)
 
 

@@ -54,7 +54,9 @@ class CatchUps:
                 self._run, self._stay_of, self._run_from = 0, ran, bucket
             self._run += 1
         for d in drafters:
-            last = self._last.setdefault(d, _LastRun())
+            last = self._last.get(d)
+            if last is None:
+                last = self._last[d] = _LastRun()
             last.steps_ago = 0 if d == ran else last.steps_ago + 1
             if d == ran:
                 last.bucket = bucket

@@ -78,8 +78,12 @@ class StepCostModel:
             return
         phi = np.array(self._features(drafter, k, batch, tokens))
         w = 1.0 / (seconds * seconds)
-        self._aty = self.forget * self._aty + (w * seconds) * phi
-        self._ata = self.forget * self._ata + w * np.outer(phi, phi)
+        outer = np.outer(phi, phi)
+        outer *= w
+        self._aty *= self.forget  # in place, as forget * sums + w * phi terms: the same arithmetic, no new arrays
+        self._aty += (w * seconds) * phi
+        self._ata *= self.forget
+        self._ata += outer
         # Cost per row-equivalent, so the prior weighs the same whatever batch this step had.
         unit = seconds * (1 + 1 / self.prior_rows) / (1 + batch / self.prior_rows)
         self._scale = unit if self._scale is None else 0.9 * self._scale + 0.1 * unit
