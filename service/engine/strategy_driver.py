@@ -10,14 +10,20 @@ Holding a choice. The choice is Python on the host between two forwards, and at 
 2-core dev machine the strategy's choice took 0.55-0.65 ms of a 4-7 ms one-row step of the demo model (its record
 another 0.3 ms), 10-15%, and the forward after it ran 0.1-0.5 ms slower than after a held step. Each evicts the
 other's data from the caches: the same choice took 0.25-0.35 ms timed alone, and cutting its arithmetic by a quarter
-saved 5% of it between forwards. So where a choice costs more than `HOST_SHARE` of the step it decides, it decides
-the next steps too (at most `MAX_HOLD` in all), while the batch keeps its rows and each host drafter has proposals
-for as many of them as when it chose: a held suffix-table arm runs plain steps where the table has nothing (the
-runner cuts the pass), and a table that starts matching a lone row ends the hold, so its drafts never wait on a held
-plain arm. Every held step is measured and recorded as any other. Only a drawn choice is held, never a probe (a new
-bucket's plain step, a barely known drafter's smallest k); a push (`renew`) ends a hold, and so do new compiled
-forwards (plain steps are probed again). At full batch a step is long and a choice decides one step, as before. The
-price: a collapsed drafter is left up to `MAX_HOLD` - 1 steps later at those batch sizes.
+saved 5% of it between forwards. So where a choice costs more than `HOST_SHARE` of the step it decides (timed by the
+last step in its batch bucket, not the last step: a new rollout's full batch follows the last one's one-row tail),
+it decides the next steps too (at most `MAX_HOLD` in all), while the batch keeps its rows and each host drafter has
+proposals for as many of them as when it chose: a held suffix-table arm runs plain steps where the table has nothing
+(the runner cuts the pass), and a table that starts matching a lone row ends the hold, so its drafts never wait on a
+held plain arm. Every held step is measured and recorded as any other. Only a drawn choice that repeats the one
+before is held: a switch is often a draw exploring, and held, exploring one-row steps at k = 1 cost more tokens a
+step (4.49 -> 4.01 on a greedy one-row rollout) than the hold saved. Never a probe (a new bucket's plain step, a
+barely known drafter's smallest k); a push (`renew`) ends a hold, and so do new compiled forwards (plain steps are
+probed again). At full batch a step is long and a choice decides one step, as before. Measured with
+bench/strategy_hold.py (one engine, the same greedy one-row responses of the demo model, 1 thread, rounds
+alternating between MAX_HOLD 4 and 1): 1.07x, 1.11x, 0.94x and 1.10x (32 rounds) the tokens a second in four runs,
+about half the steps held. The price: a collapsed drafter is left up to `MAX_HOLD` - 1 steps later at those batch
+sizes.
 """
 
 from __future__ import annotations
@@ -32,7 +38,7 @@ from service.engine.drafters.base import Drafter
 from service.engine.runner import StepResult
 from service.engine.sequence import Sequence
 from service.engine.speculative.shadow import shadow_trials
-from service.engine.strategy import PLAIN, AdaptiveStrategy, Strategy
+from service.engine.strategy import PLAIN, AdaptiveStrategy, Strategy, bucket_of
 from service.engine.trace import StepTrace
 
 Shadow = dict[str, list[tuple[int, int]]]  # host drafter -> (num_accepted, num_drafted) per row not verified
@@ -43,7 +49,7 @@ MAX_HOLD = 4  # steps one choice decides, at most
 @dataclass(slots=True)
 class _Held:
     strategy: Strategy
-    key: tuple[int, ...]  # the batch's rows, and per host drafter the rows it had proposals for, at the choice
+    key: tuple[int, ...]  # the batch's rows (their ids), -1, and per host drafter the rows it had proposals for
     left: int  # steps it still decides
 
 
@@ -65,9 +71,11 @@ class StrategyDriver:
         self._drafts: dict[str, list[list[int]]] = {}  # what each host drafter had for the step's rows
         self._choose_s = 0.0  # the last choice's host seconds (the trace's host_ms)
         self._decide_s = 0.0  # the last drawn choice's host seconds, lookahead included
-        self._step_s = 0.0  # the last decode step's seconds
+        self._step_s: dict[int, float] = {}  # per batch bucket, the last decode step's seconds there
         self._held: _Held | None = None  # a choice that decides the next steps too (see the module docstring)
-        self.held = False  # the last step ran a held choice
+        self._last: Strategy | None = None  # the last choice made
+        self.held = False  # the last choice was a held one
+        self.held_steps = 0  # held choices so far
         self._traced_rows: set[int] = set()  # the sequences of the last traced step (its `joined` count)
 
     @classmethod
@@ -108,18 +116,21 @@ class StrategyDriver:
         depth = max(self.strategy.depths())
         self._drafts = {name: n for name, d in self.drafters.items() if (n := d.lookahead(seqs, depth)) is not None}
         proposals = {name: [len(row) for row in drafts] for name, drafts in self._drafts.items()}
-        key = (len(seqs), *(sum(1 for n in p if n) for p in proposals.values()))
+        key = (*(seq.seq_id for seq in seqs), -1, *(sum(1 for n in p if n) for p in proposals.values()))
         held = self._held
         if held is not None and held.left and held.key == key:
             held.left -= 1
             self.held = True
+            self.held_steps += 1
             return held.strategy
         catch_up = {name: n for name, d in self.drafters.items() if (n := d.catch_up(seqs))}
         strategy = self.strategy.choose(len(seqs), proposals, room, catch_up)
         self._decide_s = time.perf_counter() - t0
         self._held = None
-        if self.strategy.drawn and self._step_s > 0:
-            steps = min(MAX_HOLD, math.ceil(self._decide_s / (HOST_SHARE * self._step_s)))
+        step_s = self._step_s.get(bucket_of(len(seqs)))  # not the last step's: the tail's are 10x shorter
+        repeated, self._last = strategy == self._last, strategy  # a switch is often a draw exploring: not held
+        if self.strategy.drawn and repeated and step_s:
+            steps = min(MAX_HOLD, math.ceil(self._decide_s / (HOST_SHARE * step_s)))
             self._held = _Held(strategy, key, steps - 1) if steps > 1 else None
         return strategy
 
@@ -134,7 +145,7 @@ class StrategyDriver:
         proposed nothing), `cost`, its seconds with the work between two steps (None: no measure of its cost,
         e.g. it captured a CUDA graph), `postprocess_s`, the host seconds of appending its tokens (for the trace)."""
         t0 = time.perf_counter()
-        self._step_s = seconds
+        self._step_s[bucket_of(len(result.seqs))] = seconds
         shadow = self._shadow(strategy, result)
         # What the strategy believed when it chose (per drafter, the posterior mean per draft position)
         believed = ({d: self.strategy.acceptance(d, len(result.seqs)) for d in self.strategy.drafters}

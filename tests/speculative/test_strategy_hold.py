@@ -31,14 +31,14 @@ def rows_of(d: StrategyDriver, *prompts: list[int]) -> list[Sequence]:
 
 
 def driver(monkeypatch, share: float) -> StrategyDriver:
-    """A driver past its probes (two buckets' plain steps, the table well known), every step 1 s long."""
+    """A driver past its probes (two buckets' plain steps, the table well known), steps of 1 or 2 rows 1 s long."""
     monkeypatch.setattr(strategy_driver, "HOST_SHARE", share)
     strategy = AdaptiveStrategy(["suffix"], seed=0)
     strategy._plain_buckets.update({1, 2})
     table = strategy.accept["suffix"]
     table.hits, table.trials = [1e3] * len(table.hits), [1e3] * len(table.trials)  # its drafts are right
     out = StrategyDriver(strategy, {"suffix": SuffixDrafter(torch.device("cpu"))})
-    out._step_s = 1.0
+    out._step_s = {1: 1.0, 2: 1.0}
     return out
 
 
@@ -51,9 +51,13 @@ def test_a_choice_decides_at_most_max_hold_steps(monkeypatch):
     rows = rows_of(d, MATCHES)
     first, held = choose(d, rows)
     assert first.drafter == "suffix" and not held
+    assert choose(d, rows) == (first, False)  # the same arm again: it decides the next steps
     for _ in range(strategy_driver.MAX_HOLD - 1):
         assert choose(d, rows) == (first, True)
     assert choose(d, rows)[1] is False  # a new choice
+    assert choose(d, rows)[1] is True
+    d._held, d._last = None, Strategy("suffix", 1)  # the choice before was another arm: a switch
+    assert choose(d, rows) == (first, False) and choose(d, rows) == (first, False)
     assert choose(d, rows)[1] is True
 
 
@@ -63,10 +67,23 @@ def test_no_hold_where_the_choice_is_a_small_share_of_the_step(monkeypatch):
     assert not any(choose(d, rows)[1] for _ in range(10))
 
 
+def test_a_step_is_priced_by_its_own_batch_buckets_steps(monkeypatch):
+    """A batch of 3 (bucket 4) whose bucket never ran a step is not held on the 1 s of the one-row steps; once one
+    of its steps lasted 1 s, it is."""
+    d = driver(monkeypatch, 1e-12)
+    rows = rows_of(d, MATCHES, MISSES, MISSES)
+    assert not any(choose(d, rows)[1] for _ in range(6))
+    d._step_s[4] = 1.0
+    choose(d, rows)
+    choose(d, rows)
+    assert choose(d, rows)[1] is True
+
+
 @pytest.mark.parametrize("change", ["batch", "proposals", "push", "compiled"])
 def test_a_hold_ends_where_what_it_was_chosen_for_changes(monkeypatch, change):
     d = driver(monkeypatch, 1e-12)
     rows = rows_of(d, MATCHES, MISSES)
+    choose(d, rows)
     choose(d, rows)
     assert choose(d, rows)[1] is True
     if change == "batch":
