@@ -49,7 +49,7 @@ MAX_HOLD = 4  # steps one choice decides, at most
 @dataclass(slots=True)
 class _Held:
     strategy: Strategy
-    key: tuple[int, ...]  # the batch's rows (their ids), -1, and per host drafter the rows it had proposals for
+    key: tuple[tuple[int, ...], tuple[int, ...]]  # the batch's rows (ids), per host drafter the rows it proposed for
     left: int  # steps it still decides
 
 
@@ -70,7 +70,6 @@ class StrategyDriver:
         self.trace = trace
         self._drafts: dict[str, list[list[int]]] = {}  # what each host drafter had for the step's rows
         self._choose_s = 0.0  # the last choice's host seconds (the trace's host_ms)
-        self._decide_s = 0.0  # the last drawn choice's host seconds, lookahead included
         self._step_s: dict[int, float] = {}  # per batch bucket, the last decode step's seconds there
         self._held: _Held | None = None  # a choice that decides the next steps too (see the module docstring)
         self._last: Strategy | None = None  # the last choice made
@@ -116,7 +115,7 @@ class StrategyDriver:
         depth = max(self.strategy.depths())
         self._drafts = {name: n for name, d in self.drafters.items() if (n := d.lookahead(seqs, depth)) is not None}
         proposals = {name: [len(row) for row in drafts] for name, drafts in self._drafts.items()}
-        key = (*(seq.seq_id for seq in seqs), -1, *(sum(1 for n in p if n) for p in proposals.values()))
+        key = (tuple(seq.seq_id for seq in seqs), tuple(sum(1 for n in p if n) for p in proposals.values()))
         held = self._held
         if held is not None and held.left and held.key == key:
             held.left -= 1
@@ -125,12 +124,12 @@ class StrategyDriver:
             return held.strategy
         catch_up = {name: n for name, d in self.drafters.items() if (n := d.catch_up(seqs))}
         strategy = self.strategy.choose(len(seqs), proposals, room, catch_up)
-        self._decide_s = time.perf_counter() - t0
+        decide_s = time.perf_counter() - t0  # lookahead included
         self._held = None
         step_s = self._step_s.get(bucket_of(len(seqs)))  # not the last step's: the tail's are 10x shorter
         repeated, self._last = strategy == self._last, strategy  # a switch is often a draw exploring: not held
         if self.strategy.drawn and repeated and step_s:
-            steps = min(MAX_HOLD, math.ceil(self._decide_s / (HOST_SHARE * step_s)))
+            steps = min(MAX_HOLD, math.ceil(decide_s / (HOST_SHARE * step_s)))
             self._held = _Held(strategy, key, steps - 1) if steps > 1 else None
         return strategy
 

@@ -369,7 +369,7 @@ def test_a_choice_that_costs_much_of_a_short_step_decides_the_next_steps_too(tar
         chosen = lines[i - run_length]
         assert line["arm"] in (chosen["arm"], "plain"), (i, line["arm"], chosen["arm"])
         assert line["proposed"] == before["proposed"] and line["host_ms"]["choose"] >= 0, (i, line, before)
-    engine.driver._held = strategy_driver._Held(Strategy("draft", 2), (1, -1, 0), 3)  # as a choice leaves it
+    engine.driver._held = strategy_driver._Held(Strategy("draft", 2), ((1,), (0,)), 3)  # as a choice leaves it
     engine.swap_drafter(copy.deepcopy(engine.drafter_weights()[1]), "2")
     assert engine.driver._held is None
 
