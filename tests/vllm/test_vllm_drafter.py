@@ -131,17 +131,19 @@ def test_sidecar_distils_the_vllm_drafter(server, pair, redis_server, stream, tm
                             checkpoint_dir=str(tmp_path / "ckpt"), gate="always", min_new=16, block_ms=20,
                             max_wait_s=0.2, info_interval_s=0.0, k=3, min_heldout=8, lr=1e-3)  # a random drafter
         trainer = build(cfg)
-        # How many rounds reach a push depends on which rollouts the random hash holds out: six rounds gave 2-6
-        # pushes, and the rise after 2 (0.09-0.12) was under half that after 4-6 (0.22-0.30). So it trains to a
-        # number of pushes, not of rounds. After 4 pushes the rise was 0.21-0.30 in six local runs (4-16 rounds)
-        # and 0.088 in one CI run (6x the random drafter's rate all the same): the bar is 0.05, and the message
-        # says how the rounds went.
+        # How many rounds reach a push depends on which rollouts the random hash holds out, and after the first
+        # push (the big gain: accepted length 1.04-1.11 -> 1.49-1.86 in local runs) each further one is a gain of
+        # 0.01-0.04 against a measure on 10-35 rollouts, so whether a later round pushes or restarts is the
+        # measure's noise: 4 pushes came after 7-10 rounds locally, and one CI run had 3 after 24. The rise on
+        # fresh prompts after 2 pushes was 0.09-0.12, after 4-6 0.21-0.30 in six local runs and 0.088 in one CI
+        # run. So it trains up to 4 pushes, asks 2 (the sidecar pushes again over its own served drafter) and a
+        # rise of 0.05; the messages say how the rounds went.
         for i in range(24):
             if trainer.pushes >= 4:
                 break
             run(server, c, [[(7 * i + j) % 16, (j * j + i) % 16, j % 16] for j in range(16)])
             pump(trainer)
         out1, rate1 = run(server, c, fresh)
-        assert trainer.pushes >= 4 and "distill-" in c.server_info().drafter_version, trainer.pushes
         rounds = [(m.round, round(m.before, 3), round(m.after, 3), m.pushed) for m in trainer.history]
+        assert trainer.pushes >= 2 and "distill-" in c.server_info().drafter_version, rounds
         assert out1 == out0 and rate1 > rate0 + 0.05, (rate0, rate1, rounds)
