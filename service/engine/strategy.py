@@ -128,7 +128,6 @@ class AdaptiveStrategy:
     _deepest: dict[str, int] = field(default_factory=dict)  # deepest k measured, per drafter
     _rng: random.Random = field(init=False)
     _arms: tuple[tuple[tuple[str, ...], tuple[int, ...]], tuple[Strategy, ...]] | None = field(init=False, default=None)
-    drawn: bool = field(init=False, default=False)  # the last choice was a draw's best arm, not a probe or pinned
 
     def __post_init__(self) -> None:
         self._rng = random.Random(self.seed)
@@ -207,7 +206,6 @@ class AdaptiveStrategy:
         docstring); the batch runs at most max(room) + 1 more plain steps, fewer at an arm's pace, and a
         switch's catch-up is spread over no more. `catch_up`: the tokens each drafter would feed to catch up
         before drafting (a drafter not named: none)."""
-        self.drawn = False
         if self.fixed is not None:
             return self.fixed
         if not self.drafters:
@@ -249,13 +247,15 @@ class AdaptiveStrategy:
                 cost += self.catch_ups.charge(s.drafter, catch_up[s.drafter], bucket, left)
             if tokens / cost > best_value:
                 best, best_value = s, tokens / cost
-        if best.k and self.accept[best.drafter].trials[0] < self.probe_trials:
-            # Its acceptance is barely known (never measured, or not for a long while): a draw picked it
-            # because it may be good. Probe it at the smallest k, which measures its acceptance as well and
-            # costs least if the draw was wrong.
+        if best.k and self.barely_known(best.drafter):
+            # A draw picked it because it may be good. Probe it at the smallest k, which measures its acceptance
+            # as well and costs least if the draw was wrong.
             return Strategy(best.drafter, min(best.k, self.ks[0]))
-        self.drawn = True
         return best
+
+    def barely_known(self, drafter: str) -> bool:
+        """Its acceptance was never measured, or not for a long while: a choice of it is a probe."""
+        return self.accept[drafter].trials[0] < self.probe_trials
 
     def _caps(self, proposals: dict[str, list[int]], room: list[int] | None) -> dict[str, list[int]]:
         """Per drafter, the most drafts each row would verify: its proposal (host drafters) within the row's

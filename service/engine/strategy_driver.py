@@ -128,7 +128,8 @@ class StrategyDriver:
         self._held = None
         step_s = self._step_s.get(bucket_of(len(seqs)))  # not the last step's: the tail's are 10x shorter
         repeated, self._last = strategy == self._last, strategy  # a switch is often a draw exploring: not held
-        if self.strategy.drawn and repeated and step_s:
+        probe = strategy.k > 0 and self.strategy.barely_known(strategy.drafter)  # a plain probe returned above
+        if repeated and step_s and not probe:
             steps = min(MAX_HOLD, math.ceil(decide_s / (HOST_SHARE * step_s)))
             self._held = _Held(strategy, key, steps - 1) if steps > 1 else None
         return strategy
