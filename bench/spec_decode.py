@@ -155,6 +155,7 @@ def run(target: Path, drafter: str, spec: str, k: int, prompts, lengths, per_pro
         "tail_seconds": round(end - (tail_start or end), 3),
         "mean_accepted_length": round(spec_emitted / spec_rows, 3) if spec_rows else 1.0,
         "strategies": strategies,
+        "held_steps": engine.driver.held_steps,  # steps an earlier choice decided (service/engine/strategy_driver.py)
         "tokens": tokens,
         "per_bucket": per_bucket(trace),
         "trace": trace,

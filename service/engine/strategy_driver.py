@@ -22,10 +22,10 @@ barely known drafter's smallest k); a push (`renew`) ends a hold, and so do new 
 probed again). At full batch a step is long and a choice decides one step, as before. Measured with
 bench/strategy_hold.py (one engine, the same greedy one-row responses of the demo model, 1 thread, rounds
 alternating between MAX_HOLD 4 and 1): 1.07x, 1.11x, 0.94x and 1.10x (32 rounds) the tokens a second in four runs,
-about half the steps held; GRPO end to end (bench/e2e.py, three pairs alternating with the commit before) no gain,
-perhaps a small loss, within that bench's spread, and bench/spec_decode.py's larger model the same (its steps are
-long: nothing held) (docs/measurements.md). The price: a collapsed drafter is left up to
-`MAX_HOLD` - 1 steps later at those batch sizes.
+about half the steps held. GRPO end to end (bench/e2e.py, nine pairs alternating with the code without it) shows
+no difference that bench can resolve (its pairs spread by +-25%), and bench/spec_decode.py's larger model holds
+nothing (its steps are long: no step held on any of its four shapes, `held_steps` in its JSON; docs/measurements.md).
+The price: a collapsed drafter is left up to `MAX_HOLD` - 1 steps later at those batch sizes.
 """
 
 from __future__ import annotations

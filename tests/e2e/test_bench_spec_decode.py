@@ -24,6 +24,8 @@ def test_quick_run_reports_median_runs_ratios_and_a_plot(tmp_path, capsys) -> No
         assert len(r["seconds_runs"]) == 2 and r["seconds"] == min(r["seconds_runs"])  # median of two: the lower
         assert r["tokens"] == sum(spec_decode.workload("long_tail", 4, 4, 16, 0.9, 96, 4096, 0)[1])
     assert set(results["off"]["strategies"]) == {"plain"}
+    assert results["off"]["held_steps"] == results["k=2"]["held_steps"] == 0  # a fixed choice is never held
+    assert 0 <= results["adaptive"]["held_steps"] < sum(results["adaptive"]["strategies"].values())
     assert w["best_fixed"] == "k=2"
     assert w["ratio_adaptive_vs_off"] == pytest.approx(results["off"]["seconds"] / results["adaptive"]["seconds"],
                                                        abs=1e-3)

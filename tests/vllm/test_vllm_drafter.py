@@ -136,8 +136,8 @@ def test_sidecar_distils_the_vllm_drafter(server, pair, redis_server, stream, tm
         # 0.01-0.04 against a measure on 10-35 rollouts, so whether a later round pushes or restarts is the
         # measure's noise: 4 pushes came after 7-10 rounds locally, and one CI run had 3 after 24. The rise on
         # fresh prompts after 2 pushes was 0.09-0.12, after 4-6 0.21-0.30 in six local runs and 0.088 in one CI
-        # run. So it trains up to 4 pushes, asks 2 (the sidecar pushes again over its own served drafter) and a
-        # rise of 0.05; the messages say how the rounds went.
+        # run; in this form (up to 4 pushes) 0.16-0.18 in two local runs. So it trains up to 4 pushes, asks 2 (the
+        # sidecar pushes again over its own served drafter) and a rise of 0.05; the messages say how the rounds went.
         for i in range(24):
             if trainer.pushes >= 4:
                 break
