@@ -14,6 +14,15 @@ arguments), so one-row steps never run it (`attention.ONE_ROW_KERNELS`). Whole c
 (1 thread, 300 cached tokens, two runs alternating with the library kernels alone): batch 64 decode 9.0-9.6 ->
 6.3-7.3 ms and verify 22.0-23.7 -> 17.0-17.2 ms in float32, 5.4-6.8 -> 4.1-6.8 and 16.1-17.3 -> 14.2-14.6 ms in
 bf16; batch 16 7-21% faster; batch 4 decode 3-12% slower (0.94-1.00 -> 0.97-1.12 ms), its verify within 5%.
+Each tile of keys widened once for all of a task's queries, not once per query: on an Intel Xeon with AMX (bf16, one
+thread, 64 rows, per layer, three runs alternating with the version before, sdpa timed alongside as the yardstick)
+a verify of 7 positions over 200 keys 2.25-2.27 -> 1.28-1.84 ms (sdpa 1.6-2.5 ms), of 5 over 512 keys 4.7-5.0 ->
+2.2-3.5 ms; decode unchanged. There it made the kernel the verify's choice, which sdpa had been (whole compiled
+batch-64 verify steps of 7 positions over 200 keys: 12.9-20.7 ms with sdpa in four runs, 10.6-14.8 ms with it in five,
+alternating; that machine's decode steps moved by 2x between runs, so no ratio from them). Against sdpa in the same
+process, two runs alternating: bf16 at 2 threads, a verify over 128 / 200 / 512 keys 0.89-0.90 / 1.19-1.43 / 1.02-1.09x
+sdpa's time before, 0.67-0.69 / 0.64-0.77 / 0.68-0.72x after; float32 at 1 thread 1.01-1.02 / 1.15-1.18 / 0.85-0.91x
+before, 0.70-0.73 / 0.81-1.23 / 0.52-0.67x after (nothing to widen there: the tile is copied once to a buffer).
 
 The build: plain C++ without torch headers, compiled with the C++ compiler inductor uses (-O3 -march=native
 -fopenmp) in about two seconds, once per machine: the shared library is kept under $SPECROLL_CACHE/kernels (default
@@ -55,6 +64,11 @@ MAX_HEAD_DIM = 16 * VECTOR
 def supports(dtype: torch.dtype, head_dim: int) -> bool:
     """Whether the kernel takes this cache dtype and head size (and could be built here)."""
     return dtype in DTYPES and head_dim % VECTOR == 0 and head_dim <= MAX_HEAD_DIM and available()
+
+
+def source_id() -> str:
+    """A hash of the kernel's source: a timing of another version says nothing about this one."""
+    return hashlib.sha256(SOURCE.read_bytes()).hexdigest()[:16]
 
 
 def build(cache_dir: Path | None = None, flags: tuple[str, ...] = FLAGS) -> Path:

@@ -5,8 +5,9 @@ On a shared machine timings move by 10-30% between runs, so near-ties flipped fr
 compiled forwards' graphs with them: inductor's cache, keyed by the graph, then missed, and a server compiled its
 forwards again at every start (the demo model: ~110 s on 2 cores, against ~20 s from the cache; 2 hits in 10 in a
 container whose image had compiled them at build time). So the first start times and writes its choices to
-`<cache root>/choices.json`, and later starts with the same torch, CPU and thread count read them. Delete the file to
-time again. An unreadable or unwritable file only means timing again.
+`<cache root>/choices.json`, and later starts with the same torch, CPU and thread count read them (and, for the
+attention kernels, the same source of our own: attention.py puts its hash in the key). Delete the file to time
+again. An unreadable or unwritable file only means timing again.
 """
 
 from __future__ import annotations

@@ -69,6 +69,23 @@ def test_the_engines_attention_kernels_are_timed_at_the_first_start_only(cache_r
     assert attention.choose(2, 3, 16, torch.float32, CPU, lambda fn: 1.0) == ("sdpa",) * 8  # a given timer times
 
 
+def test_a_changed_cpp_kernel_is_timed_again(cache_root, monkeypatch, tmp_path):
+    if not attention.usable("cpp", torch.float32, 16):
+        pytest.skip("the cpp attention kernel is not built here")
+    timed = []
+    monkeypatch.setattr(attention, "median_seconds", lambda fn, reps=3: timed.append(1) or 1.0)
+    monkeypatch.setattr(attention, "_chosen", {})
+    attention.choose(2, 3, 16, torch.float32, CPU)
+    assert timed
+    timed.clear()
+    edited = tmp_path / "cache_attention.cpp"  # what `usable` runs stays built; only the source the key reads moves
+    edited.write_bytes(attention.attention_cpp.SOURCE.read_bytes() + b"// another version\n")
+    monkeypatch.setattr(attention.attention_cpp, "SOURCE", edited)
+    monkeypatch.setattr(attention, "_chosen", {})
+    attention.choose(2, 3, 16, torch.float32, CPU)
+    assert timed
+
+
 def test_the_packed_linears_choice_is_timed_at_the_first_start_only(cache_root, monkeypatch):
     if not packed.onednn_available():
         pytest.skip("no oneDNN here: nothing is packed")
