@@ -104,8 +104,8 @@ def choose(num_kv_heads: int, group: int, head_dim: int, dtype: torch.dtype, dev
         _chosen[key] = _timed(key, timer)
     else:
         usable_here = tuple(kernel for kernel in KERNELS if usable(kernel, dtype, head_dim))
-        ours = attention_cpp.source_id() if "cpp" in usable_here else ""  # a changed kernel is timed again
-        kernels, again = remembered("attention", (*key, usable_here, ours), lambda: _timed(key, None))
+        cpp_source = attention_cpp.source_id() if "cpp" in usable_here else ""  # a changed kernel is timed again
+        kernels, again = remembered("attention", (*key, usable_here, cpp_source), lambda: _timed(key, None))
         if again:
             logger.info("attention over the cache (%s, %d KV heads x %d, head_dim %d): decode %s / %s, verify %s / "
                         "%s (short / long cache; one row: %s), as timed at an earlier start on this machine",

@@ -1,7 +1,7 @@
 // Attention of a step's query rows over the static KV cache on CPU, for service/models/native_attention.py.
 //
 // One task per (row, KV head), spread over OpenMP threads. Each tile of 16 cached keys is read and widened to float32
-// once for all the task's queries (in bf16 a verify's queries had each widened it again: 1.3-1.8x slower at 5-7
+// once for all the task's queries (in bf16 a verify's queries had each widened it again: 1.2-2x slower at 5-7
 // positions), then every query's 16 dot products are summed across lanes at once (a 16 x 16 transpose-and-add), so
 // no score needs a horizontal sum of its own. A float32 softmax with a polynomial exp that vectorises, then P.V with
 // each cached value read once for all the task's queries. Scores stay in a per-thread buffer.
