@@ -94,15 +94,18 @@ class CachedModel:
         each new token [B * Q], attention over cache positions [0, kv_len)."""
         B, Q = pos.shape
         # Additive mask in the dtype of this machine's attention kernel, once per step for all layers, already laid
-        # out as attention's [B, Hkv, G * Q, L] (query heads grouped by KV head); padded rows see everything.
-        Hkv = self.cfg.num_kv_heads
-        G = self.cfg.num_heads // Hkv
-        hidden = torch.arange(kv_len, device=pos.device) > pos[:, None, None, :, None]  # [B, 1, 1, Q, L]
-        bias = torch.zeros(B, Hkv, G, Q, kv_len, dtype=attention.mask_dtype(kernel, self.dtype), device=pos.device)
-        bias.masked_fill_(hidden, -torch.inf)
-        bias = bias.view(B, Hkv, G * Q, kv_len)
+        # out as attention's [B, Hkv, G * Q, L] (query heads grouped by KV head); padded rows see everything. The
+        # cpp kernel takes the positions instead: no mask.
+        bias, dtype = None, attention.mask_dtype(kernel, self.dtype)
+        if dtype is not None:
+            Hkv = self.cfg.num_kv_heads
+            G = self.cfg.num_heads // Hkv
+            hidden = torch.arange(kv_len, device=pos.device) > pos[:, None, None, :, None]  # [B, 1, 1, Q, L]
+            bias = torch.zeros(B, Hkv, G, Q, kv_len, dtype=dtype, device=pos.device)
+            bias.masked_fill_(hidden, -torch.inf)
+            bias = bias.view(B, Hkv, G * Q, kv_len)
         cos, sin = self.rope.lookup(pos)
-        return AttnMeta(slot_lo, kv_len, write_slots, pos.reshape(-1), bias, cos, sin, kernel)
+        return AttnMeta(slot_lo, kv_len, write_slots, pos.reshape(-1), bias, cos, sin, kernel, positions=pos)
 
     def forward(self, input_ids: torch.Tensor, meta: AttnMeta) -> torch.Tensor:
         """input_ids [B, Q] -> final hidden states [B, Q, hidden] ([N, hidden] packed: `CausalLM.forward`)."""

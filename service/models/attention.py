@@ -5,8 +5,9 @@
 - `bmm`: scores in float32 (one baddbmm with the scale and a float32 mask, a float32 softmax, one bmm with V);
   bf16 caches are converted per layer. At tiny sizes (batch x keys <= `TINY_ROWS_X_KEYS`) it hands over to
   SDPA, whose single call costs less than its dispatches (not in compiled code: no dispatches to save there).
-- `cpp`: our own CPU kernel (service/models/attention_cpp.py), float32 or bf16 with the mask in the model dtype,
-  head sizes a multiple of 16; where it cannot be built here (no C++ compiler) it is left out.
+- `cpp`: our own CPU kernel (service/models/attention_cpp.py), float32 or bf16, head sizes a multiple of 16; it
+  takes each query's position instead of a mask, so no mask is built for a step that runs it, and each row stops
+  at its own keys; where it cannot be built here (no C++ compiler) it is left out.
 
 Of the two library kernels neither wins everywhere, by a lot, and the winner depends on the number of query
 positions per row and on how many keys they attend to. Demo model, bf16, at batch 64 (bench/step_profile.py): decode
@@ -61,18 +62,25 @@ def pick(kernels: Kernels, rows: int, query_len: int, num_keys: int) -> str:
     return kernels[4 * (rows > 1) + 2 * (query_len > 1) + (num_keys > LONG_KEYS)]
 
 
-def mask_dtype(kernel: str, model_dtype: torch.dtype) -> torch.dtype:
-    return torch.float32 if kernel == "bmm" else model_dtype
+def mask_dtype(kernel: str, model_dtype: torch.dtype) -> torch.dtype | None:
+    """The additive mask's dtype for `kernel`; None: it takes positions, no mask (`cpp`)."""
+    return None if kernel == "cpp" else torch.float32 if kernel == "bmm" else model_dtype
 
 
-def cached_attention(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, bias: torch.Tensor,
-                     kernel: str = "sdpa") -> torch.Tensor:
-    """q [B, Hkv, G * Q, D] over cache views keys/values [B, Hkv, L, D] with an additive mask [B, Hkv, G * Q, L]
-    (0 = attend, -inf = not; in `mask_dtype(kernel, ...)`) -> [B, Hkv, G * Q, D] in q's dtype."""
+def cached_attention(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, bias: torch.Tensor | None,
+                     kernel: str = "sdpa", positions: torch.Tensor | None = None) -> torch.Tensor:
+    """q [B, Hkv, G * Q, D] over cache views keys/values [B, Hkv, L, D] -> [B, Hkv, G * Q, D] in q's dtype. The
+    library kernels take an additive mask `bias` [B, Hkv, G * Q, L] (0 = attend, -inf = not; in
+    `mask_dtype(kernel, ...)`); `cpp` takes each query position's place in the cache, `positions` [B, Q] int64
+    (causal by position: it sees keys 0..that place), and no mask."""
+    if kernel == "cpp":
+        if positions is None:
+            raise ValueError("the cpp attention kernel takes positions, not a mask")
+        return attention_cpp.op(q, keys, values, positions)
+    if bias is None:
+        raise ValueError(f"the {kernel} attention kernel takes an additive mask")
     if kernel == "sdpa":
         return F.scaled_dot_product_attention(q, keys, values, attn_mask=bias)
-    if kernel == "cpp":
-        return attention_cpp.op(q, keys, values, bias)
     B, Hkv, GQ, D = q.shape
     L = keys.shape[2]
     # is_compiling() first: a size test in traced code is a guard, and a guard on B * L recompiles when it flips.
@@ -126,10 +134,12 @@ def _timed(key: tuple, timer: Timer | None) -> Kernels:
             q = torch.randn(B, num_kv_heads, group * Q, head_dim, generator=gen).to(dtype)
             cache = torch.randn(2, B, num_kv_heads, 2 * L, head_dim, generator=gen).to(dtype)
             keys, values = cache[0, :, :, :L], cache[1, :, :, :L]  # views into a longer cache, as served
+            positions = torch.full((B, Q), L - 1)  # every query sees every key, as the zero masks below
             took = {}
             for kernel in kernels:
-                bias = torch.zeros(B, num_kv_heads, group * Q, L, dtype=mask_dtype(kernel, dtype))
-                took[kernel] = timer(lambda a=(q, keys, values, bias, kernel): cached_attention(*a))
+                mask = mask_dtype(kernel, dtype)
+                bias = None if mask is None else torch.zeros(B, num_kv_heads, group * Q, L, dtype=mask)
+                took[kernel] = timer(lambda a=(q, keys, values, bias, kernel, positions): cached_attention(*a))
             score = {k: took[k] * (WIN_MARGIN if k == "sdpa" else 1.0) for k in kernels}
             chosen.append(min(kernels, key=score.get))
             one_row.append(min(ONE_ROW_KERNELS, key=score.get))

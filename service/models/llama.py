@@ -32,13 +32,16 @@ class AttnMeta:
     kv_len: int  # attend over cache positions [0, kv_len)
     write_slots: torch.Tensor | None  # [B * Q] cache slot of each new token; None = no cache (training)
     write_pos: torch.Tensor | None  # [B * Q] cache position of each new token (scratch for padding)
-    bias: torch.Tensor | None  # [B, Hkv, G * Q, kv_len] additive mask: 0 = attend, -inf = not (attention.mask_dtype)
+    # [B, Hkv, G * Q, kv_len] additive mask: 0 = attend, -inf = not (attention.mask_dtype); None where the kernel
+    # takes `positions` instead (cpp), and in training
+    bias: torch.Tensor | None
     cos: torch.Tensor  # [B, Q, 1, D], or [N, 1, D] when packed
     sin: torch.Tensor  # [B, Q, 1, D], or [N, 1, D] when packed
     kernel: str = "sdpa"  # attention over the cache (service/models/attention.py)
     # [N] indices into the B * Q grid of the tokens computed (rows of different lengths): only those go through
     # the linear layers, and write_slots / write_pos name only them. None: every token of the grid.
     packed: torch.Tensor | None = None
+    positions: torch.Tensor | None = None  # [B, Q] cache position of each query on the grid (padding: scratch)
 
 
 def causal_meta(cos_table: torch.Tensor, sin_table: torch.Tensor, batch: int, seq_len: int) -> AttnMeta:
@@ -100,14 +103,14 @@ class Attention(nn.Module):
         # Write the new K/V at their positions: cache [layers, slots, Hkv, P, D] at (layer, slot[n], :, pos[n]).
         write_cache(k_cache, self.layer_idx, meta, k.reshape(-1, Hkv, D))
         write_cache(v_cache, self.layer_idx, meta, v.reshape(-1, Hkv, D))
-        B, Q = meta.bias.shape[0], meta.bias.shape[2] // G
+        B, Q = meta.positions.shape
         if meta.packed is not None:  # queries back on the [B, Q] grid (padding: zeros, whose output is dropped)
             q = q.new_zeros(B * Q, H, D).index_copy_(0, meta.packed, q)
         keys = k_cache[self.layer_idx, meta.slot_lo : meta.slot_lo + B, :, : meta.kv_len]  # [B, Hkv, L, D] view
         values = v_cache[self.layer_idx, meta.slot_lo : meta.slot_lo + B, :, : meta.kv_len]
         # Group the G query heads of each KV head along the query axis: [B, Hkv, G * Q, D].
         q = q.view(B, Q, Hkv, G, D).permute(0, 2, 3, 1, 4).reshape(B, Hkv, G * Q, D)
-        out = cached_attention(q, keys, values, meta.bias, meta.kernel)  # [B, Hkv, G * Q, D]
+        out = cached_attention(q, keys, values, meta.bias, meta.kernel, meta.positions)  # [B, Hkv, G * Q, D]
         out = out.view(B, Hkv, G, Q, D).permute(0, 3, 1, 2, 4).reshape(B, Q, H * D)
         if meta.packed is not None:
             out = out.view(B * Q, H * D).index_select(0, meta.packed)  # [N, H * D]

@@ -37,12 +37,14 @@ def test_every_kernel_computes_masked_attention(kernel, dtype, tol, B, Q, L):
     cache = torch.randn(2, B, Hkv, L + 7, D, generator=gen).to(dtype)  # views of a longer cache, as served
     keys, values = cache[0, :, :, :L], cache[1, :, :, :L]
     q = torch.randn(B, Hkv, G * Q, D, generator=gen).to(dtype)
-    # Row b sees keys up to its own length; the last row is padding and sees everything.
-    pos = torch.tensor([[L - 1 - b - Q + 1 + j for j in range(Q)] for b in range(B)]).clamp(min=0)
-    pos[-1] = L - 1
+    # Row b sees keys up to its own length, 3 b shorter than the longest; the last row is padding, at a scratch
+    # position past the keys, and sees everything.
+    pos = torch.tensor([[L - 1 - 3 * b - Q + 1 + j for j in range(Q)] for b in range(B)]).clamp(min=0)
+    pos[-1] = L + 6
     hidden = torch.arange(L) > pos[:, None, None, :, None]  # [B, 1, 1, Q, L]
     bias = torch.zeros(B, Hkv, G, Q, L).masked_fill_(hidden, -torch.inf).view(B, Hkv, G * Q, L)
-    got = attention.cached_attention(q, keys, values, bias.to(attention.mask_dtype(kernel, dtype)), kernel)
+    mask = attention.mask_dtype(kernel, dtype)  # None: the kernel takes the positions alone
+    got = attention.cached_attention(q, keys, values, None if mask is None else bias.to(mask), kernel, pos)
     assert got.dtype == dtype and got.shape == q.shape
     torch.testing.assert_close(got.double(), reference(q, keys, values, bias), atol=tol, rtol=tol)
 
@@ -89,20 +91,43 @@ def test_the_cpp_kernel_is_left_out_where_it_does_not_run(monkeypatch):
 @pytest.mark.parametrize("Hkv,G,Q,D", CPP_SHAPES)
 def test_the_cpp_kernel_over_head_sizes_and_groups(dtype, tol, Hkv, G, Q, D):
     """Every head size it takes (fixed and run-time vector counts), GQA groups, more query rows than one block of
-    P.V accumulators (16 rows in blocks of 5 at D = 48), and a query row masked everywhere (zeros, where the
-    library kernels give NaN)."""
+    P.V accumulators (16 rows in blocks of 5 at D = 48), rows of different lengths (each task stops at its own
+    keys, and the scores' stride with it), positions past the keys (padding: sees all) and one below them (sees
+    nothing: zeros, where the library kernels give NaN)."""
     B, L = 3, 37
     gen = torch.Generator().manual_seed(D)
     cache = torch.randn(2, B, Hkv, L + 3, D, generator=gen).to(dtype)
     keys, values = cache[0, :, :, :L], cache[1, :, :, :L]
     q = torch.randn(B, Hkv, G * Q, D, generator=gen).to(dtype)
-    bias = torch.where(torch.rand(B, Hkv, G * Q, L, generator=gen) < 0.3, -torch.inf, 0.0)
-    bias[..., 0] = 0.0
-    bias[1, -1, -1] = -torch.inf  # one query row sees nothing
-    got = attention.cached_attention(q, keys, values, bias.to(dtype), "cpp")
+    pos = torch.randint(0, L, (B, Q), generator=gen)
+    pos[0, 0], pos[2, -1] = L + 4, 3  # a padding query; a row whose last query sees 4 keys
+    pos[1, -1] = -3  # sees nothing
+    hidden = torch.arange(L) > pos[:, None, None, :, None]  # [B, 1, 1, Q, L]
+    bias = torch.zeros(B, Hkv, G, Q, L).masked_fill_(hidden, -torch.inf).view(B, Hkv, G * Q, L)
+    got = attention.cached_attention(q, keys, values, None, "cpp", pos)
     want = reference(q, keys, values, bias)
-    want[1, -1, -1] = 0.0
+    want.view(B, Hkv, G, Q, D)[1, :, :, -1] = 0.0
     torch.testing.assert_close(got.double(), want, atol=tol, rtol=tol)
+
+
+def test_the_cpp_kernel_reads_no_key_past_its_rows_own_and_refuses_what_does_not_fit_its_positions():
+    """A row's task stops at the keys its last query sees: another row's longer cache is padding to it (NaN here,
+    which a masked score would still carry into the softmax), and its result is that over its own keys alone."""
+    gen = torch.Generator().manual_seed(0)
+    q = torch.randn(2, 1, 6, 32, generator=gen)  # G = 2 heads x 3 positions
+    keys, values = torch.randn(2, 2, 1, 9, 32, generator=gen)
+    keys[1, :, 5:], values[1, :, 5:] = torch.nan, torch.nan
+    pos = torch.tensor([[6, 7, 8], [2, 3, 4]])
+    got = attention.cached_attention(q, keys, values, None, "cpp", pos)
+    assert not got.isnan().any()
+    alone = attention.cached_attention(q[1:], keys[1:, :, :5], values[1:, :, :5], None, "cpp", pos[1:])
+    assert torch.equal(got[1:], alone)
+    with pytest.raises(ValueError, match="positions"):  # 4 positions do not divide 6 query rows
+        attention.cached_attention(q, keys, values, None, "cpp", torch.tensor([[5, 6, 7, 8], [1, 2, 3, 4]]))
+    with pytest.raises(ValueError, match="positions"):
+        attention.cached_attention(q, keys, values, None, "cpp", pos.float())
+    with pytest.raises(ValueError, match="positions, not a mask"):
+        attention.cached_attention(q, keys, values, torch.zeros(2, 1, 6, 9), "cpp")
 
 
 def test_the_cpp_kernel_stays_inside_its_buffers_under_address_sanitizer(tmp_path):
@@ -142,7 +167,7 @@ def test_each_kind_of_step_runs_its_kernel(monkeypatch, tiny_qwen2):
     from service.engine.kv_cache import KVCache
     from service.models.loader import load_model
 
-    monkeypatch.setattr(attention, "choose", lambda *args, **kw: ("sdpa",) * 4 + ("bmm", "sdpa", "sdpa", "bmm"))
+    monkeypatch.setattr(attention, "choose", lambda *args, **kw: ("sdpa",) * 4 + ("bmm", "sdpa", "cpp", "bmm"))
     model = load_model(tiny_qwen2, torch.bfloat16, CPU)
     cached = CachedModel(model, KVCache(model.config, 4, 400, torch.bfloat16, CPU), CPU)
     long = attention.LONG_KEYS
@@ -151,7 +176,8 @@ def test_each_kind_of_step_runs_its_kernel(monkeypatch, tiny_qwen2):
     long_decode, _ = cached.build_meta(0, [5, long], [1, 1])  # attends to LONG_KEYS + 1 keys
     long_verify, _ = cached.build_meta(0, [long, 9], [3, 1])
     assert (decode.kernel, decode.bias.dtype) == ("bmm", torch.float32)
-    assert (verify.kernel, verify.bias.dtype) == ("sdpa", torch.bfloat16)
+    assert (verify.kernel, verify.bias) == ("cpp", None)  # no mask: the positions, padding at the scratch one
+    assert verify.positions.tolist() == [[5, 6, 7], [9, cached.cache.scratch_pos, cached.cache.scratch_pos]]
     assert (long_decode.kernel, long_decode.bias.dtype) == ("sdpa", torch.bfloat16)
     assert (long_verify.kernel, long_verify.bias.dtype) == ("bmm", torch.float32)
     one_row = [cached.build_meta(0, [start], [q])[0] for start, q in ((5, 1), (5, 3), (long, 1), (long, 3))]

@@ -1,5 +1,8 @@
-// Attention of a step's query rows over the static KV cache on CPU, for service/models/native_attention.py.
+// Attention of a step's query rows over the static KV cache on CPU, for service/models/attention_cpp.py.
 //
+// The mask is causal by position: a query at cache position p sees keys 0..p. Each query's position comes in as an
+// int64 per (row, position); no [B, Hkv, G * Q, L] mask is built or read, and a task stops at the keys its row's
+// last query sees (a batch's rows differ in length: past a row's own length the keys are another row's padding).
 // One task per (row, KV head), spread over OpenMP threads. Each tile of 16 cached keys is read and widened to float32
 // once for all the task's queries (in bf16 a verify's queries had each widened it again: 1.2-2x slower at 5-7
 // positions), then every query's 16 dot products are summed across lanes at once (a 16 x 16 transpose-and-add), so
@@ -35,15 +38,6 @@ inline vf load16(const bf16* p) {  // bf16 -> float32 is exact: the bits shifted
   vf x;
   std::memcpy(&x, &bits, sizeof x);
   return x;
-}
-
-inline float load1(const float* p) { return *p; }
-
-inline float load1(const bf16* p) {
-  const uint32_t bits = static_cast<uint32_t>(*p) << 16;
-  float f;
-  std::memcpy(&f, &bits, sizeof f);
-  return f;
 }
 
 inline void store1(float* p, float x) { *p = x; }
@@ -107,31 +101,39 @@ constexpr int64_t kAccumulators = 16;  // vectors of P.V sums kept in registers;
 constexpr int kBitReversed[16] = {0, 8, 4, 12, 2, 10, 6, 14, 1, 9, 5, 13, 3, 11, 7, 15};
 
 struct Shape {
-  int64_t B, H, Q, L, D;                      // rows, KV heads, query rows per KV head (G x positions), keys, head size
-  int64_t qs[3], ks[3], vs[3], bs[3], os[3];  // strides (elements) of the row, head and query/key axes; the last is 1
+  int64_t B, H, Q, L, D, P;          // rows, KV heads, query rows per KV head (G x P), keys, head size, positions
+  int64_t qs[3], ks[3], vs[3], os[3];  // strides (elements) of the row, head and query/key axes; the last is 1
+  int64_t ps;                          // row stride of the positions
 };
 
 // NV: vectors per head (D / 16) when fixed at compile time, else 0 (s.D / 16 at run time)
-template <int NV, typename T, typename M>
-void attend(const Shape& s, const T* q, const T* k, const T* v, const M* bias, T* out, float scale, int threads) {
-  const int64_t Q = s.Q, L = s.L, nv = NV ? NV : s.D / W;
+template <int NV, typename T>
+void attend(const Shape& s, const T* q, const T* k, const T* v, const int64_t* pos, T* out, float scale, int threads) {
+  const int64_t Q = s.Q, S = s.L, nv = NV ? NV : s.D / W;  // S: the scores' row stride
 #pragma omp parallel num_threads(threads)
   {
     // P.V's last block of queries may run up to kAccumulators - 1 rows past Q: those rows' scores stay zero
-    std::vector<float> scores((Q + kAccumulators) * L);
+    std::vector<float> scores((Q + kAccumulators) * S);
     std::vector<vf> queries(Q * nv);
     std::vector<vf> keys(W * nv);
+    std::vector<int64_t> seen(Q);  // per query, the keys it sees: its position + 1, within [0, L]
 #pragma omp for schedule(static)
     for (int64_t task = 0; task < s.B * s.H; ++task) {
       const int64_t b = task / s.H, h = task % s.H;
       const T* kb = k + b * s.ks[0] + h * s.ks[1];
       const T* vb = v + b * s.vs[0] + h * s.vs[1];
-      const M* bb = bias + b * s.bs[0] + h * s.bs[1];
+      // L: the keys of this task's queries (query row i is at position pos[b, i % P])
+      int64_t L = 0;
+      for (int64_t i = 0; i < Q; ++i) {
+        const int64_t p = pos[b * s.ps + i % s.P];
+        seen[i] = p < 0 ? 0 : p >= s.L ? s.L : p + 1;
+        L = std::max(L, seen[i]);
+      }
       for (int64_t i = 0; i < Q; ++i) {
         const T* qi = q + b * s.qs[0] + h * s.qs[1] + i * s.qs[2];
         for (int64_t c = 0; c < nv; ++c) queries[i * nv + c] = load16(qi + c * W) * scale;
       }
-      // scores[i, l] = (q_i * scale) . k_l + bias[i, l], 16 keys at a time
+      // scores[i, l] = (q_i * scale) . k_l, 16 keys at a time (keys past a query's own are masked below)
       for (int64_t l0 = 0; l0 < L; l0 += W) {
         const int64_t n = L - l0 < W ? L - l0 : W;
         for (int j = 0; j < n; ++j) {  // the tile's keys in float32, converted once for all the task's queries
@@ -148,30 +150,34 @@ void attend(const Shape& s, const T* q, const T* k, const T* v, const M* bias, T
             dots[kBitReversed[j]] = dot;
           }
           const vf sums = sum_lanes(dots);
-          float* si = scores.data() + i * L + l0;
-          const M* bi = bb + i * s.bs[2] + l0;
-          for (int j = 0; j < n; ++j) si[j] = sums[j] + load1(bi + j);
+          float* si = scores.data() + i * S + l0;
+          if (n == W)  // one vector store: GCC's loop of lane stores made whole verify calls 5-15% slower
+            std::memcpy(si, &sums, sizeof sums);
+          else
+            for (int j = 0; j < n; ++j) si[j] = sums[j];
         }
       }
-      // softmax over each query's keys, in place; a query that may attend to nothing gets zeros
+      // softmax over each query's keys, in place, zeros past them; a query that sees no key gets zeros
       for (int64_t i = 0; i < Q; ++i) {
-        float* si = scores.data() + i * L;
+        float* si = scores.data() + i * S;
+        const int64_t n = seen[i];
+        std::fill(si + n, si + L, 0.0f);
         float top = -INFINITY;
 #pragma omp simd reduction(max : top)
-        for (int64_t l = 0; l < L; ++l) top = si[l] > top ? si[l] : top;
-        if (top == -INFINITY) {
-          std::fill(si, si + L, 0.0f);
+        for (int64_t l = 0; l < n; ++l) top = si[l] > top ? si[l] : top;
+        if (top == -INFINITY) {  // no key (n = 0), or none with a finite score
+          std::fill(si, si + n, 0.0f);
           continue;
         }
         float total = 0.0f;
 #pragma omp simd reduction(+ : total)
-        for (int64_t l = 0; l < L; ++l) {
+        for (int64_t l = 0; l < n; ++l) {
           si[l] = exp_nonpositive(si[l] - top);
           total += si[l];
         }
         const float inv = 1.0f / total;  // >= 1: the max's own term is e^0
 #pragma omp simd
-        for (int64_t l = 0; l < L; ++l) si[l] *= inv;
+        for (int64_t l = 0; l < n; ++l) si[l] *= inv;
       }
       // out[i] = sum_l p[i, l] v_l for a block of queries at a time, its accumulators in registers: each value is
       // read once per block (rows past Q have zero scores)
@@ -182,7 +188,7 @@ void attend(const Shape& s, const T* q, const T* k, const T* v, const M* bias, T
           const T* vl = vb + l * s.vs[2];
           for (int64_t c = 0; c < nv; ++c) {
             const vf value = load16(vl + c * W);
-            for (int64_t i = 0; i < block; ++i) acc[i * nv + c] += scores[(i0 + i) * L + l] * value;
+            for (int64_t i = 0; i < block; ++i) acc[i * nv + c] += scores[(i0 + i) * S + l] * value;
           }
         }
         for (int64_t i = 0; i < block && i0 + i < Q; ++i) {
@@ -196,16 +202,16 @@ void attend(const Shape& s, const T* q, const T* k, const T* v, const M* bias, T
 }
 
 template <int NV>
-int dispatch(int dtype, const Shape& s, const void* q, const void* k, const void* v, const void* bias, void* out,
+int dispatch(int dtype, const Shape& s, const void* q, const void* k, const void* v, const int64_t* pos, void* out,
              float scale, int threads) {
   switch (dtype) {
     case 0:
-      attend<NV>(s, static_cast<const float*>(q), static_cast<const float*>(k), static_cast<const float*>(v),
-                 static_cast<const float*>(bias), static_cast<float*>(out), scale, threads);
+      attend<NV>(s, static_cast<const float*>(q), static_cast<const float*>(k), static_cast<const float*>(v), pos,
+                 static_cast<float*>(out), scale, threads);
       return 0;
     case 1:
-      attend<NV>(s, static_cast<const bf16*>(q), static_cast<const bf16*>(k), static_cast<const bf16*>(v),
-                 static_cast<const bf16*>(bias), static_cast<bf16*>(out), scale, threads);
+      attend<NV>(s, static_cast<const bf16*>(q), static_cast<const bf16*>(k), static_cast<const bf16*>(v), pos,
+                 static_cast<bf16*>(out), scale, threads);
       return 0;
     default:
       return 1;
@@ -214,21 +220,22 @@ int dispatch(int dtype, const Shape& s, const void* q, const void* k, const void
 
 }  // namespace
 
-// dtype: 0 = float32 tensors and mask, 1 = bfloat16 tensors and mask.
-// shape: B, H, Q, L, D, then the strides of the first three axes of q, k, v, bias and out in turn (the last axis
-// of each is contiguous). Returns 0, or 1 for a dtype code or head size it does not take.
+// dtype: 0 = float32 tensors, 1 = bfloat16 tensors. pos: int64 [B, P], each query position's place in the cache
+// (query row i of a KV head is at position i % P: rows are G x P, the group's heads in turn).
+// shape: B, H, Q, L, D, P, then the strides of the first three axes of q, k, v and out in turn (the last axis of each
+// is contiguous), then the row stride of pos. Returns 0, or 1 for a dtype code, head size or shape it does not take.
 extern "C" int specroll_cache_attention(int dtype, const int64_t* shape, const void* q, const void* k, const void* v,
-                                        const void* bias, void* out, float scale, int threads) {
-  Shape s{shape[0], shape[1], shape[2], shape[3], shape[4], {}, {}, {}, {}, {}};
-  int64_t* strides[5] = {s.qs, s.ks, s.vs, s.bs, s.os};
-  for (int t = 0; t < 5; ++t)
-    for (int a = 0; a < 3; ++a) strides[t][a] = shape[5 + 3 * t + a];
-  if (s.D <= 0 || s.D % W != 0 || s.D > W * kAccumulators) return 1;
+                                        const int64_t* pos, void* out, float scale, int threads) {
+  Shape s{shape[0], shape[1], shape[2], shape[3], shape[4], shape[5], {}, {}, {}, {}, shape[18]};
+  int64_t* strides[4] = {s.qs, s.ks, s.vs, s.os};
+  for (int t = 0; t < 4; ++t)
+    for (int a = 0; a < 3; ++a) strides[t][a] = shape[6 + 3 * t + a];
+  if (s.D <= 0 || s.D % W != 0 || s.D > W * kAccumulators || s.P <= 0 || s.Q % s.P != 0) return 1;
   switch (s.D / W) {
-    case 1: return dispatch<1>(dtype, s, q, k, v, bias, out, scale, threads);
-    case 2: return dispatch<2>(dtype, s, q, k, v, bias, out, scale, threads);
-    case 4: return dispatch<4>(dtype, s, q, k, v, bias, out, scale, threads);
-    case 8: return dispatch<8>(dtype, s, q, k, v, bias, out, scale, threads);
-    default: return dispatch<0>(dtype, s, q, k, v, bias, out, scale, threads);
+    case 1: return dispatch<1>(dtype, s, q, k, v, pos, out, scale, threads);
+    case 2: return dispatch<2>(dtype, s, q, k, v, pos, out, scale, threads);
+    case 4: return dispatch<4>(dtype, s, q, k, v, pos, out, scale, threads);
+    case 8: return dispatch<8>(dtype, s, q, k, v, pos, out, scale, threads);
+    default: return dispatch<0>(dtype, s, q, k, v, pos, out, scale, threads);
   }
 }
