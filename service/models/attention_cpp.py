@@ -140,7 +140,8 @@ def cache_attention(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, p
         raise ValueError(f"cpp attention takes float32 or bfloat16 tensors of one dtype, got {q.dtype}, "
                          f"{keys.dtype}, {values.dtype}")
     B, _, GQ, _ = q.shape
-    if positions.dtype != torch.int64 or positions.dim() != 2 or positions.shape[0] != B or GQ % positions.shape[1]:
+    if (positions.dtype != torch.int64 or positions.dim() != 2 or positions.shape[0] != B or positions.shape[1] < 1
+            or GQ % positions.shape[1]):
         raise ValueError(f"cpp attention takes int64 positions [B, P] with P dividing the query rows, got "
                          f"{positions.dtype} {tuple(positions.shape)} for queries {tuple(q.shape)}")
     q = q.contiguous()

@@ -126,6 +126,8 @@ def test_the_cpp_kernel_reads_no_key_past_its_rows_own_and_refuses_what_does_not
         attention.cached_attention(q, keys, values, None, "cpp", torch.tensor([[5, 6, 7, 8], [1, 2, 3, 4]]))
     with pytest.raises(ValueError, match="positions"):
         attention.cached_attention(q, keys, values, None, "cpp", pos.float())
+    with pytest.raises(ValueError, match="positions"):  # none at all
+        attention.cached_attention(q, keys, values, None, "cpp", pos[:, :0])
     with pytest.raises(ValueError, match="positions, not a mask"):
         attention.cached_attention(q, keys, values, torch.zeros(2, 1, 6, 9), "cpp")
 
