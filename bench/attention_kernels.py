@@ -62,7 +62,7 @@ def main(argv: list[str] | None = None) -> int:
             for kernel in kernels:
                 mask = attention.mask_dtype(kernel, dtype)
                 bias = None if mask is None else torch.zeros(x["hidden"].shape, dtype=mask).masked_fill_(
-                    x["hidden"], -torch.inf).expand(-1, 4, -1, -1).contiguous()
+                    x["hidden"], -torch.inf).expand(-1, x["q"].shape[1], -1, -1).contiguous()
                 calls[kernel] = (x["q"], x["keys"], x["values"], bias, kernel, x["positions"])
             outputs = {kernel: attention.cached_attention(*call).float() for kernel, call in calls.items()}
             took: dict[str, list[float]] = {k: [] for k in kernels}
