@@ -20,6 +20,7 @@ import os
 import statistics
 import sys
 import time
+from collections.abc import Callable
 from dataclasses import replace
 from pathlib import Path
 from typing import Any
@@ -122,6 +123,17 @@ def recovery_steps(recs: list[StepRecord], frac: float = 0.8) -> list[int]:
     return out
 
 
+def core_sharing(args: argparse.Namespace) -> Callable[[], dict[str, Any]] | None:
+    """Where the run pins the server and the trainer to halves of the machine, a probe of how much one half's work
+    slows the other (taken before and after the runs: on a shared virtual machine it changes over minutes)."""
+    if args.server_cpus is None or args.quick:
+        return None
+    from bench.core_probe import sharing
+
+    trainer_cpus = set(os.sched_getaffinity(0))
+    return lambda: sharing(args.server_cpus, trainer_cpus)
+
+
 def parse(argv: list[str] | None) -> argparse.Namespace:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--steps", type=int, default=16)
@@ -182,7 +194,11 @@ def main(argv: list[str] | None = None) -> int:
     all_configs = configs(args, model)
     wanted = [w.strip() for w in args.runs.split(",")]
     chosen = {n: c for n, c in all_configs.items() if any(n == w or n.startswith(w + "_") for w in wanted)}
+    probe = core_sharing(args)
+    sharing = {"start": probe()} if probe else None
     results = {name: run_config(name, kw, cfg, args, model, log_dir) for name, kw in chosen.items()}
+    if probe:
+        sharing["end"] = probe()
     runs = summarize(results, args.skip)
     adaptive = results.get("adaptive")
     summary = {
@@ -190,6 +206,9 @@ def main(argv: list[str] | None = None) -> int:
         "prompts_per_step": args.prompts_per_step, "group_size": args.group_size, "max_tokens": args.max_tokens,
         "terms": [args.min_terms, args.max_terms], "pool": args.pool, "seed": args.seed, "runs": runs,
         "recovery_steps_adaptive": recovery_steps(adaptive) if adaptive else None,
+        # Pinned halves: the server's compute rate while the trainer's half computes, over its rate alone (1.0:
+        # independent; below, the halves share physical cores or a memory bus: bench/core_probe.py)
+        "core_sharing": sharing,
     }
     (args.out_dir / f"{args.tag}.json").write_text(json.dumps(
         {"summary": summary, "records": {n: [record_dict(r) for r in rs] for n, rs in results.items()}}, indent=1))

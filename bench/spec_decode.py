@@ -12,7 +12,16 @@ head (a well-aligned drafter; `--align` sets how well). Prints one JSON line (to
 workload, loadavg) and writes a PNG per workload (`--plot-dir`): tokens/s of each strategy per batch-size
 bucket, and the adaptive choice over the run's steps.
 
-    python3 -m bench.spec_decode [--threads 1] [--workloads long_tail,near_uniform] [--repeats 3] [--quick]
+    python3 -m bench.spec_decode [--threads 1] [--workloads long_tail,near_uniform] [--repeats 3] [--warm] [--quick]
+
+`--configs ...,perfect` adds a drafter that is always right and free: the target drafting for itself at
+`--perfect-k` (q = p, so min(1, p/q) accepts nearly every draft), its drafting seconds left out
+(`ratio_perfect_vs_off`, `ratio_tail_perfect_vs_off`): what no drafter can beat on this machine, since a real one
+costs something and misses. Not in the default configs: drafting with the target takes as long as k target steps.
+
+Every timed rollout runs on a fresh engine, so the adaptive strategy starts it knowing nothing of its arms; with
+`--warm` each engine first serves the same workload untimed (other seeds), as a server does between a run's first
+rollout and the next: the steady state (`steady_state`). Its strategy trace then holds that rollout first.
 
 Each config runs `--repeats` times, round-robin; the JSON reports the run with the median wall time (and
 every run's seconds), since runs of ~10 s vary by about 5% on a quiet machine, and adaptive against the best
@@ -40,6 +49,7 @@ from safetensors.torch import save_file
 from tqdm import tqdm
 
 from service.config import EngineConfig
+from service.engine.drafters.suffix import SuffixDrafter
 from service.engine.llm_engine import LLMEngine
 from service.engine.strategy import bucket_of
 from service.models.loader import load_model
@@ -109,27 +119,36 @@ def workload(shape: str, n_prompts: int, per_prompt: int, median: int, sigma: fl
     return prompts, lengths
 
 
+def submit(engine: LLMEngine, prompts, lengths, per_prompt: int, seed: int) -> None:
+    """The workload's requests: request i samples `lengths[i]` tokens of prompt i // per_prompt."""
+    for i, n in enumerate(lengths):
+        params = SamplingParams(temperature=1.0, max_tokens=n, seed=seed + i, ignore_eos=True)
+        engine.add_request(prompts[i // per_prompt], params, group_id=f"g{i // per_prompt}")
+
+
 def run(target: Path, drafter: str, spec: str, k: int, prompts, lengths, per_prompt: int, max_len: int,
         threads: int, stale_draft: Path | None = None, device: str = "cpu", eager: bool = False,
-        trace_path: Path | None = None) -> dict:
+        trace_path: Path | None = None, warm_rollout: bool = False) -> dict:
     """One rollout; with `stale_draft`, the draft model is replaced by it once half the tokens are out. With
-    `trace_path`, the engine writes its strategy trace there (service/engine/trace.py)."""
+    `trace_path`, the engine writes its strategy trace there (service/engine/trace.py). With `warm_rollout`, the
+    engine first serves the same workload untimed (other seeds; `steady_state` says why)."""
     engine = LLMEngine(EngineConfig(model=str(target), drafter=drafter, spec=spec, spec_k=k, max_model_len=max_len,
                                     max_num_seqs=len(lengths), num_threads=threads, seed=0, device=device,
                                     enforce_eager=eager, strategy_trace=str(trace_path) if trace_path else None))
     warm = SamplingParams(temperature=1.0, max_tokens=8, seed=1, ignore_eos=True)
     engine.generate([prompts[0]] * 4, warm)  # warm-up, also primes the strategy's plain-cost estimates
-    for i, n in enumerate(lengths):
-        params = SamplingParams(temperature=1.0, max_tokens=n, seed=1000 + i, ignore_eos=True)
-        engine.add_request(prompts[i // per_prompt], params, group_id=f"g{i // per_prompt}")
+    warm_steps = steady_state(engine, prompts, lengths, per_prompt) if warm_rollout else 0
+    held_before = engine.driver.held_steps
+    submit(engine, prompts, lengths, per_prompt, seed=1000)
     total, tail_after = len(lengths), max(1, len(lengths) // 10)
     start = time.perf_counter()
     tail_start = None
     tokens = 0
-    spec_rows = spec_emitted = 0
+    spec_rows = spec_emitted = drafted = accepted = 0
     strategies: dict[str, int] = {}
     trace: list[tuple[int, str, float, int]] = []  # per decode step: batch, strategy, seconds, emitted tokens
     finished = 0
+    drafting = tail_drafting = 0.0  # seconds of `propose` (catch-up and drafting), all of it and in the tail
     half, swapped = sum(lengths) // 2, False
     while engine.has_unfinished():
         steps_before = engine.stats.num_steps
@@ -146,6 +165,9 @@ def run(target: Path, drafter: str, spec: str, k: int, prompts, lengths, per_pro
             if rec.k:
                 spec_rows += rec.batch_size
                 spec_emitted += rec.emitted_tokens
+                drafting += rec.draft_seconds
+                drafted, accepted = drafted + rec.drafted_tokens, accepted + rec.accepted_tokens
+                tail_drafting += rec.draft_seconds if tail_start is not None else 0.0
         if tail_start is None and total - finished <= tail_after:
             tail_start = time.perf_counter()
     end = time.perf_counter()
@@ -153,13 +175,35 @@ def run(target: Path, drafter: str, spec: str, k: int, prompts, lengths, per_pro
         "seconds": round(end - start, 3),
         "tokens_per_s": round(tokens / (end - start), 1),
         "tail_seconds": round(end - (tail_start or end), 3),
+        "drafting_seconds": round(drafting, 3), "tail_drafting_seconds": round(tail_drafting, 3),
         "mean_accepted_length": round(spec_emitted / spec_rows, 3) if spec_rows else 1.0,
+        "acceptance": round(accepted / drafted, 4) if drafted else None,  # accepted drafts over drafts verified
         "strategies": strategies,
-        "held_steps": engine.driver.held_steps,  # steps an earlier choice decided (service/engine/strategy_driver.py)
+        # steps an earlier choice decided (service/engine/strategy_driver.py)
+        "held_steps": engine.driver.held_steps - held_before,
+        "warm_steps": warm_steps,
         "tokens": tokens,
         "per_bucket": per_bucket(trace),
         "trace": trace,
     }
+
+
+def steady_state(engine: LLMEngine, prompts, lengths, per_prompt: int) -> int:
+    """Serve the workload once untimed (other seeds) and return its decode steps. A rollout server serves one
+    rollout after another, so every rollout but a run's first meets a strategy that has measured its arms' costs
+    and acceptance already; a fresh engine per timed rollout (the default) prices exploring from nothing into
+    every figure. The suffix table forgets these responses afterwards: the timed rollout's prompts are the same,
+    and what its history of them would add is prompt repetition, not the strategy's warm state."""
+    submit(engine, prompts, lengths, per_prompt, seed=500_000)
+    steps = 0
+    while engine.has_unfinished():
+        before = engine.stats.num_steps
+        engine.step()
+        steps += engine.stats.num_steps > before and engine.stats.recent[-1].kind != "prefill"
+    for drafter in engine.drafters.values():
+        if isinstance(drafter, SuffixDrafter):
+            drafter.reset()
+    return steps
 
 
 def per_bucket(trace: list[tuple[int, str, float, int]]) -> dict[str, float]:
@@ -187,6 +231,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--sigma", type=float, default=0.9)
     ap.add_argument("--cap", type=int, default=640)
     ap.add_argument("--ks", default="2,4,8")
+    ap.add_argument("--perfect-k", type=int, default=8, help="the depth of the `perfect` config (see the docstring)")
     ap.add_argument("--repeats", type=int, default=None,
                     help="runs per config, the median run is reported (default 3; 1 with --quick)")
     ap.add_argument("--workloads", default=",".join(WORKLOADS), help=f"comma-separated, of {WORKLOADS}")
@@ -198,6 +243,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--enforce-eager", action="store_true", help="no CUDA graphs (GPU), no torch.compile (CPU)")
     ap.add_argument("--strategy-trace", type=Path, default=None, metavar="DIR",
                     help="write each adaptive run's strategy trace to DIR/trace_<workload>_<round>.jsonl")
+    ap.add_argument("--warm", action="store_true",
+                    help="each engine serves the workload once untimed first (steady state; `steady_state`)")
     ap.add_argument("--quick", action="store_true", help="small sizes for a smoke run")
     ap.add_argument("--seed", type=int, default=0)
     args = ap.parse_args(argv)
@@ -217,7 +264,7 @@ def main(argv: list[str] | None = None) -> int:
     load_start = os.getloadavg()
     summary: dict = {
         "bench": "spec_decode", "threads": args.threads or torch.get_num_threads(), "device": args.device,
-        "enforce_eager": args.enforce_eager,
+        "enforce_eager": args.enforce_eager, "warm": args.warm,
         "model": {"hidden": args.hidden, "layers": args.layers, "draft_layers": args.draft_layers, "vocab": args.vocab},
         "workloads": {},
     }
@@ -229,8 +276,9 @@ def main(argv: list[str] | None = None) -> int:
                                 args.align, args.seed + 1, args.embed_std)
         configs = [("off", "none", "off", 0)] + [(f"k={k}", str(draft), "fixed", int(k)) for k in args.ks.split(",")]
         configs.append(("adaptive", f"{draft},suffix", "adaptive", 4))
-        if args.configs:
-            configs = [c for c in configs if c[0] in args.configs.split(",")]
+        configs.append(("perfect", str(target), "fixed", args.perfect_k))
+        wanted = args.configs.split(",") if args.configs else [c[0] for c in configs if c[0] != "perfect"]
+        configs = [c for c in configs if c[0] in wanted]
         for shape in shapes:
             prompts, lengths = workload(shape, args.prompts, args.per_prompt, args.median, args.sigma, args.cap,
                                         args.vocab, args.seed)
@@ -242,7 +290,7 @@ def main(argv: list[str] | None = None) -> int:
                 if args.strategy_trace and spec == "adaptive":
                     trace = args.strategy_trace / f"trace_{shape}_{len(runs[name])}.jsonl"
                 r = run(target, drafter, spec, k, prompts, lengths, args.per_prompt, 40 + max(lengths), args.threads,
-                        stale if shape == "collapse" else None, args.device, args.enforce_eager, trace)
+                        stale if shape == "collapse" else None, args.device, args.enforce_eager, trace, args.warm)
                 runs[name].append(r)
                 logger.warning("%s %s: %s", shape, name, {k: v for k, v in r.items() if k != "trace"})
             results = {name: median_run(rs) for name, rs in runs.items()}
@@ -287,6 +335,10 @@ def summarise(results: dict[str, dict], lengths: list[int]) -> dict:
     if off and ada:
         out["ratio_adaptive_vs_off"] = round(off["seconds"] / ada["seconds"], 3)
         out["ratio_tail_adaptive_vs_off"] = round(off["tail_seconds"] / max(ada["tail_seconds"], 1e-9), 3)
+    if off and (perfect := results.get("perfect")):  # a drafter always right and free: what SD can reach at most
+        out["ratio_perfect_vs_off"] = round(off["seconds"] / (perfect["seconds"] - perfect["drafting_seconds"]), 3)
+        tail = perfect["tail_seconds"] - perfect["tail_drafting_seconds"]  # 0 where every row ends in one step
+        out["ratio_tail_perfect_vs_off"] = round(off["tail_seconds"] / tail, 3) if tail >= 1e-3 else None
     return out
 
 

@@ -69,3 +69,34 @@ def test_the_plot_tells_assisted_steps_apart(tmp_path) -> None:
     trace = [[64 - i, n, 0.1, 64] for i, n in enumerate(names)]
     results = {"adaptive": {"per_bucket": {"64": 700.0}, "trace": trace}}
     assert strategy_plot("long_tail", results, tmp_path / "p.png").stat().st_size > 0
+
+
+def test_warm_runs_time_the_second_rollout_of_an_engine(tmp_path, capsys) -> None:
+    lengths = spec_decode.workload("long_tail", 4, 4, 16, 0.9, 96, 4096, 0)[1]
+    assert spec_decode.main(["--quick", "--workloads", "long_tail", "--configs", "off,adaptive", "--repeats", "1",
+                             "--plot-dir", "", "--threads", "1", "--warm",
+                             "--strategy-trace", str(tmp_path)]) == 0
+    summary = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert summary["warm"] is True
+    results = summary["workloads"]["long_tail"]["results"]
+    for name, r in results.items():
+        assert r["tokens"] == sum(lengths), name  # the untimed rollout's tokens are not counted
+    assert results["off"]["warm_steps"] >= max(lengths) - 1  # it ran to its longest request first
+    # The engine's trace holds the untimed rollout's decode steps before the timed one's.
+    ada = results["adaptive"]
+    assert ada["warm_steps"] > 0
+    lines = (tmp_path / "trace_long_tail_0.jsonl").read_text().splitlines()
+    assert len(lines) >= ada["warm_steps"] + sum(ada["strategies"].values())
+
+
+def test_the_perfect_config_is_the_target_drafting_for_itself_its_drafting_left_out(capsys) -> None:
+    assert spec_decode.main(["--quick", "--workloads", "long_tail", "--configs", "off,perfect", "--perfect-k", "4",
+                             "--repeats", "1", "--plot-dir", "", "--threads", "1"]) == 0
+    w = json.loads(capsys.readouterr().out.strip().splitlines()[-1])["workloads"]["long_tail"]
+    off, perfect = w["results"]["off"], w["results"]["perfect"]
+    assert perfect["acceptance"] > 0.95  # q = p: min(1, p / q) accepts (nearly) every draft
+    assert off["acceptance"] is None
+    assert off["drafting_seconds"] == 0.0 < perfect["drafting_seconds"] < perfect["seconds"]
+    assert w["ratio_perfect_vs_off"] == pytest.approx(
+        off["seconds"] / (perfect["seconds"] - perfect["drafting_seconds"]), rel=0.01)
+    assert "ratio_adaptive_vs_best_fixed" not in w  # neither a fixed k nor adaptive ran

@@ -1,0 +1,141 @@
+"""What speculative decoding could buy at most on this machine: the GRPO workload of bench/e2e.py decoded plainly and
+with a drafter that is always right and costs nothing, step by step, per batch-size bucket.
+
+The perfect drafter is the target drafting for itself (`--drafter` = its own folder, fixed k): its distribution is
+the target's, so min(1, p/q) accepts nearly every draft, and its seconds (catching up and drafting, all inside
+`propose`) are left out of each step: what is left is the verify step the engine would run for a drafter whose every
+draft is accepted, sampling and host work included. Both engines serve the same rollouts (bench/e2e.py's prompt
+pool, sampling seeds and token budget; the policy frozen) in one process, rollouts alternating between them, so a
+drift in the machine's speed hits both alike.
+
+Per bucket: SD off's tokens a second and the perfect drafter's, and their ratio; over the rollout, SD off's decode
+seconds over the perfect drafter's verify seconds (`rollout_ceiling`). Given a bench.e2e JSON (`--e2e`), the GRPO
+step too: SD off's step with its rollout shortened by that ceiling and its update and push as they were
+(`step_ceiling`: an upper bound, since the rollout's prefill and streaming shrink with it here). A drafter that a
+real engine runs is neither free nor always right, so no drafter reaches these figures; where an aim is above them,
+it is out of reach on this machine for this workload.
+
+    python -m bench.ceiling [--k 8] [--rollouts 6] [--e2e docs/e2e.json]
+
+Prints one JSON line.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import os
+import sys
+from collections import defaultdict
+from pathlib import Path
+from typing import Any
+
+import torch
+from tqdm import tqdm
+
+from examples.grpo.grpo import GRPOConfig, PromptStream, _seed
+from service.config import EngineConfig
+from service.engine.llm_engine import LLMEngine
+from service.engine.strategy import bucket_of
+from service.params import SamplingParams
+
+logger = logging.getLogger("bench.ceiling")
+
+
+def engine_for(model: Path, drafter: str, k: int, threads: int, max_model_len: int, eager: bool) -> LLMEngine:
+    spec = "off" if drafter == "none" else "fixed"
+    return LLMEngine(EngineConfig(model=str(model), dtype="float32", drafter=drafter, spec=spec, spec_k=k,
+                                  max_model_len=max_model_len, max_num_seqs=64, num_threads=threads,
+                                  enforce_eager=eager))
+
+
+def rollout(engine: LLMEngine, cfg: GRPOConfig, step: int, buckets: dict[int, list[float]]) -> None:
+    """GRPO step `step`'s rollout; adds per decode step (seconds less drafting, tokens, rows, drafted, accepted)."""
+    tok = engine.tokenizer
+    for i, problem in enumerate(PromptStream(cfg).at(step)):
+        engine.add_request(tok.encode(problem.prompt), SamplingParams(
+            n=cfg.group_size, temperature=cfg.temperature, max_tokens=cfg.max_tokens, seed=_seed(cfg.seed, step, i)))
+    while engine.has_unfinished():
+        before = engine.stats.num_steps
+        engine.step()
+        if engine.stats.num_steps == before or (rec := engine.stats.recent[-1]).kind == "prefill":
+            continue
+        row = buckets[bucket_of(rec.batch_size)]
+        seconds = rec.verify_seconds if rec.k else rec.seconds
+        for j, v in enumerate((seconds, rec.emitted_tokens, rec.batch_size, rec.drafted_tokens, rec.accepted_tokens)):
+            row[j] += v
+
+
+def summarize(off: dict[int, list[float]], perfect: dict[int, list[float]], k: int) -> dict[str, Any]:
+    per_bucket = {}
+    for b in sorted(off):
+        o, p = off[b], perfect.get(b)
+        rate_off = o[1] / o[0] if o[0] else 0.0
+        rate_perfect = p[1] / p[0] if p and p[0] else None
+        per_bucket[str(b)] = {
+            "off_tokens_per_s": round(rate_off), "perfect_tokens_per_s": rate_perfect and round(rate_perfect),
+            "perfect_tokens_per_row_step": p and round(p[1] / p[2], 2),
+            "ratio": rate_perfect and round(rate_perfect / rate_off, 3), "off_share": None}
+    off_s = sum(o[0] for o in off.values())
+    # SD off's tokens in each bucket at the perfect drafter's rate there: the rollout's decode with every step right
+    perfect_s = sum(o[1] / (perfect[b][1] / perfect[b][0]) if b in perfect and perfect[b][0] else o[0]
+                    for b, o in off.items())
+    for b, o in off.items():
+        per_bucket[str(b)]["off_share"] = round(o[0] / off_s, 3)
+    drafted = sum(p[3] for p in perfect.values())
+    return {"k": k, "buckets": per_bucket, "off_decode_s": round(off_s, 4), "perfect_decode_s": round(perfect_s, 4),
+            "rollout_ceiling": round(off_s / perfect_s, 3),
+            "perfect_acceptance": round(sum(p[4] for p in perfect.values()) / drafted, 4) if drafted else None}
+
+
+def step_ceiling(e2e_json: Path, rollout_ceiling: float) -> dict[str, float]:
+    """SD off's GRPO step from a bench.e2e JSON with its rollout `rollout_ceiling` times shorter."""
+    off = json.loads(e2e_json.read_text())["summary"]["runs"]["off"]
+    best = off["rollout_s"] / rollout_ceiling + off["update_s"] + off["push_s"]
+    return {"off_step_s": off["step_s"], "off_rollout_s": off["rollout_s"], "off_update_s": off["update_s"],
+            "step_ceiling": round(off["step_s"] / best, 3),
+            "step_ceiling_no_rollout": round(off["step_s"] / (off["update_s"] + off["push_s"]), 3)}
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--model", type=Path, default=None, help="the policy folder (default: the demo model)")
+    ap.add_argument("--k", type=int, default=8, help="the perfect drafter's depth")
+    ap.add_argument("--rollouts", type=int, default=6, help="timed rollouts per engine (after one untimed)")
+    ap.add_argument("--threads", type=int, default=1, help="torch threads (bench.e2e's server runs one)")
+    ap.add_argument("--e2e", type=Path, default=None, help="a bench.e2e JSON: also the GRPO step's ceiling")
+    ap.add_argument("--enforce-eager", action="store_true", help="no compiled forwards (not what a server runs)")
+    ap.add_argument("--quick", action="store_true", help="small sizes for a smoke run")
+    args = ap.parse_args(argv)
+    logging.basicConfig(level=logging.WARNING, stream=sys.stderr)
+    if args.k < 1 or args.rollouts < 1:
+        raise SystemExit("--k and --rollouts must be at least 1")
+    torch.set_num_threads(args.threads)
+    cfg = GRPOConfig()
+    if args.quick:
+        cfg.prompts_per_step, cfg.group_size, cfg.max_tokens, cfg.max_terms, args.rollouts = 2, 4, 96, 5, 1
+    if args.model is None:
+        from service.demo.default_model import ensure_default_model
+
+        args.model = ensure_default_model()
+    max_len = cfg.max_tokens + 256  # what bench.e2e serves
+    engines = {name: engine_for(args.model, drafter, args.k, args.threads, max_len, args.enforce_eager)
+               for name, drafter in (("off", "none"), ("perfect", str(args.model)))}
+    load_start = os.getloadavg()
+    buckets: dict[str, dict[int, list[float]]] = {name: defaultdict(lambda: [0.0] * 5) for name in engines}
+    for step in tqdm(range(args.rollouts + 1), desc="rollouts", file=sys.stderr):
+        for name, engine in engines.items():  # alternating: the machine's drift hits both alike
+            rollout(engine, cfg, step, buckets[name] if step else defaultdict(lambda: [0.0] * 5))
+    out = {"bench": "ceiling", "model": str(args.model), "threads": args.threads, "rollouts": args.rollouts,
+           "compiled": not args.enforce_eager,
+           **summarize(buckets["off"], buckets["perfect"], args.k)}
+    if args.e2e is not None:
+        out |= step_ceiling(args.e2e, out["rollout_ceiling"])
+    out["loadavg"] = [round(x, 2) for x in (*load_start, os.getloadavg()[0])]
+    sys.stdout.write(json.dumps(out) + "\n")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
