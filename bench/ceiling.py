@@ -40,8 +40,6 @@ from service.engine.llm_engine import LLMEngine
 from service.engine.strategy import bucket_of
 from service.params import SamplingParams
 
-logger = logging.getLogger("bench.ceiling")
-
 
 def engine_for(model: Path, drafter: str, k: int, threads: int, max_model_len: int, eager: bool) -> LLMEngine:
     spec = "off" if drafter == "none" else "fixed"
@@ -68,21 +66,20 @@ def rollout(engine: LLMEngine, cfg: GRPOConfig, step: int, buckets: dict[int, li
 
 
 def summarize(off: dict[int, list[float]], perfect: dict[int, list[float]], k: int) -> dict[str, Any]:
-    per_bucket = {}
+    """Per bucket and over the rollout: SD off's figures against the perfect drafter's (rows of `rollout`)."""
+    off_s = sum(o[0] for o in off.values())
+    per_bucket: dict[str, dict[str, Any]] = {}
+    perfect_s = 0.0  # SD off's tokens in each bucket at the perfect drafter's rate there
     for b in sorted(off):
         o, p = off[b], perfect.get(b)
-        rate_off = o[1] / o[0] if o[0] else 0.0
-        rate_perfect = p[1] / p[0] if p and p[0] else None
+        rate_off = o[1] / o[0]
+        rate = p[1] / p[0] if p and p[0] else None
+        perfect_s += o[1] / rate if rate else o[0]  # a bucket the perfect drafter never reached: as SD off
         per_bucket[str(b)] = {
-            "off_tokens_per_s": round(rate_off), "perfect_tokens_per_s": rate_perfect and round(rate_perfect),
-            "perfect_tokens_per_row_step": p and round(p[1] / p[2], 2),
-            "ratio": rate_perfect and round(rate_perfect / rate_off, 3), "off_share": None}
-    off_s = sum(o[0] for o in off.values())
-    # SD off's tokens in each bucket at the perfect drafter's rate there: the rollout's decode with every step right
-    perfect_s = sum(o[1] / (perfect[b][1] / perfect[b][0]) if b in perfect and perfect[b][0] else o[0]
-                    for b, o in off.items())
-    for b, o in off.items():
-        per_bucket[str(b)]["off_share"] = round(o[0] / off_s, 3)
+            "off_tokens_per_s": round(rate_off), "off_share": round(o[0] / off_s, 3),
+            "perfect_tokens_per_s": round(rate) if rate else None,
+            "perfect_tokens_per_row_step": round(p[1] / p[2], 2) if rate else None,
+            "ratio": round(rate / rate_off, 3) if rate else None}
     drafted = sum(p[3] for p in perfect.values())
     return {"k": k, "buckets": per_bucket, "off_decode_s": round(off_s, 4), "perfect_decode_s": round(perfect_s, 4),
             "rollout_ceiling": round(off_s / perfect_s, 3),
