@@ -130,8 +130,9 @@ class AsyncSpecrollClient:
 
     # -- generation ---------------------------------------------------------------------------------
     def _request(self, prompt: Prompt, n: int, request_id: str | None, group_id: str | None,
-                 metadata: Mapping[str, str] | None, return_text: bool, stop_token_ids: Sequence[int] = (),
-                 ignore_eos: bool = False, top_logprobs: int = 0, raw_logprobs: bool = False, **sampling: Any) -> Any:
+                 metadata: Mapping[str, str] | None, return_text: bool, final_only: bool,
+                 stop_token_ids: Sequence[int] = (), ignore_eos: bool = False, top_logprobs: int = 0,
+                 raw_logprobs: bool = False, **sampling: Any) -> Any:
         unknown = set(sampling) - set(_SAMPLING)
         if unknown:
             raise TypeError(f"unknown sampling arguments {sorted(unknown)}")
@@ -139,7 +140,8 @@ class AsyncSpecrollClient:
                                     top_logprobs=top_logprobs, raw_logprobs=raw_logprobs,
                                     **{k: v for k, v in sampling.items() if v is not None})
         req = pb2.GenerateRequest(params=params, n=n, request_id=request_id or uuid.uuid4().hex,
-                                  group_id=group_id or "", metadata=dict(metadata or {}), return_text=return_text)
+                                  group_id=group_id or "", metadata=dict(metadata or {}), return_text=return_text,
+                                  final_only=final_only)
         if isinstance(prompt, str):
             req.prompt_text = prompt
         else:
@@ -148,9 +150,10 @@ class AsyncSpecrollClient:
 
     async def stream(self, prompt: Prompt, *, n: int = 1, request_id: str | None = None, group_id: str | None = None,
                      metadata: Mapping[str, str] | None = None, return_text: bool = False,
-                     **params: Any) -> AsyncIterator[TokenChunk | Sample]:
-        """Token chunks as they come, then a Sample per finished sample (with all its tokens)."""
-        req = self._request(prompt, n, request_id, group_id, metadata, return_text, **params)
+                     final_only: bool = False, **params: Any) -> AsyncIterator[TokenChunk | Sample]:
+        """Token chunks as they come, then a Sample per finished sample (with all its tokens). `final_only`: only
+        the Samples, each as it finishes; the server then streams nothing while the samples run."""
+        req = self._request(prompt, n, request_id, group_id, metadata, return_text, final_only, **params)
         chunks: dict[int, list[TokenChunk]] = {}
         for attempt in range(self.retries + 1):
             got_any = False
@@ -161,7 +164,8 @@ class AsyncSpecrollClient:
                     if msg.WhichOneof("kind") == "chunk":
                         c = _chunk(msg.request_id, msg.chunk)
                         chunks.setdefault(c.index, []).append(c)
-                        yield c
+                        if not final_only:
+                            yield c
                     else:
                         yield _sample(msg.request_id, msg.final, chunks.pop(msg.final.index, []))
                 return
@@ -174,9 +178,10 @@ class AsyncSpecrollClient:
                 call.cancel()  # a consumer that stops early ends the request (no-op once finished)
 
     async def generate_one(self, prompt: Prompt, *, n: int = 1, **kw: Any) -> Completion:
+        """The prompt's n samples, whole (the server sends each once it finishes: `stream`'s final_only)."""
         samples: list[Sample] = []
         rid = ""
-        async for ev in self.stream(prompt, n=n, **kw):
+        async for ev in self.stream(prompt, n=n, final_only=True, **kw):
             if isinstance(ev, Sample):
                 samples.append(ev)
                 rid = ev.request_id

@@ -31,7 +31,7 @@ class SamplingParams(_message.Message):
     def __init__(self, temperature: _Optional[float] = ..., top_p: _Optional[float] = ..., top_k: _Optional[int] = ..., min_p: _Optional[float] = ..., seed: _Optional[int] = ..., max_tokens: _Optional[int] = ..., stop_token_ids: _Optional[_Iterable[int]] = ..., ignore_eos: _Optional[bool] = ..., top_logprobs: _Optional[int] = ..., raw_logprobs: _Optional[bool] = ...) -> None: ...
 
 class GenerateRequest(_message.Message):
-    __slots__ = ("prompt_token_ids", "prompt_text", "params", "n", "request_id", "group_id", "metadata", "return_text")
+    __slots__ = ("prompt_token_ids", "prompt_text", "params", "n", "request_id", "group_id", "metadata", "return_text", "final_only")
     class MetadataEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -47,6 +47,7 @@ class GenerateRequest(_message.Message):
     GROUP_ID_FIELD_NUMBER: _ClassVar[int]
     METADATA_FIELD_NUMBER: _ClassVar[int]
     RETURN_TEXT_FIELD_NUMBER: _ClassVar[int]
+    FINAL_ONLY_FIELD_NUMBER: _ClassVar[int]
     prompt_token_ids: _containers.RepeatedScalarFieldContainer[int]
     prompt_text: str
     params: SamplingParams
@@ -55,7 +56,8 @@ class GenerateRequest(_message.Message):
     group_id: str
     metadata: _containers.ScalarMap[str, str]
     return_text: bool
-    def __init__(self, prompt_token_ids: _Optional[_Iterable[int]] = ..., prompt_text: _Optional[str] = ..., params: _Optional[_Union[SamplingParams, _Mapping]] = ..., n: _Optional[int] = ..., request_id: _Optional[str] = ..., group_id: _Optional[str] = ..., metadata: _Optional[_Mapping[str, str]] = ..., return_text: _Optional[bool] = ...) -> None: ...
+    final_only: bool
+    def __init__(self, prompt_token_ids: _Optional[_Iterable[int]] = ..., prompt_text: _Optional[str] = ..., params: _Optional[_Union[SamplingParams, _Mapping]] = ..., n: _Optional[int] = ..., request_id: _Optional[str] = ..., group_id: _Optional[str] = ..., metadata: _Optional[_Mapping[str, str]] = ..., return_text: _Optional[bool] = ..., final_only: _Optional[bool] = ...) -> None: ...
 
 class TopLogprobs(_message.Message):
     __slots__ = ("token_ids", "logprobs")

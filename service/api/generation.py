@@ -140,7 +140,8 @@ class Update:
 class Generation:
     def __init__(self, backend: RolloutBackend, tokenizer: Tokenizer | None, prompt: list[int], params: SamplingParams,
                  request_id: str | None = None, group_id: str | None = None,
-                 metadata: dict[str, str] | None = None, stop: Sequence[str] = (), text: bool = True) -> None:
+                 metadata: dict[str, str] | None = None, stop: Sequence[str] = (), text: bool = True,
+                 whole: bool = False) -> None:
         if stop and tokenizer is None:
             raise InvalidRequest("stop strings need a tokenizer; this model has none (use stop_token_ids)")
         self.backend, self.tokenizer, self.prompt, self.params = backend, tokenizer, prompt, params
@@ -148,6 +149,9 @@ class Generation:
         self.group_id, self.metadata = group_id, metadata or {}
         self.stop = [s for s in stop if s]
         self.want_text = text and tokenizer is not None
+        # The caller wants the samples only once they end (not streamed): the engine sends no chunks, unless stop
+        # strings, which end a sample here, need to see its tokens as they come
+        self.stream = not whole or bool(self.stop)
         self.samples = [Sample(i, num_prompt_tokens=len(prompt)) for i in range(params.n)]
         self._handle: RequestHandle | None = None
 
@@ -163,7 +167,8 @@ class Generation:
 
     def _request(self) -> tuple[GenRequest, RequestHandle]:
         handle = RequestHandle(self.request_id, self.params.n, asyncio.get_running_loop())
-        return GenRequest(self.prompt, self.params, self.request_id, self.group_id, self.metadata), handle
+        return GenRequest(self.prompt, self.params, self.request_id, self.group_id, self.metadata,
+                          self.stream), handle
 
     async def updates(self) -> AsyncIterator[Update]:
         handle = self.start()

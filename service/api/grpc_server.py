@@ -18,7 +18,7 @@ from service.api.generation import InvalidRequest, ServiceError, check_prompt, m
 from service.api.push_protocol import Manifest, PushError, PushResult, TensorEntry
 from service.api.wire import ChunkView, Corrupt, add_rollout_servicer
 from service.backend.base import NotReady
-from service.backend.events import Chunk, Failed, GenRequest, RequestHandle, SampleDone
+from service.backend.events import Chunk, Failed, GenRequest, RequestHandle, SampleDone, whole_chunks
 from service.protogen import pb2, pb2_grpc
 
 logger = logging.getLogger(__name__)
@@ -75,16 +75,20 @@ class RolloutServicer(pb2_grpc.RolloutServicer):  # type: ignore[misc]
             ctx.check_request(prompt, params)
             rid = request.request_id or uuid.uuid4().hex
             handle = RequestHandle(rid, params.n, _running_loop())
+            whole = request.final_only  # no chunks until a sample ends (the engine sends none for it)
             ctx.backend.submit_all([(GenRequest(prompt, params, rid, request.group_id or None,
-                                                dict(request.metadata)), handle)])
+                                                dict(request.metadata), stream=not whole), handle)])
         except Exception as exc:
             await self._fail(context, exc)
             return
         try:
             async for ev in handle.events(ctx.limits.stream_interval):
                 if isinstance(ev, Chunk):
-                    yield pb2.GenerateResponse(request_id=rid, chunk=_chunk(ev))
+                    if not whole:
+                        yield pb2.GenerateResponse(request_id=rid, chunk=_chunk(ev))
                 elif isinstance(ev, SampleDone):
+                    for c in whole_chunks(ev) if whole else ():
+                        yield pb2.GenerateResponse(request_id=rid, chunk=_chunk(c))
                     text = tokenizer.decode(ev.token_ids) if request.return_text and tokenizer else ""
                     yield pb2.GenerateResponse(request_id=rid, final=_final(ev, text))
                 elif isinstance(ev, Failed):

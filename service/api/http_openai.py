@@ -131,7 +131,7 @@ async def completions(req: CompletionRequest, ctx: ApiCtx, request: Request) -> 
     base = req.request_id or uuid.uuid4().hex
     tok = ctx.tokenizer()
     gens = [Generation(ctx.backend, tok, p, params, base if len(prompts) == 1 else f"{base}-{j}",
-                       req.group_id, req.metadata, stop) for j, p in enumerate(prompts)]
+                       req.group_id, req.metadata, stop, whole=not req.stream) for j, p in enumerate(prompts)]
     head = {"id": f"cmpl-{base}", "object": "text_completion", "created": int(time.time()), "model": ctx.name()}
     if req.stream:
         return await _stream(gens, head, req)

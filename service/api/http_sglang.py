@@ -127,7 +127,8 @@ async def generate(req: GenerateRequest, ctx: ApiCtx, request: Request) -> Any:
         params, stop = _params(ctx, sp)
         ctx.check_request(prompt, params)
         rid = rids[j] if rids is not None else (base if len(prompts) == 1 else f"{base}-{j}")
-        gens.append(Generation(ctx.backend, tok, prompt, params, rid, req.group_id, req.metadata, stop))
+        gens.append(Generation(ctx.backend, tok, prompt, params, rid, req.group_id, req.metadata, stop,
+                               whole=not req.stream))
     single = len(gens) == 1 and gens[0].params.n == 1
     if req.stream:
         return await _stream(gens, req.return_logprob, started, single)

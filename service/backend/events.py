@@ -19,6 +19,9 @@ class GenRequest:
     request_id: str
     group_id: str | None = None
     metadata: dict[str, str] = field(default_factory=dict)
+    # False: the consumer wants each sample whole when it ends (its SampleDone), so the engine sends no Chunk
+    # events for it; a consumer that streams nothing is spared an event every step for every sample.
+    stream: bool = True
 
 
 @dataclass(slots=True)
@@ -90,6 +93,17 @@ class RolloutRecord:
     raw_logprobs: list[float] | None = None
     params: SamplingParams | None = None  # how the sample was drawn (the distillation target's processing)
     top_logprobs: list[dict[int, float]] | None = None
+
+
+def whole_chunks(done: SampleDone) -> list[Chunk]:
+    """A finished sample's tokens as the chunks a stream would have merged into: one per run of tokens that the
+    same weight versions produced (its version spans), in order. For consumers that asked for no chunks."""
+    n = len(done.token_ids)
+    spans = done.version_spans or ([VersionSpan("", "", 0, n)] if n else [])
+    return [Chunk(done.index, done.token_ids[s.start:s.end], done.logprobs[s.start:s.end],
+                  None if done.raw_logprobs is None else done.raw_logprobs[s.start:s.end],
+                  None if done.top_logprobs is None else done.top_logprobs[s.start:s.end],
+                  s.policy_version, s.drafter_version) for s in spans]
 
 
 def coalesce(events: list[Event]) -> list[Event]:

@@ -25,6 +25,7 @@ class Tracked:
     steps: list[int]
     last_token_time: list[float]
     remaining: int
+    stream: bool  # False: no Chunk events, each sample goes out whole in its SampleDone
 
 
 class Dispatcher:
@@ -33,9 +34,9 @@ class Dispatcher:
         self.hooks = hooks
         self.tracked: dict[str, Tracked] = {}
 
-    def track(self, handle: RequestHandle, request: Request, metadata: dict[str, str]) -> None:
+    def track(self, handle: RequestHandle, request: Request, metadata: dict[str, str], stream: bool = True) -> None:
         n = len(request.seqs)
-        self.tracked[request.request_id] = Tracked(handle, request, metadata, [0] * n, [0.0] * n, n)
+        self.tracked[request.request_id] = Tracked(handle, request, metadata, [0] * n, [0.0] * n, n, stream)
 
     def fail(self, request_id: str, message: str) -> None:
         """One request failed on its own: its consumer gets the error; nobody else is touched."""
@@ -61,8 +62,9 @@ class Dispatcher:
             i = out.index
             if out.new_token_ids:
                 tr.steps[i] += 1
-                events.append(Chunk(i, list(out.new_token_ids), list(out.new_logprobs), out.new_raw_logprobs,
-                                    out.new_top_logprobs, out.policy_version, out.drafter_version))
+                if tr.stream:
+                    events.append(Chunk(i, list(out.new_token_ids), list(out.new_logprobs), out.new_raw_logprobs,
+                                        out.new_top_logprobs, out.policy_version, out.drafter_version))
                 if self.metrics is not None:
                     last = tr.last_token_time[i]
                     self.metrics.observe_tokens(None if last else now - tr.handle.arrival,

@@ -212,7 +212,7 @@ class EngineLoop:
             handle.release()
             handle.put_many([Failed(str(exc), invalid=True)])
             return
-        self._disp.track(handle, engine.requests[rid], req.metadata)
+        self._disp.track(handle, engine.requests[rid], req.metadata, req.stream)
 
     def _abort(self, engine: LLMEngine, request_id: str, reason: str) -> bool:
         ok = engine.abort(request_id)

@@ -191,7 +191,8 @@ class RequestRun:
         policy, drafter = self.versions.of(label)
         s.add(tokens, lps, tops, policy, drafter)
         s.running = True
-        self.outbox.put(self.handle, [Chunk(s.index, tokens, lps, None, tops, policy, drafter)])
+        if self.req.stream:  # otherwise the sample goes out whole in its SampleDone
+            self.outbox.put(self.handle, [Chunk(s.index, tokens, lps, None, tops, policy, drafter)])
 
     def _finish(self, s: Sample, reason: str) -> None:
         s.running = False
