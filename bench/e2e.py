@@ -94,6 +94,11 @@ def summarize(results: dict[str, list[StepRecord]], skip: int) -> dict[str, Any]
             # (SD draws other samples, so other rewards): compare updates per trained token.
             "update_ms_per_trained_token": round(1e3 * sum(r.update_s for r in timed)
                                                  / max(1, sum(r.extra.get("trained_tokens", 0) for r in timed)), 4),
+            # Per position the update's forward and backward ran (prompts and padding included): rows of other
+            # lengths cost other amounts per trained token
+            "forward_tokens": _mean([r.extra.get("forward_tokens", 0) for r in timed]),
+            "update_ms_per_forward_token": round(1e3 * sum(r.update_s for r in timed)
+                                                 / max(1, sum(r.extra.get("forward_tokens", 0) for r in timed)), 4),
             "tokens_per_step": [round(r.tokens_per_step, 3) for r in recs],
             "drafter_versions": [r.drafter_versions for r in recs],
             "reward": [round(r.reward, 4) for r in recs], "mean_reward": _mean([r.reward for r in recs]),
@@ -106,6 +111,11 @@ def summarize(results: dict[str, list[StepRecord]], skip: int) -> dict[str, Any]
             s["rollout_speedup"] = round(base["rollout_s"] / s["rollout_s"], 3) if s["rollout_s"] else None
             s["tail_speedup"] = round(base["tail_s"] / s["tail_s"], 3) if s["tail_s"] else None
             s["step_speedup"] = round(base["step_s"] / s["step_s"], 3) if s["step_s"] else None
+            # The step with SD off's update: a lossless server leaves the update's expected work as it is, but each
+            # run trains on its own draws (other rows get a non-zero advantage: forward_tokens moved by 13-19%
+            # between runs here), so this separates what the rollout server changed from the update's luck
+            same = s["rollout_s"] + base["update_s"] + s["push_s"]
+            s["step_speedup_same_update"] = round(base["step_s"] / same, 3) if same else None
     return out
 
 

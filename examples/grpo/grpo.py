@@ -90,9 +90,10 @@ class PromptStream:
         return problems(k, self.cfg.seed * 1_000_003 + step, self.cfg.difficulty)
 
 
-async def rollout(client: AsyncSpecrollClient, prompts: list[list[int]], cfg: GRPOConfig,
-                  step: int) -> tuple[list[list[Sample]], list[float]]:
-    """`group_size` samples per prompt, concurrently; with each sample's finish time (seconds from start)."""
+async def rollout(client: AsyncSpecrollClient, prompts: list[list[int]], cfg: GRPOConfig, step: int,
+                  final_only: bool = True) -> tuple[list[list[Sample]], list[float]]:
+    """`group_size` samples per prompt, concurrently; with each sample's finish time (seconds from start).
+    `final_only`: the server sends each sample whole as it finishes (False: its tokens stream in as chunks)."""
     start = time.perf_counter()
     finished: list[float] = []
 
@@ -100,7 +101,7 @@ async def rollout(client: AsyncSpecrollClient, prompts: list[list[int]], cfg: GR
         samples: list[Sample] = []
         async for ev in client.stream(prompt, n=cfg.group_size, temperature=cfg.temperature,
                                       max_tokens=cfg.max_tokens, seed=_seed(cfg.seed, step, i),
-                                      group_id=f"s{step}-p{i}"):
+                                      group_id=f"s{step}-p{i}", final_only=final_only):
             if isinstance(ev, Sample):
                 samples.append(ev)
                 finished.append(time.perf_counter() - start)
@@ -179,6 +180,7 @@ async def train(cfg: GRPOConfig, on_step: Callable[[StepRecord], None] | None = 
                 "update_cpu_s": round(time.process_time() - cpu0, 4),
                 "server_cpu_during_update_s": round(process_cpu_seconds(cfg.server_pid) - server0, 4),
                 "trained_tokens": sum(len(r.output_ids) for r in rollouts if r.advantage != 0.0),
+                "forward_tokens": stats.forward_tokens,
             }
             new_version = f"step-{step + 1}"
             await client.push_weights(policy.hf_weights(), new_version, mode=cfg.push_mode)

@@ -38,6 +38,7 @@ class UpdateStats:
     trained_samples: int
     logprob_max_abs_diff: float  # trainer vs server logprobs of the same tokens, before the update
     grad_norm: float
+    forward_tokens: int = 0  # rows x padded width over the micro-batches: the positions the forward and backward ran
 
 
 class Policy:
@@ -80,8 +81,9 @@ class Policy:
         rows = sorted((r for r in rollouts if r.advantage != 0.0 and r.output_ids),
                       key=lambda r: len(r.prompt_ids) + len(r.output_ids))
         self.opt.zero_grad(set_to_none=True)
-        loss_sum, max_diff = 0.0, 0.0
+        loss_sum, max_diff, forward_tokens = 0.0, 0.0, 0
         for chunk in _micro_batches(rows, micro_tokens):
+            forward_tokens += len(chunk) * max(len(r.prompt_ids) + len(r.output_ids) for r in chunk)
             logps = self._token_logprobs(chunk, temperature)
             loss = torch.zeros(())
             for r, lp in zip(chunk, logps, strict=True):
@@ -95,7 +97,7 @@ class Policy:
         grad_norm = float(torch.nn.utils.clip_grad_norm_(self.model.parameters(), max_grad_norm)) if rows else 0.0
         if rows:
             self.opt.step()
-        return UpdateStats(loss_sum, total_tokens, len(rows), max_diff, grad_norm)
+        return UpdateStats(loss_sum, total_tokens, len(rows), max_diff, grad_norm, forward_tokens)
 
 
 def _micro_batches(rows: list[Rollout], micro_tokens: int) -> list[list[Rollout]]:

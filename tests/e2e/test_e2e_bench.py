@@ -23,7 +23,14 @@ def test_quick_e2e_run_writes_summary_records_and_plots(tmp_path: Path, monkeypa
     assert runs["off"]["tokens_per_step"] == [1.0, 1.0, 1.0] and runs["off"]["rollout_speedup"] == 1.0
     assert all(t >= 1.0 for t in runs["adaptive-suffix"]["tokens_per_step"])
     assert runs["adaptive-suffix"]["drafter_versions"][0] == ["suffix@0"]
+    base = runs["off"]
     for r in runs.values():
+        assert r["forward_tokens"] > r["trained_tokens"] or r["forward_tokens"] == 0  # the rows hold their prompts
+        if r["forward_tokens"]:
+            assert r["update_ms_per_forward_token"] == pytest.approx(1e3 * r["update_s"] / r["forward_tokens"],
+                                                                     rel=0.05)
+        assert r["step_speedup_same_update"] == pytest.approx(
+            base["step_s"] / (r["rollout_s"] + base["update_s"] + r["push_s"]), rel=0.01)
         assert r["output_tokens"] > 0 and r["logprob_max_abs_diff"] < 1e-3 and len(r["reward"]) == 3
     saved = json.loads((out / "e2e.json").read_text())
     assert [rec["policy_version"] for rec in saved["records"]["off"]] == ["0", "step-1", "step-2"]

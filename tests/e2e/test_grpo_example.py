@@ -9,7 +9,7 @@ import pytest
 import torch
 
 import examples.grpo.grpo as grpo
-from examples.grpo.policy import Policy, group_advantages
+from examples.grpo.policy import Policy, Rollout, group_advantages
 from service.app import BackgroundServer, ServerConfig
 from service.config import EngineConfig
 from service.demo.default_model import default_drafters
@@ -30,6 +30,16 @@ def test_group_advantages() -> None:
     assert grpo.tail_seconds([1.0, 2.0, 3.0, 10.0], 0.75) == pytest.approx(7.0)
 
 
+def test_an_update_counts_the_positions_its_forward_ran(tiny_model: Path) -> None:
+    policy = Policy(tiny_model, lr=0.0)
+    rows = [Rollout([1, 2], [3, 4, 5], [-1.0] * 3, 1.0), Rollout([1, 2], [6, 7, 8, 9, 10], [-1.0] * 5, -1.0),
+            Rollout([1, 2, 3], [4] * 9, [-1.0] * 9, 0.0)]  # A = 0: not trained
+    one = policy.update(rows, 1.0, 0.2, micro_tokens=1000)
+    assert (one.trained_samples, one.forward_tokens) == (2, 2 * 7)  # both rows padded to the longer one
+    split = policy.update(rows, 1.0, 0.2, micro_tokens=10)
+    assert split.forward_tokens == 5 + 7  # a micro-batch each: no padding
+
+
 def test_grpo_steps_push_weights_and_versions_advance(tiny_model: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     # The tiny model never solves a problem; a random verifier gives the groups non-zero advantages.
     rng = random.Random(0)
@@ -48,6 +58,7 @@ def test_grpo_steps_push_weights_and_versions_advance(tiny_model: Path, monkeypa
     assert served_version == "step-3"
     assert all(r.samples == 16 and len(r.lengths) == 16 and r.trained_samples > 0 for r in records)
     assert all(r.rollout_s > 0 and r.step_s >= r.rollout_s + r.update_s for r in records)
+    assert all(r.extra["forward_tokens"] > r.extra["trained_tokens"] > 0 for r in records)  # prompts too
     # Steps 2 and 3 sampled from pushed weights: the server's logprobs are the ones the trainer computes
     # with its own copy, so the push delivered exactly the trainer's weights.
     assert max(r.logprob_max_abs_diff for r in records) < 1e-3
