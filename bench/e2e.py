@@ -204,6 +204,7 @@ def main(argv: list[str] | None = None) -> int:
     all_configs = configs(args, model)
     wanted = [w.strip() for w in args.runs.split(",")]
     chosen = {n: c for n, c in all_configs.items() if any(n == w or n.startswith(w + "_") for w in wanted)}
+    load_start = os.getloadavg()
     probe = core_sharing(args)
     sharing = {"start": probe()} if probe else None
     results = {name: run_config(name, kw, cfg, args, model, log_dir) for name, kw in chosen.items()}
@@ -219,6 +220,7 @@ def main(argv: list[str] | None = None) -> int:
         # Pinned halves: the server's compute rate while the trainer's half computes, over its rate alone (1.0:
         # independent; below, the halves share physical cores or a memory bus: bench/core_probe.py)
         "core_sharing": sharing,
+        "loadavg": {"start": [round(x, 2) for x in load_start], "end": [round(x, 2) for x in os.getloadavg()]},
     }
     (args.out_dir / f"{args.tag}.json").write_text(json.dumps(
         {"summary": summary, "records": {n: [record_dict(r) for r in rs] for n, rs in results.items()}}, indent=1))

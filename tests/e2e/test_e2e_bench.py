@@ -19,6 +19,7 @@ def test_quick_e2e_run_writes_summary_records_and_plots(tmp_path: Path, monkeypa
                      "--strategy-trace", str(traces)]) == 0
     summary = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
     runs = summary["runs"]
+    assert len(summary["loadavg"]["start"]) == 3 and len(summary["loadavg"]["end"]) == 3
     assert list(runs) == ["off", "adaptive-suffix"]
     assert runs["off"]["tokens_per_step"] == [1.0, 1.0, 1.0] and runs["off"]["rollout_speedup"] == 1.0
     assert all(t >= 1.0 for t in runs["adaptive-suffix"]["tokens_per_step"])
