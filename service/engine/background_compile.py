@@ -32,6 +32,12 @@ How:
   inductor when the interpreter finalizes is killed in C++ ("terminate called without an active exception":
   the process aborts), so `specroll serve` exits without finalizing where one still runs (`still_compiling`),
   once everything else is closed (service/app.py).
+- Tracing that would reach the serving thread: torch.fx's tracer patches `torch.nn.Module.__call__` for the whole
+  process while it traces, and a plain `fx.Tracer` resolves every module called meanwhile against its own root, so
+  an eager forward on the engine thread at that moment fails its step ("module is not installed as a submodule":
+  every request in flight failed, one CI run). Inductor runs such a trace once per process (a placeholder graph for
+  its loop-body interpreter); it is run before the thread starts (`_trace_once_up_front`), when nothing serves.
+  The traces of each compile are make_fx's, whose tracer calls a module it does not know straight through.
 """
 
 from __future__ import annotations
@@ -85,6 +91,16 @@ class _SwitchInterval:
 _SWITCH = _SwitchInterval()
 
 
+def _trace_once_up_front() -> None:
+    """Run inductor's one plain fx trace of a process now, on this thread (see the module docstring)."""
+    try:
+        from torch._inductor.loop_body import InterpreterShim
+
+        InterpreterShim._dummy_gm()  # cached: later compiles reuse it
+    except (ImportError, AttributeError):  # another torch: nothing known to trace up front
+        logger.debug("no loop-body placeholder graph to trace up front in this torch")
+
+
 class _Stopped(BaseException):
     """Raised in the compiling thread at its next variant after `stop` (a BaseException: `warm_up` logs and
     swallows Exceptions, as failures of the compiler stack)."""
@@ -106,6 +122,7 @@ class BackgroundCompile:
         self._taken = False
         self.compiled = 0  # variants compiled, once done
         _SWITCH.shorten()  # until the thread ends
+        _trace_once_up_front()
         self._thread = threading.Thread(target=self._run, name=THREAD_NAME, daemon=True)
         self._thread.start()
 

@@ -106,11 +106,24 @@ def test_a_background_compile_serves_at_once_then_switches_and_compiles_nothing_
     traces every variant, seconds of work, so it is still compiling when the first requests are answered). At the
     first step after it is done, the compiled forwards of the target and the draft model serve, the adaptive
     strategy measures step costs afresh, and serving compiles nothing more: the scratch caches' guards are the
-    serving caches' (made in inference mode, they were not, and every variant compiled again after the switch)."""
+    serving caches' (made in inference mode, they were not, and every variant compiled again after the switch).
+    No plain fx trace runs on the compiling thread: it patches every module's __call__ for the whole process, and an
+    eager step meanwhile failed ("module is not installed as a submodule", one CI run)."""
     code = f"""
 import json
 import sys
+import threading
+import torch.fx
 from helpers import assert_same_up_to_near_ties
+from service.engine.background_compile import THREAD_NAME
+traces = {{"plain": 0, "any": 0}}  # on the compiling thread: plain fx.Tracer ones (they resolve foreign modules)
+_trace = torch.fx.Tracer.trace
+def trace(self, root, *args, **kwargs):
+    if threading.current_thread().name == THREAD_NAME:
+        traces["any"] += 1
+        traces["plain"] += type(self).call_module is torch.fx.Tracer.call_module
+    return _trace(self, root, *args, **kwargs)
+torch.fx.Tracer.trace = trace
 from service.config import EngineConfig
 from service.engine import compiled
 from service.engine.llm_engine import LLMEngine
@@ -135,7 +148,7 @@ start = compiled.compiles()
 for rows in (16, 5, 1):
     e.generate([[i + 1] * 20 for i in range(rows)], SamplingParams(temperature=1.0, max_tokens=30, seed=rows))
 assert_same_up_to_near_ties(eager, e.generate(prompts, greedy), atol=1e-4)
-out.update(compiled_after_switch=compiled.compiles() - start, spec_drafts=e.stats.spec_drafts)
+out.update(compiled_after_switch=compiled.compiles() - start, spec_drafts=e.stats.spec_drafts, traces=traces)
 print("RESULT", json.dumps(out))
 """
     path = os.pathsep.join([str(ROOT), str(ROOT / "tests"), os.environ.get("PYTHONPATH", "")])
@@ -152,6 +165,41 @@ print("RESULT", json.dumps(out))
     assert (got["switch_while"], got["switch_after"]) == (pytest.approx(1e-4), 0.005), got
     assert got["switched"] and got["costs_forgotten"] and got["compiled"], got
     assert got["compiled_after_switch"] == 0 and got["spec_drafts"] > 0, got
+    assert got["traces"]["any"] > 0 and got["traces"]["plain"] == 0, got  # make_fx's traces only
+
+
+def test_a_background_compile_leaves_no_plain_fx_trace_to_its_thread(tmp_path):
+    """The process's one plain fx trace (inductor's, at its first codegen) runs when a background compile is set up,
+    on the engine's thread, not on the compiling one while the engine serves: such a trace patches every module's
+    __call__ for the whole process and failed an eager step meanwhile (one CI run). A fresh process and inductor
+    cache, so inductor generates code; a tiny function is enough to reach that trace."""
+    code = """
+import threading
+import torch
+import torch.fx
+from service.engine.background_compile import THREAD_NAME, BackgroundCompile
+plain = []
+_trace = torch.fx.Tracer.trace
+def trace(self, root, *args, **kwargs):
+    if type(self).call_module is torch.fx.Tracer.call_module:
+        plain.append(threading.current_thread().name)
+    return _trace(self, root, *args, **kwargs)
+torch.fx.Tracer.trace = trace
+assert BackgroundCompile([]).wait(60)  # nothing to compile: what setting one up does
+thread = threading.Thread(target=lambda: torch.compile(lambda x: torch.sigmoid(x) * 2 + 1)(torch.randn(4, 8)),
+                          name=THREAD_NAME)
+thread.start()
+thread.join()
+print("PLAIN", ",".join(plain))
+"""
+    env = dict(os.environ, PYTHONPATH=f"{ROOT}{os.pathsep}{os.environ.get('PYTHONPATH', '')}",
+               TORCHINDUCTOR_CACHE_DIR=str(tmp_path / "inductor"))
+    proc = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=600,
+                          cwd=tmp_path)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    found = re.search(r"PLAIN (.*)", proc.stdout)
+    assert found, proc.stdout
+    assert found[1] == "MainThread", found[1]  # traced once, up front; none on the compiling thread
 
 
 def test_kernels_for_long_caches_are_compiled_before_the_first_request_too(target, draft, monkeypatch):
