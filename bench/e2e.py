@@ -133,6 +133,15 @@ def recovery_steps(recs: list[StepRecord], frac: float = 0.8) -> list[int]:
     return out
 
 
+def split_cores() -> tuple[set[int], set[int]] | None:
+    """This process's cores in two halves, the server's and the trainer's (None: fewer than two, or no affinity)."""
+    cores = sorted(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else []
+    if len(cores) < 2:
+        return None
+    half = len(cores) // 2
+    return set(cores[:half]), set(cores[half:])
+
+
 def core_sharing(args: argparse.Namespace) -> Callable[[], dict[str, Any]] | None:
     """Where the run pins the server and the trainer to halves of the machine, a probe of how much one half's work
     slows the other (taken before and after the runs: on a shared virtual machine it changes over minutes)."""
@@ -175,15 +184,14 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
                          "GRPO trainer")
     args = ap.parse_args(argv)
     args.server_cpus = None
-    cores = sorted(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else []
-    if args.device == "cpu" and not args.no_pin and len(cores) >= 2:
+    halves = split_cores() if args.device == "cpu" and not args.no_pin else None
+    if halves is not None:
         # As in a deployment, the rollout server and the trainer get their own compute: half the cores each,
         # so the server's idle time (the trainer's update) is really idle and its drafter trainer uses it.
-        half = len(cores) // 2
-        args.server_cpus = set(cores[:half])
-        os.sched_setaffinity(0, set(cores[half:]))
-        args.server_threads = args.server_threads or half
-        args.threads = args.threads or len(cores) - half
+        args.server_cpus, trainer_cpus = halves
+        os.sched_setaffinity(0, trainer_cpus)
+        args.server_threads = args.server_threads or len(args.server_cpus)
+        args.threads = args.threads or len(trainer_cpus)
     if args.quick:
         args.steps, args.prompts_per_step, args.max_tokens, args.max_terms, args.skip = 3, 2, 160, 5, 0
     return args

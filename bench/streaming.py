@@ -29,6 +29,7 @@ from typing import Any
 
 from tqdm import tqdm
 
+from bench.e2e import split_cores
 from client import AsyncSpecrollClient
 from examples.grpo.grpo import GRPOConfig, PromptStream, rollout
 from examples.grpo.server import ServerProcess
@@ -82,12 +83,13 @@ def main(argv: list[str] | None = None) -> int:
     if args.quick:
         cfg.prompts_per_step, cfg.group_size, cfg.max_tokens, cfg.max_terms = 2, 4, 64, 5
     model = ensure_default_model()
-    cores = sorted(os.sched_getaffinity(0))
-    server_cpus = set(cores[: len(cores) // 2]) if len(cores) >= 2 else None
+    cores = os.sched_getaffinity(0)
+    halves = split_cores()  # as bench.e2e pins them
+    server_cpus = halves[0] if halves else None
     load_start = os.getloadavg()
     try:
-        if server_cpus:
-            os.sched_setaffinity(0, set(cores[len(cores) // 2:]))
+        if halves:
+            os.sched_setaffinity(0, halves[1])
         with ServerProcess(str(model), drafter=args.drafter, spec=args.spec, threads=len(server_cpus or cores),
                            cpus=server_cpus, max_model_len=cfg.max_tokens + 256,
                            max_num_seqs=max(64, cfg.prompts_per_step * cfg.group_size),
