@@ -181,6 +181,7 @@ class SpecrollServer:
                 await asyncio.to_thread(self.buffer.close)
             await stopping
             await http_task
+            self.ctx.close()
 
     async def _mark_ready(self, health: Any) -> None:
         await asyncio.to_thread(self.backend.wait_loaded)

@@ -5,6 +5,7 @@ from __future__ import annotations
 import enum
 import hashlib
 import math
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 
@@ -96,19 +97,46 @@ def _check_types(p: SamplingParams) -> None:
         raise SamplingError(f"stop_token_ids must be a list of integers, got {ids!r}")
 
 
-def check_fits(params: SamplingParams, prompt_len: int, vocab_size: int, max_model_len: int) -> None:
-    """What the model itself bounds: top_logprobs by the vocabulary, prompt + max_tokens by the context."""
-    if params.top_logprobs > vocab_size:
-        raise SamplingError(f"top_logprobs={params.top_logprobs} exceeds the vocabulary size {vocab_size}")
-    bad = [t for t in params.stop_token_ids if t >= vocab_size]
+@dataclass(frozen=True, slots=True)
+class ModelBounds:
+    """What the served model bounds a request by: its vocabulary, its context and the sequences it runs at once."""
+
+    vocab_size: int
+    max_model_len: int
+    num_slots: int
+
+
+def validate_request(prompt: Sequence[object], params: SamplingParams, bounds: ModelBounds, *,
+                     cut_at_context: bool = False) -> list[int]:
+    """The one check of a request against the model: every API (HTTP, gRPC) and the offline engine call it before
+    anything is queued, so one request never fails the batch it runs in. Returns the prompt as ints; raises
+    SamplingError naming what does not fit. The server refuses a prompt plus max_tokens over the context (a sample
+    cut there is not a real max_tokens stop); the offline engine may cut instead (`cut_at_context`)."""
+    if not prompt:
+        raise SamplingError("the prompt is empty: it must contain at least one token")
+    if not all(_is_int(t) for t in prompt):
+        raise SamplingError("prompt token ids must be integers")
+    ids = [int(t) for t in prompt]  # type: ignore[call-overload]
+    vocab, context = bounds.vocab_size, bounds.max_model_len
+    bad = [t for t in ids if not 0 <= t < vocab]
     if bad:
-        raise SamplingError(f"stop_token_ids out of range [0, {vocab_size}): {bad[:5]}")
-    if prompt_len + params.max_tokens > max_model_len:
-        total = prompt_len + params.max_tokens
+        raise SamplingError(f"prompt token ids out of range [0, {vocab}): {bad[:5]}")
+    if params.top_logprobs > vocab:
+        raise SamplingError(f"top_logprobs={params.top_logprobs} exceeds the vocabulary size {vocab}")
+    bad = [t for t in params.stop_token_ids if t >= vocab]
+    if bad:
+        raise SamplingError(f"stop_token_ids out of range [0, {vocab}): {bad[:5]}")
+    if params.n > bounds.num_slots:
+        raise SamplingError(f"n={params.n} exceeds the {bounds.num_slots} sequences the cache holds")
+    if len(ids) >= context:
+        raise SamplingError(f"prompt has {len(ids)} tokens; max_model_len is {context}")
+    if not cut_at_context and len(ids) + params.max_tokens > context:
+        total = len(ids) + params.max_tokens
         raise SamplingError(
-            f"the prompt ({prompt_len} tokens) plus max_tokens ({params.max_tokens}) is {total}"
-            f" tokens, more than max_model_len {max_model_len}: lower max_tokens to at most "
-            f"{max(max_model_len - prompt_len, 0)} or shorten the prompt")
+            f"the prompt ({len(ids)} tokens) plus max_tokens ({params.max_tokens}) is {total}"
+            f" tokens, more than max_model_len {context}: lower max_tokens to at most "
+            f"{max(context - len(ids), 0)} or shorten the prompt")
+    return ids
 
 
 class FinishReason(enum.StrEnum):

@@ -3,12 +3,15 @@
 from __future__ import annotations
 
 import asyncio
+from collections.abc import Sequence
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 from service.api.auth import Auth
-from service.api.generation import InvalidRequest, Limits, check_request
+from service.api.generation import InvalidRequest, Limits, check_text_size, validate
 from service.backend.base import BackendInfo, NotReady, RolloutBackend, check_mode
+from service.params import ModelBounds
 
 if TYPE_CHECKING:
     from service.api.push_service import PushService
@@ -26,6 +29,13 @@ class ServiceContext:
     limits: Limits = field(default_factory=Limits)
     model_name: str = ""
 
+    def __post_init__(self) -> None:
+        # Tokenizing runs here, never on the event loop: a long text would stall every client of that loop
+        self._tokenize_pool = ThreadPoolExecutor(self.limits.tokenize_workers, thread_name_prefix="specroll-tokenize")
+
+    def close(self) -> None:
+        self._tokenize_pool.shutdown(wait=False, cancel_futures=True)
+
     @property
     def ready(self) -> bool:
         return self.backend.ready
@@ -36,20 +46,35 @@ class ServiceContext:
             raise NotReady(f"the engine has stopped: {self.backend.load_error or 'engine loop ended'}")
         return self.backend.info()
 
-    def check_request(self, prompt: list[int], params: SamplingParams) -> None:
-        """The model's own bounds on a request (vocabulary, context), checked before it is submitted."""
+    def validate(self, prompt: Sequence[Any], params: SamplingParams) -> list[int]:
+        """The request checked against the model's bounds before it is submitted (the one check: see
+        `generation.validate`); returns the prompt's ids."""
         info = self.model()
-        check_request(prompt, params, info.vocab_size, info.max_model_len)
+        return validate(prompt, params, ModelBounds(info.vocab_size, info.max_model_len, info.num_slots))
 
     def tokenizer(self) -> Tokenizer | None:
         self.model()
         return self.backend.tokenizer
 
-    def encode(self, text: str) -> list[int]:
+    def _text_tokenizer(self, texts: Sequence[str]) -> Tokenizer:
         tok = self.tokenizer()
         if tok is None:
             raise InvalidRequest("this model has no tokenizer: send token ids instead of text")
-        return tok.encode(text)
+        max_model_len = self.model().max_model_len
+        for text in texts:
+            check_text_size(text, max_model_len, self.limits)
+        return tok
+
+    def encode(self, text: str) -> list[int]:
+        """Token ids of one text, on the caller's thread (from the event loop, `await tokenize` instead)."""
+        return self._text_tokenizer([text]).encode(text)
+
+    async def tokenize(self, texts: Sequence[str]) -> list[list[int]]:
+        """Token ids of each text, computed on the tokenizer threads; each text's size is checked first."""
+        tok = self._text_tokenizer(texts)
+        if not texts:
+            return []
+        return await asyncio.get_running_loop().run_in_executor(self._tokenize_pool, tok.encode_batch, list(texts))
 
     def name(self) -> str:
         return self.model_name or self.model().model_path.name

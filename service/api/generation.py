@@ -1,4 +1,4 @@
-"""Request limits, sampling-parameter checks, and one generation request as the HTTP layers see it.
+"""Request limits, the one validation of a request, and one generation request as the HTTP layers see it.
 
 `Generation` adds what the engine does not do itself: text (incremental detokenization for streams) and
 stop strings, which end a sample in the API layer (the text stops before the stop string; the tokens
@@ -15,7 +15,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 from service.backend.events import Chunk, Failed, GenRequest, RequestHandle, SampleDone
-from service.params import SamplingError, SamplingParams, VersionSpan, check_fits
+from service.params import ModelBounds, SamplingError, SamplingParams, VersionSpan, validate_request
 
 if TYPE_CHECKING:
     from service.backend.base import RolloutBackend
@@ -40,6 +40,16 @@ class Limits:
     max_upload_bytes: int = 64 * 2**30  # safetensors uploads
     max_message_bytes: int = 8 * 2**20  # gRPC messages (weight chunks are at most 4 MiB)
     stream_interval: int = 8  # gRPC streams send a sample's new tokens once this many are pending (or it ends)
+    # A text prompt over max_model_len x this many UTF-8 bytes is refused before it is tokenized (text runs
+    # 3-5 bytes a token; only a prompt far too long for the context is this long)
+    text_bytes_per_token: int = 16
+    tokenize_workers: int = 2  # threads that tokenize text prompts (off the event loop)
+
+    def __post_init__(self) -> None:
+        for name in ("max_tokens", "max_n", "max_prompts", "max_request_bytes", "max_upload_bytes",
+                     "max_message_bytes", "stream_interval", "text_bytes_per_token", "tokenize_workers"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"limits.{name} must be >= 1, got {getattr(self, name)}")
 
 
 def make_params(limits: Limits, **kw: Any) -> SamplingParams:
@@ -70,24 +80,26 @@ def make_stop(value: Any, limits: Limits) -> list[str]:
     return list(stop)
 
 
-def check_request(prompt: Sequence[int], params: SamplingParams, vocab_size: int, max_model_len: int) -> None:
-    """Refuse at submission what the model cannot honour (top_logprobs over the vocabulary, a prompt plus
-    max_tokens longer than the context): a sample cut at the context limit is not a real max_tokens stop."""
+def validate(prompt: Sequence[Any], params: SamplingParams, bounds: ModelBounds) -> list[int]:
+    """The request checked against the model (`service.params.validate_request`): prompt ids, top_logprobs and
+    stop ids against the vocabulary, n against the slots, prompt plus max_tokens against the context. Every API
+    calls it once before submitting; a failure is an InvalidRequest (400 / INVALID_ARGUMENT)."""
     try:
-        check_fits(params, len(prompt), vocab_size, max_model_len)
+        return validate_request(prompt, params, bounds)
     except SamplingError as exc:
         raise InvalidRequest(str(exc)) from exc
 
 
-def check_prompt(ids: Sequence[Any], vocab_size: int) -> list[int]:
-    if not ids:
-        raise InvalidRequest("the prompt is empty")
-    if not all(isinstance(t, int) and not isinstance(t, bool) for t in ids):
-        raise InvalidRequest("prompt token ids must be integers")
-    bad = [t for t in ids if not 0 <= t < vocab_size]
-    if bad:
-        raise InvalidRequest(f"prompt token ids out of range [0, {vocab_size}): {bad[:5]}")
-    return list(ids)
+def check_text_size(text: str, max_model_len: int, limits: Limits) -> None:
+    """Refuse, before tokenizing, a text too long to fit the context at any plausible token length: tokenizing
+    costs time and memory in proportion to the text, whatever the context holds."""
+    limit = max_model_len * limits.text_bytes_per_token
+    if len(text) * 4 <= limit:  # a character is at most 4 bytes of UTF-8: no need to count
+        return
+    size = len(text.encode("utf-8", "surrogatepass"))
+    if size > limit:
+        raise InvalidRequest(f"the prompt text has {size} bytes, over the limit of {limit} bytes "
+                             f"(max_model_len {max_model_len} x {limits.text_bytes_per_token} bytes per token)")
 
 
 def start_all(gens: Sequence[Generation]) -> None:

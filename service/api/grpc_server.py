@@ -14,7 +14,7 @@ from grpc_reflection.v1alpha import reflection
 
 from service.api.context import ServiceContext
 from service.api.errors import message_of, retry_after, status_of
-from service.api.generation import InvalidRequest, ServiceError, check_prompt, make_params
+from service.api.generation import InvalidRequest, ServiceError, make_params
 from service.api.push_protocol import Manifest, PushError, PushResult, TensorEntry
 from service.api.wire import ChunkView, Corrupt, add_rollout_servicer
 from service.backend.base import NotReady
@@ -65,14 +65,13 @@ class RolloutServicer(pb2_grpc.RolloutServicer):  # type: ignore[misc]
         ctx = self.ctx
         try:
             ctx.auth.check_api(_auth(context))
-            vocab = ctx.model().vocab_size
             tokenizer = ctx.tokenizer()
             if request.prompt_token_ids and request.prompt_text:
                 raise InvalidRequest("give prompt_token_ids or prompt_text, not both")
-            ids = list(request.prompt_token_ids) or (ctx.encode(request.prompt_text) if request.prompt_text else [])
-            prompt = check_prompt(ids, vocab)
+            ids = list(request.prompt_token_ids) or ((await ctx.tokenize([request.prompt_text]))[0]
+                                                     if request.prompt_text else [])
             params = self._params(request)
-            ctx.check_request(prompt, params)
+            prompt = ctx.validate(ids, params)
             rid = request.request_id or uuid.uuid4().hex
             handle = RequestHandle(rid, params.n, _running_loop())
             whole = request.final_only  # no chunks until a sample ends (the engine sends none for it)

@@ -25,7 +25,6 @@ from service.api.generation import (
     InvalidRequest,
     Sample,
     Update,
-    check_prompt,
     make_params,
     make_stop,
     run_all,
@@ -73,19 +72,22 @@ def _unsupported(req: CompletionRequest) -> None:
             raise InvalidRequest(f"{what} is not supported by this server")
 
 
-def _prompts(ctx: ServiceContext, prompt: Any) -> list[list[int]]:
+async def _prompts(ctx: ServiceContext, prompt: Any) -> list[list[int]]:
+    """The prompts as token ids (texts tokenized off the event loop), not yet validated."""
+    texts: list[str] = []
+    prompts: list[Any] = []
     if isinstance(prompt, str):
-        prompts = [ctx.encode(prompt)]
+        texts = [prompt]
     elif prompt and all(isinstance(p, str) for p in prompt):
-        prompts = [ctx.encode(p) for p in prompt]
+        texts = list(prompt)
     elif prompt and all(isinstance(p, list) for p in prompt):
         prompts = list(prompt)
     else:
         prompts = [list(prompt)]
-    if len(prompts) > ctx.limits.max_prompts:
-        raise InvalidRequest(f"{len(prompts)} prompts exceed the server limit of {ctx.limits.max_prompts}")
-    vocab = ctx.model().vocab_size
-    return [check_prompt(p, vocab) for p in prompts]
+    if len(texts) + len(prompts) > ctx.limits.max_prompts:
+        raise InvalidRequest(f"{len(texts) + len(prompts)} prompts exceed the server limit of "
+                             f"{ctx.limits.max_prompts}")
+    return await ctx.tokenize(texts) if texts else prompts
 
 
 def _logprobs(gen: Generation, ids: list[int], lps: list[float], tops: list[dict[int, float]],
@@ -125,9 +127,7 @@ async def completions(req: CompletionRequest, ctx: ApiCtx, request: Request) -> 
     params = make_params(ctx.limits, n=req.n, temperature=req.temperature, top_p=req.top_p, top_k=req.top_k,
                          min_p=req.min_p, seed=req.seed, max_tokens=req.max_tokens,
                          stop_token_ids=req.stop_token_ids, ignore_eos=req.ignore_eos, top_logprobs=req.logprobs or 0)
-    prompts = _prompts(ctx, req.prompt)
-    for p in prompts:
-        ctx.check_request(p, params)
+    prompts = [ctx.validate(p, params) for p in await _prompts(ctx, req.prompt)]
     base = req.request_id or uuid.uuid4().hex
     tok = ctx.tokenizer()
     gens = [Generation(ctx.backend, tok, p, params, base if len(prompts) == 1 else f"{base}-{j}",

@@ -25,7 +25,6 @@ from service.api.generation import (
     InvalidRequest,
     Sample,
     Update,
-    check_prompt,
     make_params,
     make_stop,
     run_all,
@@ -70,19 +69,20 @@ def _params(ctx: ServiceContext, sp: Any) -> tuple[Any, list[str]]:
     return params, stop
 
 
-def _prompts(ctx: ServiceContext, req: GenerateRequest) -> list[list[int]]:
+async def _prompts(ctx: ServiceContext, req: GenerateRequest) -> list[list[int]]:
+    """The prompts as token ids (texts tokenized off the event loop), not yet validated."""
     if (req.text is None) == (req.input_ids is None):
         raise InvalidRequest("give exactly one of text and input_ids")
+    texts: list[str] = []
     if req.input_ids is not None:
         ids: Any = req.input_ids
         prompts = list(ids) if ids and isinstance(ids[0], list) else [list(ids)]
     else:
         texts = [req.text] if isinstance(req.text, str) else list(req.text or [])
-        prompts = [ctx.encode(t) for t in texts]
+        prompts = texts  # type: ignore[assignment]  # counted here, tokenized below
     if not prompts or len(prompts) > ctx.limits.max_prompts:
         raise InvalidRequest(f"give 1 to {ctx.limits.max_prompts} prompts, got {len(prompts)}")
-    vocab = ctx.model().vocab_size
-    return [check_prompt(p, vocab) for p in prompts]
+    return await ctx.tokenize(texts) if texts else prompts
 
 
 def _finish(s: Sample) -> dict[str, Any] | None:
@@ -113,7 +113,7 @@ def _item(gen: Generation, s: Sample, logprob: bool, started: float, index: int 
 @router.post("/generate")
 async def generate(req: GenerateRequest, ctx: ApiCtx, request: Request) -> Any:
     started = time.monotonic()
-    prompts = _prompts(ctx, req)
+    prompts = await _prompts(ctx, req)
     sps = req.sampling_params if isinstance(req.sampling_params, list) else [req.sampling_params or {}] * len(prompts)
     if len(sps) != len(prompts):
         raise InvalidRequest(f"{len(sps)} sampling_params for {len(prompts)} prompts")
@@ -125,7 +125,7 @@ async def generate(req: GenerateRequest, ctx: ApiCtx, request: Request) -> Any:
     gens = []
     for j, (prompt, sp) in enumerate(zip(prompts, sps, strict=True)):
         params, stop = _params(ctx, sp)
-        ctx.check_request(prompt, params)
+        prompt = ctx.validate(prompt, params)
         rid = rids[j] if rids is not None else (base if len(prompts) == 1 else f"{base}-{j}")
         gens.append(Generation(ctx.backend, tok, prompt, params, rid, req.group_id, req.metadata, stop,
                                whole=not req.stream))

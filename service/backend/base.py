@@ -189,8 +189,10 @@ class RolloutBackend(abc.ABC):
     # -- generation ------------------------------------------------------------------------------------------
     @abc.abstractmethod
     def submit_all(self, items: list[tuple[GenRequest, RequestHandle]]) -> None:
-        """Admit every request or none (raises Overloaded), then queue them. Each handle then receives the
-        request's chunks and one SampleDone per sample, or one Failed (bad input found by the engine: invalid)."""
+        """Admit every request or none (raises Overloaded), then queue them. The caller has validated each one
+        against `info()` (`service.params.validate_request`, as every API does); the backend checks only what is
+        its own (a request id in use, a parameter it cannot serve). Each handle then receives the request's chunks
+        and one SampleDone per sample, or one Failed (invalid: the request's own error)."""
 
     @abc.abstractmethod
     def abort(self, request_id: str, reason: str = "client") -> Future[bool]:

@@ -20,14 +20,14 @@ from service.engine.drafters.base import Drafter
 from service.engine.kv_cache import KVCache, slots_for_budget
 from service.engine.runner import ModelRunner, StepResult, TokenResult
 from service.engine.scheduler import Scheduler, SchedulerOutput
-from service.engine.sequence import Request, RequestOutput, Sequence, StepOutput, check_request, completion_of
+from service.engine.sequence import Request, RequestOutput, Sequence, StepOutput, completion_of
 from service.engine.speculative.estimates import Ewma
 from service.engine.stats import EngineStats, StepRecord
 from service.engine.strategy import PLAIN, Strategy
 from service.engine.strategy_driver import StrategyDriver, open_trace
 from service.models.llama import CausalLM
 from service.models.loader import load_model
-from service.params import SamplingError, SamplingParams, sample_seed
+from service.params import ModelBounds, SamplingError, SamplingParams, sample_seed, validate_request
 from service.tokenizer import Tokenizer
 
 logger = logging.getLogger(__name__)
@@ -94,10 +94,19 @@ class LLMEngine:
         request_id: str | None = None,
         group_id: str | None = None,
     ) -> str:
+        """Queue a request from a caller nothing has checked (offline use), with the one validation every API
+        runs (`validate_request`; SamplingError naming what does not fit). A sample reaching max_model_len
+        ends there with finish reason length."""
         params = params or SamplingParams()
-        prompt = [int(t) for t in prompt_token_ids]
-        check_request(prompt, params, self.model_config.vocab_size, self.config.max_model_len,
-                      self.scheduler.num_slots)
+        bounds = ModelBounds(self.model_config.vocab_size, self.config.max_model_len, self.scheduler.num_slots)
+        prompt = validate_request(prompt_token_ids, params, bounds, cut_at_context=True)
+        return self.enqueue(prompt, params, request_id, group_id)
+
+    def enqueue(self, prompt: list[int], params: SamplingParams, request_id: str | None = None,
+                group_id: str | None = None) -> str:
+        """Queue a request already validated (`validate_request`, by its API or `add_request`). What the engine
+        relies on for its own state is asserted; a request id still in use is the caller's error (SamplingError)."""
+        assert 0 < len(prompt) < self.config.max_model_len, "an unvalidated prompt reached the engine"
         request_id = request_id or uuid.uuid4().hex
         if request_id in self.requests:
             raise SamplingError(f"request id {request_id!r} is already in use")

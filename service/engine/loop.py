@@ -206,11 +206,10 @@ class EngineLoop:
 
     def _add(self, engine: LLMEngine, req: GenRequest, handle: RequestHandle) -> None:
         try:
-            rid = engine.add_request(req.prompt_token_ids, req.params, request_id=req.request_id,
-                                     group_id=req.group_id)
-        except (SamplingError, ValueError) as exc:
-            handle.release()
-            handle.put_many([Failed(str(exc), invalid=True)])
+            rid = engine.enqueue(list(req.prompt_token_ids), req.params, req.request_id, req.group_id)
+        except Exception as exc:  # a request id still in use (the rest was validated by its API), or a bug: this
+            handle.release()      # request fails alone
+            handle.put_many([Failed(str(exc), invalid=isinstance(exc, SamplingError))])
             return
         self._disp.track(handle, engine.requests[rid], req.metadata, req.stream)
 

@@ -55,8 +55,7 @@ class Scheduler:
 
     # -- queue management -------------------------------------------------------------------------
     def add(self, request: Request) -> None:
-        if request.params.n > self.num_slots:
-            raise ValueError(f"n={request.params.n} exceeds the {self.num_slots} sequences the KV cache holds")
+        assert len(request.seqs) <= self.num_slots, "validate_request bounds n by the slots"
         self.waiting.append(request)
 
     @property

@@ -7,7 +7,7 @@ import itertools
 import time
 from dataclasses import dataclass, field
 
-from service.params import FinishReason, SamplingError, SamplingParams, VersionSpan
+from service.params import FinishReason, SamplingParams, VersionSpan
 
 
 class SequenceStatus(enum.Enum):
@@ -171,23 +171,6 @@ class StepOutput:
     drafter_version: str = ""
     num_prompt_tokens: int = 0
     num_output_tokens: int = 0
-
-
-def check_request(prompt: list[int], params: SamplingParams, vocab_size: int, max_model_len: int,
-                  num_slots: int) -> None:
-    """SamplingError for a request this engine cannot serve, before it is queued: one request must never fail
-    the batch it runs in."""
-    if not prompt:
-        raise SamplingError("prompt must contain at least one token")
-    if len(prompt) >= max_model_len:
-        raise SamplingError(f"prompt has {len(prompt)} tokens; max_model_len is {max_model_len}")
-    bad = [t for t in prompt if not 0 <= t < vocab_size]
-    if bad:
-        raise SamplingError(f"prompt token ids out of range [0, {vocab_size}): {bad[:5]}")
-    if params.top_logprobs > vocab_size:
-        raise SamplingError(f"top_logprobs={params.top_logprobs} exceeds the vocabulary size {vocab_size}")
-    if params.n > num_slots:
-        raise SamplingError(f"n={params.n} exceeds the {num_slots} sequences the cache holds")
 
 
 def completion_of(seq: Sequence) -> CompletionOutput:

@@ -30,7 +30,7 @@ from service.backend.base import (
 from service.backend.events import Failed
 from service.backend.hooks import Hooks
 from service.config import EngineConfig, ModelConfig
-from service.params import SamplingError, check_fits
+from service.params import SamplingError
 from service.tokenizer import Tokenizer
 from service.vllm.config import VllmConfig, parse_drafter
 from service.vllm.engine import build_engine, spec_table_for, wants_profile
@@ -201,10 +201,9 @@ class VllmBackend(WeightPushes, RolloutBackend):
 
     # -- generation ------------------------------------------------------------------------------------------
     def submit_all(self, items: list[tuple[GenRequest, RequestHandle]]) -> None:
-        info = self.info()
-        for req, _ in items:  # validated whole before anything is admitted or reaches vLLM
+        self.info()
+        for req, _ in items:  # what this backend cannot do (the model's bounds were validated by the API)
             check_params(req.params, speculating=bool(self.table), cpu=self._cpu)
-            check_fits(req.params, len(req.prompt_token_ids), info.vocab_size, info.max_model_len)
             if req.request_id in self._runs:
                 raise SamplingError(f"request id {req.request_id!r} is already in use")
         tickets = self.admission.admit([(r.params.n, len(r.prompt_token_ids) + r.params.max_tokens)
