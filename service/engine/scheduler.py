@@ -3,6 +3,12 @@
 Cache slots: every running sequence owns one slot of the static KV cache, and running sequences always
 occupy slots 0..B-1 (slot == batch row). When a sequence leaves, the sequence in the last slot moves into
 the hole, so a decode batch is always a contiguous view of the cache, even deep in the long tail.
+
+Fairness: requests start in arrival order, all samples of a request at once, except that one request never
+runs more than `share` samples (the slots less a reserve of num_slots // 8, at least one). A request with more
+samples starts them in parts, each as one of its own ends, and while it is at its share it holds back nobody
+behind it. So one request can never take every slot: a request of up to `reserve` samples arriving behind it
+starts at the next step (docs/api.md, "Fairness").
 """
 
 from __future__ import annotations
@@ -40,11 +46,20 @@ class SchedulerOutput:
     slot_lo: int = 0
 
 
+def default_reserve(num_slots: int) -> int:
+    """Slots one request never takes while it is running on its own: an eighth, at least one (none of one)."""
+    return 0 if num_slots < 2 else max(1, num_slots // 8)
+
+
 class Scheduler:
-    def __init__(self, num_slots: int, max_num_batched_tokens: int) -> None:
+    def __init__(self, num_slots: int, max_num_batched_tokens: int, reserve: int | None = None) -> None:
         if num_slots < 1:
             raise ValueError("the KV cache must hold at least one sequence")
+        reserve = default_reserve(num_slots) if reserve is None else reserve
+        if not 0 <= reserve < num_slots:
+            raise ValueError(f"the reserve must be in [0, {num_slots}), got {reserve}")
         self.num_slots = num_slots
+        self.share = num_slots - reserve  # the most samples of one request running at once
         self.max_num_batched_tokens = max_num_batched_tokens
         self.waiting: deque[Request] = deque()
         self.running: list[Sequence] = []  # running[i].slot == i
@@ -60,7 +75,7 @@ class Scheduler:
 
     @property
     def num_waiting_seqs(self) -> int:
-        return sum(len(r.seqs) for r in self.waiting)
+        return sum(1 for r in self.waiting for s in r.seqs if s.status is SequenceStatus.WAITING)
 
     def has_work(self) -> bool:
         return bool(self.waiting or self.running)
@@ -75,14 +90,14 @@ class Scheduler:
             return SchedulerOutput("decode", seqs=list(self.running), moves=moves)
         return SchedulerOutput("idle", moves=moves)
 
-    def _prefill(self, admitted: list[Request], moves: list[SlotCopy]) -> SchedulerOutput:
+    def _prefill(self, admitted: list[tuple[Request, list[Sequence]]], moves: list[SlotCopy]) -> SchedulerOutput:
         """One prefill row per distinct prompt: the samples of a request (n > 1) and requests that repeat a
         prompt (a trainer sending a GRPO group as separate requests) get the row's prompt K/V copied."""
         row: dict[tuple[int, ...], int] = {}
         leaders: list[tuple[Sequence, int]] = []  # (sample, its row): row r's leader goes to slot_lo + r
         followers: list[tuple[Sequence, int]] = []
-        for r in admitted:
-            for s in r.seqs:
+        for r, seqs in admitted:
+            for s in seqs:
                 if r.prompt_key in row:
                     followers.append((s, row[r.prompt_key]))
                 else:
@@ -94,27 +109,38 @@ class Scheduler:
             s.status = SequenceStatus.RUNNING
             self.running.append(s)
         forks = [SlotCopy(slot_lo + r, s.slot, len(s.prompt_token_ids)) for s, r in followers]
-        return SchedulerOutput("prefill", requests=admitted, prompts=[list(p) for p in row],
+        return SchedulerOutput("prefill", requests=[r for r, _ in admitted], prompts=[list(p) for p in row],
                                seqs=[s for s, _ in leaders + followers],
                                row_of=[r for _, r in leaders + followers], moves=moves, forks=forks, slot_lo=slot_lo)
 
-    def _admit(self) -> list[Request]:
-        admitted: list[Request] = []
+    def _admit(self) -> list[tuple[Request, list[Sequence]]]:
+        """The samples that start this step, by request, in arrival order (see the module's fairness rule)."""
+        admitted: list[tuple[Request, list[Sequence]]] = []
         free = self.num_slots - len(self.running)
         longest = 0
         prompts: set[tuple[int, ...]] = set()  # prefill rows so far: a repeated prompt adds none
-        while self.waiting:
-            req = self.waiting[0]
-            need = len(req.seqs)
+        for req in list(self.waiting):
+            pending = [s for s in req.seqs if s.status is SequenceStatus.WAITING]
+            left = len(pending)
+            if len(req.seqs) <= self.share:
+                if left > free:  # a request within its share starts whole; those behind it wait
+                    break
+            else:
+                room = self.share - sum(1 for s in req.seqs if s.status is SequenceStatus.RUNNING)
+                if room <= 0:  # at its share: it cannot start more now, so it holds back nobody
+                    continue
+                if free == 0:
+                    break
+                pending = pending[:min(room, free)]
             key = req.prompt_key
             longest_next = max(longest, len(key))
-            over_budget = longest_next * (len(prompts) + (key not in prompts)) > self.max_num_batched_tokens
-            if need > free or (admitted and over_budget):
+            if admitted and longest_next * (len(prompts) + (key not in prompts)) > self.max_num_batched_tokens:
                 break
-            self.waiting.popleft()
-            admitted.append(req)
+            admitted.append((req, pending))
+            if len(pending) == left:  # every sample has started
+                self.waiting.remove(req)
             prompts.add(key)
-            free -= need
+            free -= len(pending)
             longest = longest_next
         return admitted
 
@@ -139,9 +165,10 @@ class Scheduler:
         for req in list(self.waiting):
             if req.request_id == request_id:
                 self.waiting.remove(req)
-                for s in req.seqs:
+                pending = [s for s in req.seqs if s.status is SequenceStatus.WAITING]  # the rest run: below
+                for s in pending:
                     s.finish(FinishReason.ABORT)
-                touched += req.seqs
+                touched += pending
         for seq in [s for s in self.running if s.request_id == request_id]:
             seq.finish(FinishReason.ABORT)
             self.release(seq)
