@@ -17,9 +17,10 @@ TINY = {"tied": False, "vocab_size": 16, "init_std": 0.2, "head_dim": 32, "hidde
 MAX_LEN = 64
 
 
-def start_vllm(model: Path, drafter: str = "none", spec: str = "off", k: int = 3, **kw: Any) -> BackgroundServer:
-    engine_kw = {"drafter": drafter, "spec": spec, "spec_k": k, "max_model_len": MAX_LEN, "max_num_seqs": 256,
-                 "kv_cache_memory_gb": 0.125}
+def start_vllm(model: Path, drafter: str = "none", spec: str = "off", k: int = 3, max_num_seqs: int = 256,
+               max_len: int = MAX_LEN, **kw: Any) -> BackgroundServer:
+    engine_kw = {"drafter": drafter, "spec": spec, "spec_k": k, "max_model_len": max_len,
+                 "max_num_seqs": max_num_seqs, "kv_cache_memory_gb": 0.125}
     srv = start_server(model, engine_kw=engine_kw, backend="vllm",
                        vllm=VllmConfig(num_speculative_tokens=k, gpu_memory_utilization=0.3), **kw)
     return srv

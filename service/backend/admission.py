@@ -33,6 +33,13 @@ class Overloaded(RuntimeError):
         self.retry_after_s = retry_after_s
 
 
+def request_share(num_slots: int) -> int:
+    """The most samples one request runs at once, on either engine: the slots less a reserve of an eighth (at
+    least one; none with a single slot). One request can then never take every slot: a small request arriving
+    behind it starts at the next step (docs/api.md, "Fairness")."""
+    return num_slots if num_slots < 2 else num_slots - max(1, num_slots // 8)
+
+
 @dataclass(slots=True)
 class AdmissionLimits:
     max_waiting_seqs: int = 4096

@@ -16,6 +16,7 @@ from __future__ import annotations
 from collections import deque
 from dataclasses import dataclass, field
 
+from service.backend.admission import request_share
 from service.engine.sequence import Request, Sequence, SequenceStatus
 from service.params import FinishReason
 
@@ -46,20 +47,12 @@ class SchedulerOutput:
     slot_lo: int = 0
 
 
-def default_reserve(num_slots: int) -> int:
-    """Slots one request never takes while it is running on its own: an eighth, at least one (none of one)."""
-    return 0 if num_slots < 2 else max(1, num_slots // 8)
-
-
 class Scheduler:
-    def __init__(self, num_slots: int, max_num_batched_tokens: int, reserve: int | None = None) -> None:
+    def __init__(self, num_slots: int, max_num_batched_tokens: int) -> None:
         if num_slots < 1:
             raise ValueError("the KV cache must hold at least one sequence")
-        reserve = default_reserve(num_slots) if reserve is None else reserve
-        if not 0 <= reserve < num_slots:
-            raise ValueError(f"the reserve must be in [0, {num_slots}), got {reserve}")
         self.num_slots = num_slots
-        self.share = num_slots - reserve  # the most samples of one request running at once
+        self.share = request_share(num_slots)  # the most samples of one request running at once
         self.max_num_batched_tokens = max_num_batched_tokens
         self.waiting: deque[Request] = deque()
         self.running: list[Sequence] = []  # running[i].slot == i

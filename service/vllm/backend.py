@@ -17,7 +17,7 @@ from concurrent.futures import Future
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, TypeVar
 
-from service.backend.admission import Admission
+from service.backend.admission import Admission, request_share
 from service.backend.base import (
     CAP_SEEDS,
     CAP_TOP_LOGPROBS,
@@ -224,7 +224,8 @@ class VllmBackend(WeightPushes, RolloutBackend):
                 handle.put_many([Failed(f"request id {req.request_id!r} is already in use", invalid=True)])
                 continue
             run = RequestRun(req, handle, self._engine, self._vllm, self.versions, self.hooks, self.metrics,
-                             lambda: self._strategy, self._forget, self._outbox)
+                             lambda: self._strategy, self._forget, self._outbox,
+                             request_share(self.config.max_num_seqs))
             self._runs[req.request_id] = run
             run.start()
 
@@ -239,6 +240,8 @@ class VllmBackend(WeightPushes, RolloutBackend):
 
     async def _abort(self, request_ids: list[str], reason: str) -> Any:
         found = [rid for rid in request_ids if rid in self._runs]
+        for rid in found:
+            self._runs[rid].aborted = True
         ids = [sid for rid in found for sid in self._runs[rid].sample_ids]
         if ids:
             await self._engine.abort(ids)
@@ -263,6 +266,8 @@ class VllmBackend(WeightPushes, RolloutBackend):
             await self._engine.is_paused()  # a round trip: step outputs sent before the pause are queued first
             await asyncio.sleep(0.02)  # ... and handed to their rows (as vLLM's own pause waits)
             running = [rid for rid, r in self._runs.items() if r.num_running()]
+            for rid in running:  # their samples held back by the share end too
+                self._runs[rid].aborted = True
             ids = [sid for rid in running for sid in self._runs[rid].running_sample_ids()]
             if ids:
                 await self._engine.abort(ids)

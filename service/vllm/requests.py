@@ -106,8 +106,10 @@ class RequestRun:
 
     def __init__(self, req: GenRequest, handle: RequestHandle, engine: Any, vllm: Any, versions: Versions,
                  hooks: Hooks, metrics: Metrics | None, strategy: Callable[[], str],
-                 on_done: Callable[[RequestRun], None], outbox: Outbox) -> None:
+                 on_done: Callable[[RequestRun], None], outbox: Outbox, share: int) -> None:
         self.req, self.handle, self.engine, self.vllm, self.outbox = req, handle, engine, vllm, outbox
+        self.share = share  # the most samples of this request in vLLM at once (`request_share`)
+        self.aborted = False  # samples not started yet end as aborted instead of starting
         self.versions, self.hooks, self.metrics, self.strategy = versions, hooks, metrics, strategy
         self.on_done = on_done
         self.samples = [Sample(i) for i in range(req.params.n)]
@@ -125,7 +127,22 @@ class RequestRun:
         return sum(1 for s in self.samples if s.running)
 
     def start(self) -> None:
-        self.tasks = [asyncio.ensure_future(self._run(s)) for s in self.samples]
+        gate = asyncio.Semaphore(self.share)  # vLLM admits each sample as its own request: cap them here
+        self.tasks = [asyncio.ensure_future(self._gated(s, gate)) for s in self.samples]
+
+    async def _gated(self, s: Sample, gate: asyncio.Semaphore) -> None:
+        try:
+            await gate.acquire()
+        except asyncio.CancelledError:
+            self._finish(s, "abort")
+            return
+        try:
+            if self.aborted:
+                self._finish(s, "abort")
+            else:
+                await self._run(s)
+        finally:
+            gate.release()
 
     async def _run(self, s: Sample) -> None:
         prompt = {"prompt_token_ids": list(self.req.prompt_token_ids)}
