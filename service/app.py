@@ -24,7 +24,7 @@ from service.api.auth import Auth
 from service.api.context import ServiceContext
 from service.api.generation import Limits
 from service.api.grpc_server import build_grpc_server, set_health
-from service.api.http_server import create_app
+from service.api.http_server import create_app, header_deadline
 from service.api.push_service import PushService
 from service.backend.admission import Admission, AdmissionCollector, AdmissionLimits
 from service.backend.base import NotReady, RolloutBackend, StatsSnapshot
@@ -154,7 +154,8 @@ class SpecrollServer:
         await set_health(health, False)
         await grpc_server.start()
         http = _Uvicorn(uvicorn.Config(create_app(self.ctx), host=cfg.host, port=cfg.http_port, log_level="warning",
-                                       access_log=False, lifespan="off", timeout_graceful_shutdown=2))
+                                       access_log=False, lifespan="off", timeout_graceful_shutdown=2,
+                                       http=header_deadline(cfg.limits.header_timeout_s)))
         http_task = asyncio.create_task(http.serve())
         while not http.started and not http_task.done():
             await asyncio.sleep(0.01)

@@ -6,6 +6,7 @@ import asyncio
 from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
+from pathlib import PurePath
 from typing import TYPE_CHECKING, Any
 
 from service.api.auth import Auth
@@ -18,6 +19,19 @@ if TYPE_CHECKING:
     from service.backend.metrics import Metrics
     from service.params import SamplingParams
     from service.tokenizer import Tokenizer
+
+
+def folder_names(drafter: str) -> str:
+    """A --drafter setting with each folder cut to its name ("suffix,/models/q/draft" -> "suffix,draft",
+    "eagle:/heads/e1" -> "eagle:e1"): only the admin sees where the server's files are."""
+    items = []
+    for item in drafter.split(","):
+        method, sep, path = item.partition(":")
+        if sep and "/" not in method:  # method:DIR
+            items.append(f"{method}:{PurePath(path).name}" if path else item)
+        else:
+            items.append(PurePath(item).name if "/" in item else item)
+    return ",".join(items)
 
 
 @dataclass
@@ -101,7 +115,7 @@ class ServiceContext:
             "vocab_size": info.vocab_size,
             "max_model_len": info.max_model_len,
             "dtype": info.dtype,
-            "drafter": info.drafter,
+            "drafter": info.drafter if admin else folder_names(info.drafter),
             "eos_token_id": -1 if info.eos_token_id is None else info.eos_token_id,
             "max_waiting_seqs": admission.limits.max_waiting_seqs,
             "max_pending_tokens": admission.limits.max_pending_tokens,

@@ -44,12 +44,15 @@ class Limits:
     # 3-5 bytes a token; only a prompt far too long for the context is this long)
     text_bytes_per_token: int = 16
     tokenize_workers: int = 2  # threads that tokenize text prompts (off the event loop)
+    header_timeout_s: float = 10.0  # an HTTP connection that has not sent a whole request head by then is closed
 
     def __post_init__(self) -> None:
         for name in ("max_tokens", "max_n", "max_prompts", "max_request_bytes", "max_upload_bytes",
                      "max_message_bytes", "stream_interval", "text_bytes_per_token", "tokenize_workers"):
             if getattr(self, name) < 1:
                 raise ValueError(f"limits.{name} must be >= 1, got {getattr(self, name)}")
+        if not self.header_timeout_s > 0:
+            raise ValueError(f"limits.header_timeout_s must be > 0, got {self.header_timeout_s}")
 
 
 def make_params(limits: Limits, **kw: Any) -> SamplingParams:

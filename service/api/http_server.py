@@ -7,12 +7,14 @@ import logging
 from collections.abc import Awaitable, Callable, MutableMapping
 from typing import Any
 
+import h11
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.openapi.utils import get_openapi
 from fastapi.responses import JSONResponse, PlainTextResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST
 from starlette.exceptions import HTTPException
+from uvicorn.protocols.http.h11_impl import H11Protocol
 
 from service.api.context import ServiceContext
 from service.api.deps import UPLOAD_PATH
@@ -25,6 +27,38 @@ logger = logging.getLogger(__name__)
 
 Scope = MutableMapping[str, Any]
 ASGIApp = Callable[[Scope, Callable[[], Awaitable[Any]], Callable[[Any], Awaitable[None]]], Awaitable[None]]
+
+
+def header_deadline(timeout_s: float) -> type[H11Protocol]:
+    """uvicorn's h11 protocol with a deadline on each request's head: a connection that has not sent a whole
+    request line and headers within `timeout_s` of opening (or of its last response) is closed. uvicorn's own
+    keep-alive timer restarts on every byte, so a client trickling a header would hold its socket for ever."""
+
+    class HeaderDeadline(H11Protocol):
+        def connection_made(self, transport: Any) -> None:
+            super().connection_made(transport)
+            self._arm_head_deadline()
+
+        def on_response_complete(self) -> None:
+            super().on_response_complete()
+            self._arm_head_deadline()
+
+        def connection_lost(self, exc: Exception | None) -> None:
+            self._head_timer.cancel()
+            super().connection_lost(exc)
+
+        def _arm_head_deadline(self) -> None:
+            timer = getattr(self, "_head_timer", None)
+            if timer is not None:
+                timer.cancel()
+            self._head_timer = self.loop.call_later(timeout_s, self._head_deadline)
+
+        def _head_deadline(self) -> None:
+            idle = self.cycle is None or self.cycle.response_complete
+            if idle and self.conn.their_state is h11.IDLE and not self.transport.is_closing():
+                self.transport.close()
+
+    return HeaderDeadline
 
 
 def error_body(status: int, message: str, kind: str) -> dict[str, Any]:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 
+import httpx
 import pytest
 from helpers import make_checkpoint
 from service_utils import ADMIN, checkpoint_tensors, perturbed, start_server
@@ -55,6 +56,10 @@ def test_drafter_push_swaps_between_steps(target_dir, draft_dir):
             assert "d1" in c.server_info().drafter_version
             res = c.load_weights(str(draft_dir), "d3", role="drafter")
             assert res.version == "d3" and "d3" in c.server_info().drafter_version
+            assert c.server_info().drafter == str(draft_dir)  # the admin (a co-located sidecar) sees the path
+        with SpecrollClient(srv.grpc_target) as c:  # anyone else, the folder's name only
+            assert c.server_info().drafter == draft_dir.name
+        assert httpx.get(srv.http_url + "/server_info").json()["drafter"] == draft_dir.name
     finally:
         srv.stop()
 
