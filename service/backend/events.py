@@ -94,6 +94,12 @@ class RolloutRecord:
     params: SamplingParams | None = None  # how the sample was drawn (the distillation target's processing)
     top_logprobs: list[dict[int, float]] | None = None
 
+    @property
+    def never_started(self) -> bool:
+        """Aborted before its first token (queued when a shutdown, pause or client ended it): nothing to train
+        on, so it is not a rollout; its client still gets the final message."""
+        return self.finish_reason == "abort" and not self.output_token_ids
+
 
 def whole_chunks(done: SampleDone) -> list[Chunk]:
     """A finished sample's tokens as the chunks a stream would have merged into: one per run of tokens that the

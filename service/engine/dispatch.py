@@ -72,7 +72,7 @@ class Dispatcher:
                 tr.last_token_time[i] = now
             if out.finished:
                 record, done = self._finish(engine, tr, i, out, now)
-                if self.hooks.takes_rollouts:
+                if self.hooks.takes_rollouts and not record.never_started:
                     finished.append((record, tr.handle, done))
                 else:
                     events.append(done)

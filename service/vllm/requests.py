@@ -236,8 +236,8 @@ class RequestRun:
         if self.finished == len(self.samples):
             self.handle.release()
             self.on_done(self)
-        if self.hooks.takes_rollouts:  # after the sample's chunks: the outbox flushes before the hooks thread runs
-            self.outbox.flush()
+        if self.hooks.takes_rollouts and not record.never_started:  # after the sample's chunks: the outbox
+            self.outbox.flush()  # flushes before the hooks thread runs
             self.hooks.rollout_finished(record, lambda: deliver([(self.handle, [done])]))
         else:
             self.outbox.put(self.handle, [done])

@@ -227,3 +227,42 @@ def test_streamed_upload_over_the_limit_is_413(base_dir):
                        timeout=60)
         assert r.status_code == 413 and "exceeds the limit" in r.json()["error"]["message"]
         assert httpx.get(srv.http_url + "/health").status_code == 200
+
+
+def test_a_shutdown_stores_the_started_samples_only(base_dir, redis_server, tmp_path):
+    """At a shutdown the running samples end as aborted rollouts with their tokens; the queued ones that never
+    started end too (their clients get a final message) but are no rollouts: nothing empty reaches the buffer."""
+    import redis
+    from service_utils import start_server
+
+    from service.buffer import BufferConfig
+    from service.buffer.codec import decode_entry
+
+    stream = "shutdown-rollouts"
+    srv = start_server(base_dir, engine_kw={"max_num_seqs": 2}, redis_url=redis_server,
+                       buffer=BufferConfig(redis_url=redis_server, stream=stream, spool_dir=str(tmp_path / "spool")))
+
+    async def run() -> tuple[set[str], int]:
+        async with AsyncSpecrollClient(srv.grpc_target, admin_token=ADMIN, retries=0) as c:
+            started: set[str] = set()
+            finals: list[Any] = []
+
+            async def consume(i: int) -> None:
+                async for ev in c.stream([3, 4, 5 + i], request_id=f"r{i}", max_tokens=200, ignore_eos=True):
+                    if hasattr(ev, "rollout_id"):
+                        finals.append(ev)
+                    else:
+                        started.add(f"r{i}")
+
+            tasks = [asyncio.ensure_future(consume(i)) for i in range(6)]
+            while len(started) < 2:
+                await asyncio.sleep(0.01)
+            await asyncio.to_thread(srv.stop)  # what SIGTERM runs
+            await asyncio.gather(*tasks, return_exceptions=True)
+            return started, len(finals)
+
+    started, num_finals = asyncio.run(run())
+    assert num_finals == 6  # every client has its final message
+    records = [decode_entry(i.decode(), f) for i, f in redis.Redis.from_url(redis_server).xrange(stream)]
+    assert {r.rollout_id.split(":")[0] for r in records} == started and len(started) == 2
+    assert all(r.finish_reason == "abort" and r.output_token_ids for r in records)
