@@ -23,7 +23,7 @@ logger = logging.getLogger("render_panels")
 
 DASHBOARDS = sorted(Path(__file__).resolve().parent.glob("specroll*-dashboard.json"))
 KEY_PANELS = ("Tokens / s", "Speculative decoding: acceptance", "Decoding strategy (steps / s)",
-              "Time to first token", "Weight pushes", "Rollout buffer")
+              "Time to first token", "Weight push latency (pushes of the last hour)", "Rollout buffer")
 
 
 def promql(expr: str, rate_interval: str) -> str:
