@@ -165,3 +165,6 @@ def test_the_sandbox_holds(tmp_path):
                                      "{{ m.content }}{% endfor %}"})
     assert safe.render([{"role": "user", "content": "<é>"}, {"role": "user", "content": "!"}]) == \
         '"<é>"|{"a": 1}!'
+    blocks = ChatTemplates({"default": "{% for m in messages %}\n  {% if m %}\n{{ m.content }}\n  {% endif %}\n"
+                                       "{% endfor %}"})
+    assert blocks.render([{"role": "user", "content": "x"}]) == "x\n"  # trim_blocks and lstrip_blocks
