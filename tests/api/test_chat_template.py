@@ -22,7 +22,7 @@ from pathlib import Path
 
 import pytest
 from tokenizers import Tokenizer as HFTokenizer
-from tokenizers import models, pre_tokenizers
+from tokenizers import models, pre_tokenizers, processors
 
 from service.chat_template import ChatTemplateError, ChatTemplates
 from service.tokenizer import Tokenizer
@@ -77,6 +77,9 @@ def _model_dir(root: Path, template: str, where: str) -> Path:
     tok = HFTokenizer(models.WordLevel(vocab={s: i for i, s in enumerate(symbols)}, unk_token="<unk>"))
     tok.pre_tokenizer = pre_tokenizers.Split("", behavior="isolated")
     tok.add_special_tokens([t for t in (bos, eos, *extra) if t is not None])
+    if bos is not None:  # like Llama 3's tokenizer.json: plain encoding adds the bos, a rendered template has its own
+        bos_id = tok.token_to_id(bos)
+        tok.post_processor = processors.TemplateProcessing(single=f"{bos} $A", special_tokens=[(bos, bos_id)])
     folder = root / f"{template}-{where}"
     folder.mkdir()
     tok.save(str(folder / "tokenizer.json"))
