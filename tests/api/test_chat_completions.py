@@ -247,7 +247,8 @@ def test_openai_client_chat(server, http):
         assert cut.choices[0].finish_reason == "stop" and words.startswith(cut.choices[0].message.content)
 
 
-def test_litellm_completion(server, http):
+def test_litellm_completion(server, http, monkeypatch):
+    monkeypatch.setenv("LITELLM_LOCAL_MODEL_COST_MAP", "True")  # its bundled price list: no fetch from GitHub
     litellm = pytest.importorskip("litellm")
     kw = {"model": "openai/m", "api_base": server.http_url + "/v1", "api_key": KEY, "messages": CHAT,
           "max_tokens": 8, "temperature": 0}
