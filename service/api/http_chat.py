@@ -12,6 +12,7 @@ is refused with a 400 naming the files it lacks. Generation, stop strings and st
 
 from __future__ import annotations
 
+import asyncio
 import json
 import time
 import uuid
@@ -242,7 +243,7 @@ def _choice(gen: Generation, s: Sample, want: bool) -> dict[str, Any]:
 @router.post("/v1/chat/completions/tokens")
 async def chat_completions(req: ChatRequest, ctx: ApiCtx, request: Request) -> Any:
     _unsupported(req)
-    prompt = _prompt(request, ctx, req)
+    prompt = await asyncio.to_thread(_prompt, request, ctx, req)  # rendering and tokenizing: off the event loop
     info = ctx.model()
     max_tokens = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
     if max_tokens is None:  # as much as the context and the server limit leave

@@ -13,6 +13,8 @@ from pathlib import Path
 import httpx
 import pytest
 from helpers import make_checkpoint
+from hypothesis import HealthCheck, Phase, given, settings
+from hypothesis import strategies as st
 from service_utils import start_server
 
 from service.api.generation import Limits
@@ -211,6 +213,28 @@ def test_tools_and_kwargs_reach_the_template_and_bad_input_is_refused(http, tok)
         assert words in err["message"] and err["type"] == "invalid_request_error", (body, err)
     r = httpx.post(http.base_url.join("/v1/chat/completions"), json={"messages": CHAT})
     assert r.status_code == 401
+
+
+JSON = st.recursive(st.none() | st.booleans() | st.integers(-3, 3) | st.floats(allow_nan=False) | st.text(max_size=8),
+                    lambda inner: st.lists(inner, max_size=3) | st.dictionaries(st.text(max_size=6), inner, max_size=3),
+                    max_leaves=8)
+MESSAGE = st.fixed_dictionaries({"role": st.sampled_from(["system", "user", "assistant", "tool", "x"]) | JSON},
+                                optional={"content": JSON | st.text(max_size=12), "tool_calls": JSON,
+                                          "reasoning_content": JSON, "tool_call_id": JSON})
+
+
+@settings(max_examples=60, deadline=None, suppress_health_check=list(HealthCheck), phases=[Phase.generate],
+          derandomize=True)
+@given(messages=st.lists(MESSAGE, min_size=1, max_size=4), tools=st.none() | st.lists(JSON, max_size=2),
+       kwargs=st.none() | st.dictionaries(st.text(max_size=6), JSON, max_size=2),
+       history=st.none() | st.lists(st.integers(0, 600), max_size=5))
+def test_odd_conversations_are_answered_never_with_a_server_error(http, messages, tools, kwargs, history):
+    """Whatever JSON a conversation holds, the template's failures are the request's 400, never a 5xx."""
+    body = {"messages": messages, "tools": tools, "chat_template_kwargs": kwargs, "history_token_ids": history,
+            "max_tokens": 2}
+    r = http.post("/v1/chat/completions", json={k: v for k, v in body.items() if v is not None})
+    assert r.status_code in (200, 400), r.text
+    assert r.status_code == 200 or r.json()["error"]["type"] == "invalid_request_error"
 
 
 def test_a_model_without_a_template_is_refused(tmp_path):
