@@ -171,3 +171,32 @@ def test_the_sandbox_holds(tmp_path):
     blocks = ChatTemplates({"default": "{% for m in messages %}\n  {% if m %}\n{{ m.content }}\n  {% endif %}\n"
                                        "{% endfor %}"})
     assert blocks.render([{"role": "user", "content": "x"}]) == "x\n"  # trim_blocks and lstrip_blocks
+
+
+@pytest.mark.parametrize("template", sorted(FAMILIES))
+def test_history_continuation_is_the_rendered_rest_on_every_template(template, tmp_path):
+    """history_token_ids (the ids of turn 1's prompt + the model's reply, ending with the template's stop token)
+    continued with the next messages: the history as it is, then exactly the ids of the text the whole
+    conversation's rendering has after it."""
+    from service.api.http_chat import ChatRequest, _continuation, _Render
+
+    folder = _model_dir(tmp_path, template, "file")
+    templates, tok = ChatTemplates.from_dir(folder), Tokenizer.from_dir(folder)
+    _, eos, _ = FAMILIES[template]
+    said = "2"
+    follow = [{"role": "user", "content": "and 3 + 3?"}]
+    if template.startswith("qwen"):
+        follow = [{"role": "tool", "content": "6"}, *follow]
+    turn1 = [{"role": "user", "content": "1 + 1?"}]
+    conv = [*turn1, {"role": "assistant", "content": said}, *follow]
+    before = templates.render(turn1, add_generation_prompt=True)
+    history = [*tok.encode(before, add_special_tokens=False), *tok.encode(said, add_special_tokens=False),
+               tok.token_to_id(eos)]
+    full = templates.render(conv, add_generation_prompt=True)
+    # DeepSeek-R1 re-renders the reply without the "<think>\n" its generation prompt wrote: the drift a
+    # re-tokenized history would have; the continuation keeps the model's own tokens
+    assert full.startswith(before + said + eos) == (not template.startswith("deepseek")), template
+    rest = full[full.index(said + eos) + len(said + eos):]
+    render = _Render(templates, ChatRequest(messages=conv))
+    got = _continuation(render, tok, conv, history, True)
+    assert got == history + tok.encode(rest, add_special_tokens=False), template
