@@ -132,11 +132,12 @@ class Tokenizer:
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
         """Token ids of ``text``; special tokens are only added by the tokenizer's post-processor (a rendered
         chat template has its own: encode it with ``add_special_tokens=False``)."""
-        return list(self._tok.encode(text, add_special_tokens=add_special_tokens).ids)
+        # encode_batch, unlike encode, releases the GIL while it runs: other threads (an event loop) go on
+        return list(self._tok.encode_batch([text], add_special_tokens=add_special_tokens)[0].ids)
 
     def encode_batch(self, texts: Sequence[str]) -> list[list[int]]:
-        """Token ids of each text. Unlike `encode`, it releases the GIL while it runs: the server tokenizes
-        with it on worker threads, and the event loop keeps serving meanwhile."""
+        """Token ids of each text, computed without the GIL: the server tokenizes on worker threads while its
+        event loop keeps serving."""
         return [list(enc.ids) for enc in self._tok.encode_batch(list(texts), add_special_tokens=True)]
 
     def decode(self, ids: Sequence[int], skip_special_tokens: bool = True) -> str:

@@ -93,6 +93,19 @@ def validate(prompt: Sequence[Any], params: SamplingParams, bounds: ModelBounds)
         raise InvalidRequest(str(exc)) from exc
 
 
+def check_prompt(ids: Sequence[Any], vocab_size: int) -> list[int]:
+    """Token ids given in a field that is not the whole prompt yet (a chat history): integers in the vocabulary.
+    The whole prompt is checked by `validate`."""
+    if not ids:
+        raise InvalidRequest("the prompt is empty")
+    if not all(isinstance(t, int) and not isinstance(t, bool) for t in ids):
+        raise InvalidRequest("prompt token ids must be integers")
+    bad = [t for t in ids if not 0 <= t < vocab_size]
+    if bad:
+        raise InvalidRequest(f"prompt token ids out of range [0, {vocab_size}): {bad[:5]}")
+    return list(ids)
+
+
 def check_text_size(text: str, max_model_len: int, limits: Limits) -> None:
     """Refuse, before tokenizing, a text too long to fit the context at any plausible token length: tokenizing
     costs time and memory in proportion to the text, whatever the context holds."""

@@ -32,6 +32,7 @@ from service.api.generation import (
     Sample,
     Update,
     check_prompt,
+    check_text_size,
     make_params,
     make_stop,
     run_all,
@@ -211,7 +212,9 @@ def _prompt(request: Request, ctx: ServiceContext, req: ChatRequest) -> list[int
     if req.history_token_ids is not None:
         history = check_prompt(req.history_token_ids, vocab)
         return check_prompt(_continuation(render, tok, messages, history, req.add_generation_prompt), vocab)
-    return check_prompt(tok.encode(render(messages, req.add_generation_prompt), add_special_tokens=False), vocab)
+    text = render(messages, req.add_generation_prompt)
+    check_text_size(text, ctx.model().max_model_len, ctx.limits)  # before tokenizing: its cost grows with the text
+    return check_prompt(tok.encode(text, add_special_tokens=False), vocab)
 
 
 def _entry(gen: Generation, token: int, logprob: float) -> dict[str, Any]:
@@ -252,7 +255,7 @@ async def chat_completions(req: ChatRequest, ctx: ApiCtx, request: Request) -> A
     params = make_params(ctx.limits, n=req.n, temperature=req.temperature, top_p=req.top_p, top_k=req.top_k,
                          min_p=req.min_p, seed=req.seed, max_tokens=max_tokens, stop_token_ids=req.stop_token_ids,
                          ignore_eos=req.ignore_eos, top_logprobs=(req.top_logprobs or 0) if req.logprobs else 0)
-    ctx.check_request(prompt, params)
+    prompt = ctx.validate(prompt, params)
     base = req.request_id or uuid.uuid4().hex
     gen = Generation(ctx.backend, ctx.tokenizer(), prompt, params, base, req.group_id, req.metadata, stop,
                      whole=not req.stream)
