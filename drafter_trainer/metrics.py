@@ -15,9 +15,10 @@ class TrainerMetrics:
                                 registry=r)
         self.acked = Counter(P + "entries_acked", "Stream entries acked after the checkpoint that took them in",
                              registry=r)
-        self.dead = Counter(P + "entries_dead_lettered", "Entries moved to the dead-letter stream", registry=r)
-        self.failed = Counter(P + "entries_failed", "Entries whose processing failed (left for redelivery)",
-                              registry=r)
+        self.dead = Counter(P + "entries_dead_lettered", "Entries moved to the dead-letter stream, by kind of fault "
+                            "(encoding, protobuf, missing, shape, token_range, non_finite, params, error, deliveries)",
+                            ["reason"], registry=r)
+        self.failed = Counter(P + "entries_failed", "Entries that failed to decode or to be taken in", registry=r)
         self.duplicates = Counter(P + "entries_duplicate", "Entries whose rollout id was already taken in",
                                   registry=r)
         self.taken = Counter(P + "rollouts_taken", "Rollouts taken in, by role", ["role"], registry=r)

@@ -45,6 +45,8 @@ class DrafterTrainer:
                  metrics: TrainerMetrics | None = None, store: CheckpointStore | None = None) -> None:
         self.cfg, self.source, self.server, self.student, self.teacher = cfg, source, server, student, teacher
         self.metrics = metrics or TrainerMetrics()
+        if source is not None:
+            source.on_dead_letter = lambda kind: self.metrics.dead.labels(kind).inc()
         self.store = store
         self.lr = cfg.lr if cfg.lr is not None else FRESH_LR if student.fresh else TUNE_LR
         self.optim = torch.optim.AdamW(student.module.parameters(), lr=self.lr)
@@ -113,28 +115,37 @@ class DrafterTrainer:
             self._push(self.served, self.served_version)
 
     def take_in(self, entries: list[Entry]) -> None:
+        """Decode and account for each entry on its own: one that is not a rollout, or whose token ids lie outside
+        the vocabulary the drafter is trained on, is dead-lettered at once (a retry decodes it the same way); one
+        whose taking-in fails for another reason is left for redelivery. Either way the rest go on."""
         for e in entries:
             self.metrics.consumed.inc()
             try:
-                r = decode_entry(e.entry_id, e.fields)
+                r = decode_entry(e.entry_id, e.fields, vocab_size=self.student.vocab)
             except PayloadError as exc:
                 self.metrics.failed.inc()
-                before = self.source.dead_lettered
-                self.source.fail(e, str(exc))
-                self.metrics.dead.inc(self.source.dead_lettered - before)
+                self.source.dead_letter(e, str(exc), exc.reason)
                 continue
-            seen = self.ledger.seen(r.rollout_id)
-            if seen is not None:
-                self.metrics.duplicates.inc()
-                if seen == "settled":
-                    self._ack([e.entry_id])
-                else:
-                    self.ledger.hold(e.entry_id)
-                continue
-            role = self.pool.role(r.rollout_id) if usable(r, self.cfg.max_seq_len, self.student.min_col) else "skip"
-            self.ledger.take(r.rollout_id, role, e.entry_id)
-            self.metrics.taken.labels(role).inc()
-            self.pool.add(r, role)
+            try:
+                self._take(e, r)
+            except Exception as exc:
+                logger.exception("taking in entry %s failed", e.entry_id)
+                self.metrics.failed.inc()
+                self.source.fail(e, f"{type(exc).__name__}: {exc}", "error")
+
+    def _take(self, e: Entry, r: BufferedRollout) -> None:
+        seen = self.ledger.seen(r.rollout_id)
+        if seen is not None:
+            self.metrics.duplicates.inc()
+            if seen == "settled":
+                self._ack([e.entry_id])
+            else:
+                self.ledger.hold(e.entry_id)
+            return
+        role = self.pool.role(r.rollout_id) if usable(r, self.cfg.max_seq_len, self.student.min_col) else "skip"
+        self.ledger.take(r.rollout_id, role, e.entry_id)
+        self.metrics.taken.labels(role).inc()
+        self.pool.add(r, role)
 
     def due(self) -> bool:
         waited = time.monotonic() - self._last_round >= self.cfg.max_wait_s
