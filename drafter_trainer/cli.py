@@ -74,7 +74,7 @@ def build(cfg: TrainerConfig, metrics: Any = None, lease: Any = None) -> Any:
                           metrics, store, lease)
 
 
-def serve(cfg: TrainerConfig, stop: threading.Event) -> None:
+def serve(cfg: TrainerConfig, stop: threading.Event, metrics: Any = None) -> None:
     """Stand by until this sidecar holds its consumer group's lease, train until `stop` is set or the lease is
     lost (then stand by again, and resume from the checkpoint when it is ours once more)."""
     import redis
@@ -84,7 +84,7 @@ def serve(cfg: TrainerConfig, stop: threading.Event) -> None:
 
     if not cfg.redis_url:
         raise ValueError("--redis-url is required (the sidecar reads the server's rollout stream)")
-    metrics = TrainerMetrics()
+    metrics = metrics or TrainerMetrics()
     if cfg.metrics_port:
         from drafter_trainer.metrics_http import serve_metrics
 
