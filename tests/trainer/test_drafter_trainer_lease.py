@@ -146,12 +146,14 @@ def test_two_sidecars_on_one_group_one_trains_and_a_lost_lease_stops_the_old_hol
                 trainer.take_in(trainer.source.read(64, 20))
                 assert len(trainer.ledger.held) == 8  # the 8 new ones
                 r.delete(key)
-                assert Lease(r, key, "other", 1000).try_acquire()
+                taker = Lease(r, key, "other", 1000)
+                assert taker.try_acquire()
                 assert not trainer._push(trainer.student.module, "c-1")
                 assert value(trainer.metrics.pushes.labels("fenced")) == 1
                 assert "c-1" not in c.server_info().drafter_version
                 trainer.commit()
                 assert taken() == 32 and r.xpending(stream, "drafter-trainer")["pending"] == 8  # no checkpoint, no ack
+                taker.release()
             finally:
                 trainer.server.client.close()
                 lease.release()
