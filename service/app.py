@@ -208,7 +208,6 @@ def run_server(engine_config: EngineConfig, config: ServerConfig) -> int:
         logger.error("the model failed to load: %s", server.backend.load_error)
         code = 1
     if server.backend.must_exit_hard():  # everything is closed; a backend thread cannot be joined
-        logger.info("exiting without finalizing (the backend has a thread that cannot be joined)")
         logging.shutdown()
         sys.stdout.flush()
         sys.stderr.flush()

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import copy
 import logging
+import threading
 import weakref
 from collections.abc import Iterable
 from concurrent.futures import Future
@@ -63,12 +64,13 @@ class NativeBackend(RolloutBackend):
         self._info: BackendInfo | None = None
         self._roles: dict[str, WeightSpec] = {}
         self._lent: weakref.WeakSet[TeacherSnapshot] = weakref.WeakSet()  # teacher snapshots alive
+        self._lent_lock = threading.Lock()
 
     def _load(self) -> LLMEngine:
         """Engine thread: build the engine and what never changes while it serves."""
         engine = LLMEngine(self.config)
         self._stager = WeightStager(engine, self._reuse)
-        self._stager.lent = lambda module: any(s.module is module for s in list(self._lent))
+        self._stager.lent = self._is_lent
         self._roles = self._stager.roles()  # architectures never change: a push must match them
         tok = engine.tokenizer
         caps = {CAP_RAW_LOGPROBS, CAP_TOP_LOGPROBS, CAP_SEEDS}
@@ -200,10 +202,15 @@ class NativeBackend(RolloutBackend):
 
         def take(engine: LLMEngine) -> TeacherSnapshot:
             snap = TeacherSnapshot(str(engine.policy_version), engine.runner.model)
-            self._lent.add(snap)
+            with self._lent_lock:
+                self._lent.add(snap)
             return snap
 
         return self.loop.call(take)
+
+    def _is_lent(self, module: object) -> bool:
+        with self._lent_lock:
+            return any(s.module is module for s in self._lent)
 
     def drafter_copy(self) -> Future[DrafterCopy | None]:
         self._loaded()
@@ -219,4 +226,7 @@ class NativeBackend(RolloutBackend):
     def must_exit_hard(self) -> bool:
         from service.engine.background_compile import still_compiling
 
-        return still_compiling()
+        if not still_compiling():
+            return False
+        logger.info("exiting with the background compile unfinished")  # see background_compile.py
+        return True
