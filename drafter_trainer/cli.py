@@ -106,6 +106,7 @@ def serve(cfg: TrainerConfig, stop: threading.Event, metrics: Any = None) -> Non
         finally:
             if trainer is not None:
                 trainer.server.client.close()
+                trainer.source.r.close()
             if lease is not None:
                 lease.release()
         if lease is None or (cfg.max_rounds is not None and trainer.round >= cfg.max_rounds):
