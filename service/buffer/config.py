@@ -62,6 +62,12 @@ class BufferConfig:
     def rewards_prefix(self) -> str:
         return f"{self.stream}:reward:"
 
+    @property
+    def marker_key(self) -> str:
+        """A key the buffer keeps in Redis: when it disappears, Redis lost its data (FLUSHALL, a restart
+        without persistence), counted in ``specroll:buffer_redis_data_lost_total``."""
+        return f"{self.stream}:marker"
+
     def spool_path(self) -> Path:
         if self.spool_dir:
             return Path(self.spool_dir)
