@@ -121,8 +121,8 @@ class Spool:
         self._full_need = 0  # bytes a write lacked room for (0: the last write had room)
         self._failing: str | None = None  # reason of the failing streak of writes, for logging once
         spec = os.environ.get(FAULT_ENV, "") if fault is None else fault
-        name, _, times = spec.partition(":")
-        self._fault_point, self._fault_left = name, int(times) if times.isdigit() else 1
+        name, _, times = spec.rpartition(":")
+        self._fault_point, self._fault_left = (name, int(times)) if times.isdigit() else (spec, 1)
         self._open()
 
     # -- state --------------------------------------------------------------------------------------
