@@ -9,11 +9,14 @@ it is still there or was delivered before the crash (duplicates are allowed: at-
 from __future__ import annotations
 
 import os
+import shutil
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
+import redis
+from redis_utils import OwnRedis
 
 from service.buffer.spool import Spool
 
@@ -109,3 +112,42 @@ def test_kill_at_each_named_point_of_replay(tmp_path, point):
     out = child("replay", tmp_path, fault=point)
     assert out.returncode == 137, f"the fault point {point} was not reached: {out.stderr[-2000:]}"
     check_replay(tmp_path, out)
+
+
+BUFFER_CHILD = Path(__file__).with_name("buffer_child.py")
+
+
+def buffer_child(*args: str, fault: str | None = None) -> subprocess.CompletedProcess[str]:
+    env = {key: value for key, value in os.environ.items() if key != FAULT_ENV}
+    env["PYTHONPATH"] = str(ROOT)
+    if fault:
+        env[FAULT_ENV] = fault
+    return subprocess.run([sys.executable, str(BUFFER_CHILD), *args], env=env, capture_output=True, text=True,
+                          timeout=120)
+
+
+def test_kill9_at_each_step_of_a_real_replay_into_redis(tmp_path):
+    """40 rollouts are acknowledged (stored called) with Redis down and the server is killed -9; the next
+    start replays them into a real Redis and is killed -9 at each step of that replay in turn (after a read,
+    after the Redis write, after saving the read position, after deleting a read segment); a third start
+    finishes. Every acknowledged rollout is in the stream (duplicates allowed, consumers dedupe)."""
+    own = OwnRedis(tmp_path)
+    spooled = buffer_child("spool", own.url, "test:crash", str(tmp_path / "spool0"), "40")  # Redis not started
+    assert spooled.returncode == 137, spooled.stderr[-3000:]
+    acked = spooled.stdout.split()
+    assert len(acked) == 40
+    own.start()
+    r = redis.Redis.from_url(own.url)
+    try:
+        for i, point in enumerate(["replay:peeked:2", "replay:written:2", "commit:saved:2", "remove:unlinked:1"]):
+            folder, stream = tmp_path / f"spool{i + 1}", f"test:crash{i}"
+            shutil.copytree(tmp_path / "spool0", folder)
+            killed = buffer_child("replay", own.url, stream, str(folder), fault=point)
+            assert killed.returncode == 137, f"{point} not reached: {killed.stderr[-3000:]}"
+            finished = buffer_child("replay", own.url, stream, str(folder))
+            assert finished.returncode == 0 and finished.stdout.strip() == "done", finished.stderr[-3000:]
+            ids = [f[b"rollout_id"].decode() for _, f in r.xrange(stream)]
+            assert set(acked) <= set(ids), f"{point}: {sorted(set(acked) - set(ids))} lost"
+    finally:
+        r.close()
+        own.stop()
