@@ -63,6 +63,7 @@ class RedisBuffer:
         self.redis_data_lost = 0  # times the marker key showed that Redis lost its data
         self._epoch = uuid.uuid4().hex.encode()  # this buffer's marker value, set when none is there
         self._marker: bytes | None = None  # the marker value Redis showed last
+        self._writes = 0
         self.redis_up = True
         self._q: deque[tuple[bytes, Stored]] = deque()
         self._unsynced: list[Stored] = []  # spooled, waiting for the next fsync
@@ -108,6 +109,10 @@ class RedisBuffer:
     @property
     def queued(self) -> int:
         return len(self._q)
+
+    def lost_count(self) -> int:
+        """Records lost to a failing spool or an undecodable record (not the full-spool policy's drops)."""
+        return sum(self.spool.lost.values()) + sum(self.lost.values())
 
     def _lost(self, reason: str, n: int) -> None:
         self.lost[reason] = self.lost.get(reason, 0) + n
@@ -239,7 +244,8 @@ class RedisBuffer:
                 except Exception as exc:  # a record nothing can write: counted, skipped
                     self._lost("undecodable", 1)
                     logger.error("dropping an undecodable buffer record (%d bytes): %s", len(data), exc)
-            pipe.set(cfg.marker_key, self._epoch, nx=True)
+            self._writes += 1  # a value never set before: a marker set afresh always differs from the last
+            pipe.set(cfg.marker_key, b"%s:%d" % (self._epoch, self._writes), nx=True)
             pipe.get(cfg.marker_key)
             results = pipe.execute()
         except Exception as exc:

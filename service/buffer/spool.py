@@ -149,6 +149,9 @@ class Spool:
                     st = os.statvfs(self.path)
                     if st.f_bavail * st.f_frsize >= self._full_need + 8192:
                         self._full_need = 0
+                        if self._failing == "disk_full":
+                            logger.info("spool %s: the file system has room again", self.path)
+                            self._failing = None
                 except OSError:
                     pass
             return bool(self._full_need)
