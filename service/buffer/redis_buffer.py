@@ -1,20 +1,17 @@
 """Finished rollouts into a Redis stream, without ever making generation wait for Redis.
 
 The hooks thread hands records to `submit`, which only appends to an in-memory queue (or the spool file)
-and returns. A writer thread sends the queue to Redis in pipelined batches (XADD MAXLEN ~ for rollouts,
-SET EX for rewards) and removes records only once Redis took them. While Redis is down or slow the queue
-fills, and from then on records go to the spool until the writer has replayed all of it, so the order
-records reach Redis is the order they were submitted: queue first, then spool, then new records. A write
-that timed out may have reached Redis and is sent again, so delivery is at-least-once: consumers dedupe
-on rollout id. At shutdown whatever could not be written is kept in the spool for the next start.
+and returns. A writer thread sends the queue to Redis in pipelined batches and removes records only once
+Redis took them. While Redis is down or slow, records go to the spool until the writer has replayed all
+of it, so records reach Redis in the order they were submitted. Delivery is at-least-once: consumers
+dedupe on rollout id. At shutdown whatever could not be written is kept in the spool for the next start.
 
-Durability: a record submitted with a `stored` callback gets it called once the record is in Redis (its
-batch's write returned) or fsync'd in the spool. The server sends a sample's final message only then, so
-a rollout a client received survives a kill -9 of the server. Spool appends are fsync'd in groups: every
-record spooled while one fsync runs shares the next. When a write to Redis fails, the queue moves to the
-spool (durably) at once, so clients never wait for Redis to come back.
+Durability: a record's `stored` callback runs once the record is in Redis or fsync'd in the spool, and the
+server sends a sample's final message only then, so a rollout a client received survives a kill -9. No
+failure stops that: a record neither Redis nor the spool can take is counted as lost by reason and its
+callback still runs; the writer survives any exception. A marker key in Redis shows when Redis lost its
+data. docs/buffer.md tells the whole story.
 """
-
 from __future__ import annotations
 
 import itertools
@@ -64,6 +61,7 @@ class RedisBuffer:
         self._epoch = uuid.uuid4().hex.encode()  # this buffer's marker value, set when none is there
         self._marker: bytes | None = None  # the marker value Redis showed last
         self._writes = 0
+        self._spill_failing = False  # the queue could not move to the spool last time (logged once)
         self.redis_up = True
         self._q: deque[tuple[bytes, Stored]] = deque()
         self._unsynced: list[Stored] = []  # spooled, waiting for the next fsync
@@ -207,10 +205,13 @@ class RedisBuffer:
             self.spool.prepend([data for data, _ in left])
         except Exception as exc:
             self.spool_errors += 1
-            logger.warning("cannot spool %d queued records (%s): they stay in memory until Redis is back",
-                           len(left), exc)
+            if not self._spill_failing:
+                logger.warning("cannot spool %d queued records (%s): they stay in memory until Redis is back",
+                               len(left), exc)
+            self._spill_failing = True
             self._release_queue()
             return
+        self._spill_failing = False
         with self._cond:
             for _ in left:
                 self._q.popleft()

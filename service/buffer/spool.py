@@ -142,19 +142,19 @@ class Spool:
 
     @property
     def disk_full(self) -> bool:
-        """True while the last write found no room and the file system still lacks it."""
-        with self._lock:
-            if self._full_need:
-                try:
-                    st = os.statvfs(self.path)
-                    if st.f_bavail * st.f_frsize >= self._full_need + 8192:
-                        self._full_need = 0
-                        if self._failing == "disk_full":
-                            logger.info("spool %s: the file system has room again", self.path)
-                            self._failing = None
-                except OSError:
-                    pass
-            return bool(self._full_need)
+        """True while the last write found no room and the file system still lacks it. Takes no lock (an
+        event loop asks it; a slow fsync must not hold it up)."""
+        need = self._full_need
+        if need:
+            with contextlib.suppress(OSError):
+                st = os.statvfs(self.path)
+                if st.f_bavail * st.f_frsize >= need + 8192:
+                    if self._failing == "disk_full":
+                        logger.info("spool %s: the file system has room again", self.path)
+                        self._failing = None
+                    self._full_need = 0
+                    return False
+        return bool(need)
 
     @property
     def failing(self) -> str | None:
