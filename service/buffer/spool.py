@@ -189,7 +189,14 @@ class Spool:
             if head_seq is not None and seq < head_seq:  # fully read before
                 self._file(seg).unlink()
                 continue
-            self._scan(seg, head_off if seq == head_seq else starts.get(seq, 0))
+            try:
+                self._scan(seg, head_off if seq == head_seq else starts.get(seq, 0))
+            except OSError as exc:  # its records cannot be counted: one damaged stretch
+                self.corrupt += 1
+                logger.error("cannot read spool segment %s (%s): set aside as *.bad", self._file(seg), exc)
+                with contextlib.suppress(OSError):
+                    os.replace(self._file(seg), self._file(seg).with_suffix(".bad"))
+                continue
             if seg.count == 0:
                 self._file(seg).unlink()
                 continue

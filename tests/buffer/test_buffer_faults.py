@@ -143,3 +143,102 @@ def test_a_redis_that_lost_its_data_is_reported(tmp_path, caplog, how):
     finally:
         buffer.close()
         own.stop()
+
+
+def stream_ids(url: str, stream: str) -> list[str]:
+    r = redis.Redis.from_url(url)
+    try:
+        return [f[b"rollout_id"].decode() for _, f in r.xrange(stream)]
+    finally:
+        r.close()
+
+
+def test_an_undecodable_record_is_counted_and_skipped(redis_server, tmp_path):
+    """A record that is not a spool record at all, queued between good ones: it is counted as lost and the
+    rest reach Redis (a decode error used to kill the writer: no final message was sent again)."""
+    stream = "test:undecodable"
+    buffer = RedisBuffer(BufferConfig(redis_url=redis_server, stream=stream, spool_dir=str(tmp_path / "spool")))
+    called = []
+    try:
+        buffer.submit(rollout(0), lambda: called.append(0))
+        buffer.submit(b"\xff\xfe not a protobuf", lambda: called.append(1))
+        buffer.submit(rollout(2), lambda: called.append(2))
+        assert buffer.flush(30)
+        buffer.submit(rollout(3), lambda: called.append(3))
+        assert buffer.flush(30)
+        assert stream_ids(redis_server, stream) == ["r0", "r2", "r3"]
+        assert sorted(called) == [0, 1, 2, 3] and buffer.lost["undecodable"] == 1
+        assert buffer.stats()["lost_undecodable"] == 1
+    finally:
+        buffer.close()
+
+
+def spool_of_12(folder):
+    from service.buffer.spool import Spool
+
+    spool = Spool(folder, max_bytes=1 << 20, segment_bytes=150)
+    for i in range(12):
+        spool.append(rollout(i))
+    spool.close()
+    segments = sorted(folder.glob("seg-*"))
+    assert len(segments) >= 3
+    return segments, [s.count for s in Spool(folder, max_bytes=1 << 20, segment_bytes=150)._segments]
+
+
+def test_an_unreadable_segment_is_set_aside_and_the_rest_replayed(redis_server, tmp_path):
+    """A spool segment that cannot be read (a folder where the file was), found while the spool runs or at
+    start: it is renamed *.bad and counted; the server starts and the other segments reach Redis."""
+    from service.buffer.spool import Spool
+
+    segments, counts = spool_of_12(tmp_path / "running")
+    running = Spool(tmp_path / "running", max_bytes=1 << 20, segment_bytes=150)
+    segments[1].unlink()
+    segments[1].mkdir()  # open() now fails with IsADirectoryError
+    out = []
+    while got := running.peek(5):
+        out += got
+        running.commit(len(got))
+    assert len(out) == 12 - counts[1] and running.lost["spool_error"] == counts[1]
+
+    folder, stream = tmp_path / "start", "test:unreadable"
+    segments, counts = spool_of_12(folder)
+    segments[0].unlink()
+    segments[0].mkdir()
+    buffer = RedisBuffer(BufferConfig(redis_url=redis_server, stream=stream, spool_dir=str(folder),
+                                      spool_segment_bytes=150, spool_max_bytes=1 << 20))
+    try:
+        assert buffer.spool.corrupt == 1
+        wait_for(lambda: len(buffer.spool) == 0 and not buffer._spooling, 30, "spool replayed")
+        assert stream_ids(redis_server, stream) == [f"r{i}" for i in range(counts[0], 12)]
+        assert list(folder.glob("*.bad"))
+    finally:
+        buffer.close()
+
+
+def test_the_writer_survives_any_exception(redis_server, tmp_path, monkeypatch):
+    """Fault injection: reading the spool raises an unexpected error (not an OSError, not a Redis error) a
+    few times. The writer counts it, backs off and carries on; every record reaches Redis."""
+    stream = "test:writer"
+    cfg = BufferConfig(redis_url=redis_server, stream=stream, spool_dir=str(tmp_path / "spool"), queue_max=1)
+    buffer = RedisBuffer(cfg)
+    peek, failures = buffer.spool.peek, [3]
+
+    def failing_peek(n: int) -> list[bytes]:
+        if failures[0] > 0:
+            failures[0] -= 1
+            raise RuntimeError("injected")
+        return peek(n)
+
+    monkeypatch.setattr(buffer.spool, "peek", failing_peek)
+    called = []
+    try:
+        with buffer._cond:  # the next records go to the spool (as while Redis is behind)
+            buffer._spooling = True
+        for i in range(5):
+            buffer.submit(rollout(i), lambda i=i: called.append(i))
+        wait_for(lambda: len(called) == 5, 30, "every stored callback")
+        assert buffer.flush(30)
+        assert stream_ids(redis_server, stream) == [f"r{i}" for i in range(5)]
+        assert buffer.writer_errors == 3 and buffer._thread.is_alive()
+    finally:
+        buffer.close()
