@@ -30,7 +30,7 @@ from service.backend.admission import Admission, AdmissionCollector, AdmissionLi
 from service.backend.base import NotReady, RolloutBackend, StatsSnapshot
 from service.backend.hooks import Hooks
 from service.backend.metrics import Metrics
-from service.buffer import BufferConfig, MemoryBuffer, attach_buffer
+from service.buffer import BufferConfig, MemoryBuffer, RedisBuffer, attach_buffer
 from service.config import EngineConfig
 
 logger = logging.getLogger(__name__)
@@ -102,6 +102,8 @@ class SpecrollServer:
         self._aloop: asyncio.AbstractEventLoop | None = None
         self.started = threading.Event()
         self.buffer = attach_buffer(self._buffer_config(), self.hooks, self.metrics.registry)
+        if isinstance(self.buffer, RedisBuffer):
+            self.ctx.degraded_fn = self.buffer.degraded
         self.trainer = self._start_trainer()
 
     def _stats(self) -> StatsSnapshot | None:
