@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import PurePath
@@ -42,6 +42,7 @@ class ServiceContext:
     auth: Auth = field(default_factory=Auth)
     limits: Limits = field(default_factory=Limits)
     model_name: str = ""
+    degraded_fn: Callable[[], list[str]] | None = None  # why the server serves degraded (e.g. the buffer's disk)
 
     def __post_init__(self) -> None:
         # Tokenizing runs here, never on the event loop: a long text would stall every client of that loop
@@ -53,6 +54,13 @@ class ServiceContext:
     @property
     def ready(self) -> bool:
         return self.backend.ready
+
+    def degraded(self) -> list[str]:
+        """Reasons the server runs degraded while it still serves (a full spool disk, Redis down)."""
+        try:
+            return self.degraded_fn() if self.degraded_fn is not None else []
+        except Exception:
+            return ["unknown"]
 
     def model(self) -> BackendInfo:
         """What the backend serves; raises NotReady (503 / UNAVAILABLE) until it is loaded."""
