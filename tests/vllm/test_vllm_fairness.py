@@ -20,6 +20,7 @@ HOG = {"n": SLOTS, "temperature": 0.0, "max_tokens": LEN - 8, "ignore_eos": True
 def test_a_small_request_passes_a_full_slot_hog(vllm_model):
     srv = start_vllm(vllm_model, max_num_seqs=SLOTS, max_len=LEN)
     try:
+        assert srv.server.backend.wait_loaded(600), "vLLM did not load"  # a loaded machine can take minutes
         async def run() -> tuple[list[list[int]], list[list[int]], list[int], bool]:
             async with AsyncSpecrollClient(srv.grpc_target, admin_token=ADMIN, retries=0) as c:
                 alone = await c.generate_one([1, 2, 3], **HOG)
