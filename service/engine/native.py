@@ -1,8 +1,9 @@
 """The native PyTorch engine behind the RolloutBackend interface.
 
 The engine thread (`EngineLoop`) owns the `LLMEngine`; everything here either queues work for it or reads what
-it published (the stats snapshot, the info fixed at load). Pushed weights are staged by `WeightStager` on the
-caller's thread and swapped in by the engine thread between two steps.
+it published (the stats snapshot, the info fixed at load): each call builds one typed message
+(service/engine/inbox.py) and posts it. Pushed weights are staged by `WeightStager` on the caller's thread and
+swapped in by the engine thread between two steps.
 """
 
 from __future__ import annotations
@@ -27,7 +28,6 @@ from service.backend.base import (
     StatsSnapshot,
     SwapResult,
     WeightSpec,
-    check_mode,
 )
 from service.backend.hooks import Hooks
 from service.config import EngineConfig
@@ -59,8 +59,8 @@ class NativeBackend(RolloutBackend):
         self._info: BackendInfo | None = None
         self._roles: dict[str, WeightSpec] = {}
 
-    def _load(self) -> LLMEngine:
-        """Engine thread: build the engine and what never changes while it serves."""
+    def _load(self) -> tuple[LLMEngine, WeightStager]:
+        """Engine thread: build the engine, its weight stager and what never changes while it serves."""
         engine = LLMEngine(self.config)
         self._stager = WeightStager(engine, self._reuse)
         self._roles = self._stager.roles()  # architectures never change: a push must match them
@@ -73,9 +73,9 @@ class NativeBackend(RolloutBackend):
         self._info = BackendInfo(
             backend="native", model_path=engine.model_path, vocab_size=engine.model_config.vocab_size,
             max_model_len=engine.config.max_model_len, dtype=str(engine.config.dtype),
-            eos_token_id=None if tok is None else tok.eos_token_id, drafter=str(engine.config.drafter),
+            eos_token_id=None if tok is None else tok.eos_token_id, drafter=str(engine.drafter_spec),
             num_slots=engine.scheduler.num_slots, capabilities=frozenset(caps))
-        return engine
+        return engine, self._stager
 
     # -- lifecycle -----------------------------------------------------------------------------------------
     def start(self) -> None:
@@ -165,24 +165,16 @@ class NativeBackend(RolloutBackend):
 
     def commit_weights(self, staged: Staged, version: str, mode: str,
                        drafter: tuple[Staged, str] | None = None) -> Future[SwapResult]:
-        """A target swap follows `mode`; a drafter swap never holds generation back (it cannot change what is
-        sampled, only how fast), so it applies between the next two steps. A paired drafter swaps in the same
-        pause between two steps as its target."""
+        """The engine thread serves the staged weights between two steps (service/engine/holds.py); withdrawn
+        or failed, the staged buffers are spared for the next push."""
         stager = self._stager_for(staged.role)
-        mode = check_mode(mode) if staged.role == "target" else "keep"
         if drafter is not None:
             self._stager_for(drafter[0].role)
-
-        def apply(engine: object) -> None:
-            stager.apply(staged, version)
-            if drafter is not None:
-                stager.apply(*drafter)
-
-        fut = self.loop.swap(apply, version, mode)
+        fut = self.loop.commit(staged, version, mode, drafter)
 
         def release_if_unused(f: Future[SwapResult]) -> None:
             if f.cancelled() or f.exception() is not None:
-                for s in (staged, drafter[0] if drafter else None):  # withdrawn or failed: spare buffers now
+                for s in (staged, drafter[0] if drafter else None):
                     if s is not None and s.payload is not None:
                         stager.discard(s)
 
