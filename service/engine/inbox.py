@@ -14,7 +14,7 @@ from typing import TYPE_CHECKING, Any
 from service.backend.base import SwapResult, check_mode
 
 if TYPE_CHECKING:
-    from service.backend.base import Staged
+    from service.backend.base import DrafterCopy, Staged, TeacherSnapshot
     from service.backend.events import GenRequest, RequestHandle
 
 
@@ -86,8 +86,22 @@ class CommitWeights:
 
 
 @dataclass(slots=True)
+class LendTeacher:
+    """For the in-process drafter trainer: the serving target model and its version, lent read-only."""
+
+    future: Future[TeacherSnapshot] = field(default_factory=Future)
+
+
+@dataclass(slots=True)
+class CopyDrafter:
+    """For the in-process drafter trainer: a copy of the serving drafter's weights (None: it has none)."""
+
+    future: Future[DrafterCopy | None] = field(default_factory=Future)
+
+
+@dataclass(slots=True)
 class Shutdown:
     """The last message: abort what is in flight (every stream gets its final event), then stop."""
 
 
-Message = AddRequests | Abort | AbortAll | Pause | Resume | CommitWeights | Shutdown
+Message = AddRequests | Abort | AbortAll | Pause | Resume | CommitWeights | LendTeacher | CopyDrafter | Shutdown

@@ -7,6 +7,7 @@ is running (service/engine/holds.py).
 
 from __future__ import annotations
 
+import copy
 import logging
 import threading
 from collections import deque
@@ -15,7 +16,7 @@ from concurrent.futures import Future
 from typing import TYPE_CHECKING, Any, TypeVar
 
 from service.backend.admission import Admission
-from service.backend.base import NotReady, Staged, StatsSnapshot, SwapResult
+from service.backend.base import DrafterCopy, NotReady, Staged, StatsSnapshot, SwapResult, TeacherSnapshot
 from service.backend.events import Failed, GenRequest, RequestHandle
 from service.backend.hooks import Hooks
 from service.engine.dispatch import Dispatcher
@@ -25,6 +26,8 @@ from service.engine.inbox import (
     AbortAll,
     AddRequests,
     CommitWeights,
+    CopyDrafter,
+    LendTeacher,
     Message,
     Pause,
     Resume,
@@ -187,6 +190,10 @@ class EngineLoop:
                 self.holds.resume(engine, msg)
             case CommitWeights():
                 self.holds.commit(engine, self._stager, msg)
+            case LendTeacher(future=fut):
+                _answer(fut, _teacher, engine)
+            case CopyDrafter(future=fut):
+                _answer(fut, _drafter_copy, engine)
 
     def _publish(self, engine: LLMEngine) -> None:
         """One consistent copy of the engine's state for other threads (metrics, server info, the trainer)."""
@@ -262,6 +269,17 @@ class EngineLoop:
         self._disp.fail_all("the server is shutting down")
         self.holds.shutdown()
         engine.close()
+
+
+def _teacher(engine: LLMEngine) -> TeacherSnapshot:
+    return TeacherSnapshot(str(engine.policy_version), engine.runner.model)
+
+
+def _drafter_copy(engine: LLMEngine) -> DrafterCopy | None:
+    found = engine.drafter_weights()
+    if found is None:
+        return None
+    return DrafterCopy(found[0], copy.deepcopy(found[1]), str(engine.drafter_version))
 
 
 def _answer(fut: Future[T], fn: Callable[..., T], *args: Any) -> None:

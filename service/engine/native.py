@@ -9,6 +9,8 @@ swapped in by the engine thread between two steps.
 from __future__ import annotations
 
 import logging
+import threading
+import weakref
 from collections.abc import Iterable
 from concurrent.futures import Future
 from typing import TYPE_CHECKING
@@ -21,16 +23,19 @@ from service.backend.base import (
     CAP_SEEDS,
     CAP_TOP_LOGPROBS,
     BackendInfo,
+    DrafterCopy,
     NotReady,
     PushUnsupported,
     RolloutBackend,
     Staged,
     StatsSnapshot,
     SwapResult,
+    TeacherSnapshot,
     WeightSpec,
 )
 from service.backend.hooks import Hooks
 from service.config import EngineConfig
+from service.engine.inbox import CopyDrafter, LendTeacher
 from service.engine.llm_engine import LLMEngine
 from service.engine.loop import EngineLoop
 from service.engine.weights import WeightStager
@@ -58,11 +63,14 @@ class NativeBackend(RolloutBackend):
         self._stager: WeightStager | None = None
         self._info: BackendInfo | None = None
         self._roles: dict[str, WeightSpec] = {}
+        self._lent: weakref.WeakSet[TeacherSnapshot] = weakref.WeakSet()  # teacher snapshots alive
+        self._lent_lock = threading.Lock()
 
     def _load(self) -> tuple[LLMEngine, WeightStager]:
         """Engine thread: build the engine, its weight stager and what never changes while it serves."""
         engine = LLMEngine(self.config)
         self._stager = WeightStager(engine, self._reuse)
+        self._stager.lent = self._is_lent
         self._roles = self._stager.roles()  # architectures never change: a push must match them
         tok = engine.tokenizer
         caps = {CAP_RAW_LOGPROBS, CAP_TOP_LOGPROBS, CAP_SEEDS}
@@ -103,11 +111,6 @@ class NativeBackend(RolloutBackend):
         if self.loop.ready.is_set() and not self.loop.alive:
             raise NotReady("the engine loop has stopped")
         return self.loop.engine  # raises NotReady while loading or after a failed load
-
-    @property
-    def engine(self) -> LLMEngine:
-        """The engine object, for the in-process drafter trainer (same process, read-only use)."""
-        return self._loaded()
 
     # -- what it serves --------------------------------------------------------------------------------------
     def info(self) -> BackendInfo:
@@ -184,3 +187,32 @@ class NativeBackend(RolloutBackend):
     def discard(self, staged: Staged) -> None:
         if self._stager is not None:
             self._stager.discard(staged)
+
+    # -- the in-process drafter trainer ------------------------------------------------------------------------
+    def teacher_snapshot(self) -> Future[TeacherSnapshot]:
+        self._loaded()
+        msg = LendTeacher()
+
+        def keep_lent(f: Future[TeacherSnapshot]) -> None:  # on the engine thread, as it answers: before any swap
+            if not f.cancelled() and f.exception() is None:
+                with self._lent_lock:
+                    self._lent.add(f.result())
+
+        msg.future.add_done_callback(keep_lent)
+        return self.loop.post(msg).future
+
+    def _is_lent(self, module: object) -> bool:
+        with self._lent_lock:
+            return any(s.module is module for s in self._lent)
+
+    def drafter_copy(self) -> Future[DrafterCopy | None]:
+        self._loaded()
+        return self.loop.post(CopyDrafter()).future
+
+    def must_exit_hard(self) -> bool:
+        from service.engine.background_compile import still_compiling
+
+        if not still_compiling():
+            return False
+        logger.info("exiting with the background compile unfinished")  # see background_compile.py
+        return True
