@@ -53,8 +53,12 @@ class LLMEngine:
         if self.tokenizer is not None and self.tokenizer.eos_token_id is not None:
             eos.add(self.tokenizer.eos_token_id)
         self.eos_token_ids = tuple(sorted(eos))
-        max_positions = config.max_model_len + SPEC_HEADROOM + 1
         budget = config.kv_cache_memory_gb * 2**30
+        token_bytes = self.model_config.kv_bytes_per_token * torch.empty((), dtype=self.dtype).element_size()
+        config.resolve_max_model_len(self.model_config.max_position_embeddings,
+                                     int(budget // token_bytes) - SPEC_HEADROOM - 1,
+                                     f"{config.kv_cache_memory_gb:g} GiB")
+        max_positions = config.max_model_len + SPEC_HEADROOM + 1
         num_slots = min(config.max_num_seqs, slots_for_budget(self.model_config, max_positions, self.dtype, budget))
         self.cache = KVCache(self.model_config, num_slots, max_positions, self.dtype, self.device)
         self.scheduler = Scheduler(num_slots, config.max_num_batched_tokens)
