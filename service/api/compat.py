@@ -49,8 +49,8 @@ def check_neutral(fields: Mapping[str, Any], neutral: Mapping[str, tuple[Any, ..
         if value is None or any(value == v and type(value) is type(v) for v in ok):
             continue
         if key in ("frequency_penalty", "presence_penalty", "repetition_penalty"):
-            raise InvalidRequest(f"{where}{key}={value!r} is not supported: penalties would change the target's "
-                                 "distribution that speculative decoding verifies against; send the neutral value")
+            raise InvalidRequest(f"{where}{key}={value!r} is not supported by this server: penalties are not "
+                                 f"implemented (send {ok[-1]})")
         raise InvalidRequest(f"{where}{key}={value!r} is not supported by this server")
 
 
