@@ -7,6 +7,7 @@ import httpx
 import pytest
 from service_utils import start_server
 
+from service.api.generation import Limits
 from service.vllm.config import VllmConfig
 
 pytestmark = pytest.mark.vllm
@@ -14,7 +15,8 @@ pytestmark = pytest.mark.vllm
 
 def test_context_from_the_checkpoint(vllm_model):
     srv = start_server(vllm_model, engine_kw={"max_model_len": None, "max_num_seqs": 8, "kv_cache_memory_gb": 0.125},
-                       backend="vllm", vllm=VllmConfig(gpu_memory_utilization=0.3), control_auth="none")
+                       backend="vllm", vllm=VllmConfig(gpu_memory_utilization=0.3), control_auth="none",
+                       limits=Limits())  # the max_tokens limit follows the context
     try:
         assert srv.server.backend.info().max_model_len == 512
         with httpx.Client(base_url=srv.http_url, timeout=120) as c:
