@@ -81,8 +81,6 @@ class ServiceContext:
             "max_waiting_seqs": admission.limits.max_waiting_seqs,
             "max_pending_tokens": admission.limits.max_pending_tokens,
             "num_pending_tokens": admission.tokens,
-            "world_size": info.world_size,
-            "control_auth": self.auth.control_auth,  # none: control calls need no token (a trusted network)
         }
 
     async def pause(self, mode: str) -> list[str]:

@@ -213,7 +213,8 @@ async def server_info(ctx: ApiCtx, request: Request, config_format: Literal["tex
                       ) -> dict[str, Any]:
     """specroll's state, with the fields SGLang's /get_server_info has that slime reads and, for vLLM clients
     (TRL reads `config_format=json`), a `vllm_config` with the fields they read."""
-    info = {**sglang_server_info(ctx), **ctx.info(admin=ctx.auth.is_admin(request.headers.get("authorization")))}
+    info = {**sglang_server_info(ctx), **ctx.info(admin=ctx.auth.is_admin(request.headers.get("authorization"))),
+            "control_auth": ctx.auth.control_auth}  # none: control calls need no token (a trusted network)
     config = vllm_config(ctx)
     info["vllm_config"] = str(config) if config_format == "text" else config
     return info

@@ -187,3 +187,28 @@ def test_tokenize_detokenize(http):
     assert body["count"] == len(body["tokens"]) and body["max_model_len"] == 256
     assert http.post("/detokenize", json={"tokens": body["tokens"]}).json()["prompt"] == "hello world"
     assert http.post("/tokenize", json={"messages": [{"role": "user", "content": "x"}]}).status_code == 400
+
+
+def test_verl_server_manager_example(server, http):
+    """examples/verl: verl's generate(request_id, prompt_ids, sampling_params) call returns the tokens and logprobs
+    /v1/completions gives for the same prompt and seed."""
+    import asyncio
+
+    from examples.verl.server_manager import rollout_batch
+
+    outs = asyncio.run(rollout_batch(server.http_url, [PROMPTS[0]], {"temperature": 0.9, "max_tokens": 12,
+                                                                    "seed": SEED, "ignore_eos": True}))
+    [ref] = plain_completions(http, PROMPTS[0], 1, 12)
+    assert outs[0].response_ids == ref["token_ids"] and outs[0].response_mask == [1] * 12
+    torch.testing.assert_close(torch.tensor(outs[0].response_logprobs),
+                               torch.tensor(ref["logprobs"]["token_logprobs"]), atol=1e-6, rtol=0)
+
+
+def test_openrlhf_loop_example(server):
+    """examples/openrlhf: one step of the loop (generate, reward, update, push) against the server."""
+    from examples.openrlhf.loop import LoopConfig, run
+
+    before = server.server.backend.stats().policy_version
+    means = run(LoopConfig(server=server.grpc_target, model=str(server.server.backend.info().model_path), steps=1,
+                           prompts_per_step=1, n=2, max_tokens=8))
+    assert len(means) == 1 and server.server.backend.stats().policy_version == "step-1" != before
