@@ -18,6 +18,7 @@ def test_context_from_the_checkpoint(vllm_model):
                        backend="vllm", vllm=VllmConfig(gpu_memory_utilization=0.3), control_auth="none",
                        limits=Limits())  # the max_tokens limit follows the context
     try:
+        assert srv.server.backend.wait_loaded(600) and srv.server.backend.load_error is None
         assert srv.server.backend.info().max_model_len == 512
         with httpx.Client(base_url=srv.http_url, timeout=120) as c:
             assert c.get("/server_info").json()["vllm_config"]["model_config"]["max_model_len"] == 512
