@@ -7,7 +7,7 @@ through a server manager whose call is `generate(request_id, *, prompt_ids, samp
 agent loop in verl's shape (prompt_ids, response_ids, response_mask, response_logprobs). Using it in verl means
 handing verl's agent-loop worker this manager in place of the one it builds over its own replicas; weight
 updates then go to specroll (/update_weights_from_disk, or the client's push) instead of verl's in-process sync.
-Multi-turn agents that speak chat need /v1/chat/completions.
+Multi-turn agents that speak chat use /v1/chat/completions (docs/api.md).
 
     python -m examples.verl.server_manager --url http://127.0.0.1:8000
 runs on CPU against any specroll server.
