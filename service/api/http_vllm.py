@@ -141,7 +141,8 @@ class DetokenizeRequest(BaseModel):
 @router.post("/tokenize")
 async def tokenize(req: TokenizeRequest, ctx: ApiCtx) -> dict[str, Any]:
     if req.messages is not None:
-        raise InvalidRequest("messages are not tokenized here: render them with the chat template and send prompt")
+        raise InvalidRequest("messages are not tokenized here: /v1/chat/completions renders them with the model's "
+                             "chat template and returns prompt_token_ids; send prompt to tokenize text")
     if req.prompt is None:
         raise InvalidRequest("give prompt")
     if not req.add_special_tokens:
