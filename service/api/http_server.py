@@ -129,9 +129,11 @@ def create_app(ctx: ServiceContext) -> FastAPI:
 
     @app.get("/ready", tags=["ops"])
     async def ready() -> JSONResponse:
-        """Readiness: the model is loaded and the engine loop runs (also while paused for a push)."""
+        """Readiness: the model is loaded and the engine loop runs (also while paused for a push). `degraded`
+        names what fails while the server still serves (e.g. spool_disk_full: rollouts are being lost)."""
         ok = ctx.ready
-        return JSONResponse({"ready": ok, "paused": bool(ok and ctx.backend.stats().paused)},
+        return JSONResponse({"ready": ok, "paused": bool(ok and ctx.backend.stats().paused),
+                             "degraded": ctx.degraded()},
                             status_code=200 if ok else 503)
 
     @app.get("/metrics", tags=["ops"], response_class=PlainTextResponse,
