@@ -95,6 +95,13 @@ class BackendInfo:
     drafter: str  # the --drafter setting, "none" without speculation
     num_slots: int  # sequences the running batch can hold
     capabilities: frozenset[str] = frozenset()
+    parallel: tuple[int, int, int] = (1, 1, 1)  # tensor, pipeline, data parallel sizes
+
+    @property
+    def world_size(self) -> int:
+        """Workers behind this server (tensor x pipeline x data parallel)."""
+        tp, pp, dp = self.parallel
+        return tp * pp * dp
 
 
 @dataclass(frozen=True, slots=True)
@@ -226,6 +233,14 @@ class RolloutBackend(abc.ABC):
 
     @abc.abstractmethod
     def resume(self) -> Future[None]: ...
+
+    def reset_prefix_cache(self) -> Future[bool]:
+        """Drop KV cached across requests (prefix caching); True once dropped. A backend that caches nothing
+        across requests has nothing to drop. Outputs do not change either way: cached KV is always of the
+        serving weights (a push resets it)."""
+        done: Future[bool] = Future()
+        done.set_result(True)
+        return done
 
     # -- weights ---------------------------------------------------------------------------------------------
     @abc.abstractmethod
