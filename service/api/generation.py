@@ -49,8 +49,9 @@ class Limits:
     def __post_init__(self) -> None:
         for name in ("max_tokens", "max_n", "max_prompts", "max_request_bytes", "max_upload_bytes",
                      "max_message_bytes", "stream_interval", "text_bytes_per_token", "tokenize_workers"):
-            if getattr(self, name) < 1:
-                raise ValueError(f"limits.{name} must be >= 1, got {getattr(self, name)}")
+            value = getattr(self, name)
+            if value is not None and value < 1:  # None: no server limit (max_tokens: the context's)
+                raise ValueError(f"limits.{name} must be >= 1, got {value}")
         if not self.header_timeout_s > 0:
             raise ValueError(f"limits.header_timeout_s must be > 0, got {self.header_timeout_s}")
 
