@@ -97,13 +97,13 @@ def hash_all(tensors: list[TensorBytes], threads: int = 4) -> None:
             t.sha256 = digest
 
 
-def manifest(tensors: list[TensorBytes], role: str, version: str, mode: str) -> Any:
+def manifest(tensors: list[TensorBytes], role: str, version: str, mode: str, cast: bool = False) -> Any:
     dtypes = sorted({t.dtype for t in tensors})
     if len(dtypes) != 1:
         raise ValueError(f"a push has one checkpoint dtype; these tensors have {dtypes} (pass dtype= to cast)")
     specs = [pb2.TensorSpec(name=t.name, dtype=t.dtype, shape=list(t.shape), nbytes=len(t.data), sha256=t.sha256)
              for t in tensors]
-    return pb2.WeightManifest(role=role, version=version, dtype=dtypes[0], tensors=specs, mode=mode)
+    return pb2.WeightManifest(role=role, version=version, dtype=dtypes[0], tensors=specs, mode=mode, cast=cast)
 
 
 def iter_chunks(tensors: list[TensorBytes], chunk_bytes: int = CHUNK_BYTES) -> Iterator[RawChunk]:
