@@ -22,6 +22,7 @@ from service.safetensors_io import IGNORED, shape_problems
 DTYPES: dict[str, torch.dtype] = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 _SPELLINGS = {"F32": "float32", "BF16": "bfloat16", "F16": "float16", "fp32": "float32", "bf16": "bfloat16",
               "fp16": "float16", "float": "float32", "half": "float16"}
+_KNOWN = frozenset(_SPELLINGS) | frozenset(DTYPES) | {f"torch.{d}" for d in DTYPES}
 _FINITE_STEP = 1 << 22  # elements checked at a time: isfinite's mask stays small for any tensor size
 
 
@@ -65,7 +66,8 @@ class WeightCheck:
         except PushError as exc:
             raise PushError(f"tensor {name!r}: {exc}") from exc
         if first is not None and got != first:
-            raise PushError(f"tensor {name!r} has dtype {got} but others have {first}: a push holds one dtype")
+            raise PushError(f"the push mixes dtypes: tensor {name!r} has dtype {got}, others {first} (a push holds "
+                            "one dtype)")
         if not self.cast and self.spec.dtype and got != self.spec.dtype:
             raise PushError(f"tensor {name!r} has dtype {got} but the served {self.spec.role} is "
                             f"{self.spec.dtype}: send {self.spec.dtype}, or ask for a cast explicitly (cast=true)")
@@ -80,7 +82,7 @@ class WeightCheck:
         """Check what a push announces before any byte of it is accepted; returns its dtype."""
         where: dict[str, str] = {}
         shapes: dict[str, tuple[int, ...]] = {}
-        dtype: str | None = None
+        dtypes: dict[str, str] = {}
         for t in tensors:
             if t.name in where:
                 places = f" (in {where[t.name]} and {t.where})" if t.where else ""
@@ -90,11 +92,17 @@ class WeightCheck:
                 raise PushError(f"tensor {t.name!r} has a negative dimension: {list(t.shape)}")
             shapes[t.name] = tuple(int(d) for d in t.shape)
             if not IGNORED.search(t.name):
-                dtype = self._dtype(t.name, t.dtype, dtype)
+                dtypes.setdefault(dtype_name(t.dtype) if t.dtype in _KNOWN else t.dtype, t.name)
         if not shapes:
             raise PushError("the push holds no tensors")
+        if len(dtypes) > 1:
+            raise PushError(f"the push mixes dtypes {sorted(dtypes)} (e.g. {sorted(dtypes.values())}): a push holds "
+                            "one dtype")
         self._shapes(shapes, partial=False)
-        return dtype or self.spec.dtype
+        if not dtypes:
+            return self.spec.dtype
+        [(dtype, name)] = dtypes.items()
+        return self._dtype(name, dtype, None)
 
     def stream(self, tensors: Iterable[tuple[str, torch.Tensor]]) -> Iterator[tuple[str, torch.Tensor]]:
         """The tensors, each checked before it is passed on; raises (in the consumer) at the first bad one, and

@@ -100,7 +100,7 @@ FOLDERS: dict[str, tuple[int, str]] = {
     "symlinked-shard": (403, "resolves to a file outside"),
     "nan": (400, "NaN or infinite"),
     "inf": (400, "NaN or infinite"),
-    "mixed-dtypes": (400, "a push holds one dtype"),
+    "mixed-dtypes": (400, "mixes dtypes"),
     "float16-uncast": (400, "ask for a cast explicitly"),
     "duplicate-across-shards": (400, "listed twice"),
     "duplicate-in-index": (400, "but the index maps it to"),
@@ -217,7 +217,7 @@ def test_bad_uploads_are_refused(server, new, folders):
         before = _probe(c)
         half = save({k: v.half().contiguous() for k, v in new.items()})
         bodies = {"nan": (save(_nan(new)), "NaN or infinite"), "f16": (half, "ask for a cast explicitly"),
-                  "mixed": (save(_with(new, VICTIM, new[VICTIM].half())), "one dtype"),
+                  "mixed": (save(_with(new, VICTIM, new[VICTIM].half())), "mixes dtypes"),
                   "header-duplicate-key": ((folders["header-duplicate-key"] / "model.safetensors").read_bytes(),
                                            "names tensor"),
                   "header-lies": ((folders["header-lies-shape"] / "model.safetensors").read_bytes(), "safetensors")}
