@@ -18,11 +18,13 @@ import pytest
 import torch
 from helpers import make_checkpoint
 from safetensors.torch import save, save_file
-from service_utils import ADMIN, auth, checkpoint_tensors, perturbed, start_server, write_checkpoint
+from service_utils import ADMIN, auth, checkpoint_tensors, engine_config, perturbed, start_server, write_checkpoint
 
 from client import SpecrollClient
 from client.errors import InvalidArgument, PermissionDenied, SpecrollError
 from service.app import BackgroundServer
+from service.engine.llm_engine import LLMEngine
+from service.params import SamplingParams
 
 PROBE = [9, 8, 7, 6]
 GREEDY: dict[str, Any] = {"temperature": 0.0, "max_tokens": 8, "ignore_eos": True}
@@ -156,6 +158,12 @@ def _probe(c: SpecrollClient) -> list[int]:
     return c.generate_one(PROBE, **GREEDY).samples[0].token_ids
 
 
+def _probe_of(model_dir: Path) -> list[int]:
+    engine = LLMEngine(engine_config(model_dir))
+    [out] = engine.generate([PROBE], SamplingParams(**GREEDY))
+    return list(out.outputs[0].token_ids)
+
+
 def _http_load(srv: BackgroundServer, folder: Path, version: str, **extra: Any) -> httpx.Response:
     return httpx.post(f"{srv.http_url}/weights/load", json={"path": str(folder), "version": version, **extra},
                       headers=auth(), timeout=60)
@@ -166,36 +174,59 @@ def _http_disk(srv: BackgroundServer, folder: Path, version: str, **extra: Any) 
                       json={"model_path": str(folder), "weight_version": version, **extra}, headers=auth(), timeout=60)
 
 
-@pytest.mark.parametrize("path", ["weights/load", "update_weights_from_disk"])
-def test_bad_folders_are_refused_over_http(server, folders, dirs, path):
-    load = _http_load if path == "weights/load" else _http_disk
-    with SpecrollClient(server.grpc_target, admin_token=ADMIN) as c:
-        c.load_weights(str(dirs[0] / "good"), f"good-{path}")
-        before = _probe(c)
-        for case, (status, needle) in FOLDERS.items():
-            r = load(server, folders[case], f"bad-{case}")
-            assert r.status_code == status, (case, r.status_code, r.text)
-            assert needle in r.json()["error"]["message"], (case, r.text)
-        assert c.server_info().policy_version == f"good-{path}" and _probe(c) == before
-        r = load(server, dirs[0] / "float16-cast", "f16-cast", cast=True)  # asked for: cast to float32
-        assert r.status_code == 200, r.text
-        assert c.server_info().policy_version == "f16-cast"
+PATHS = ["weights/load", "update_weights_from_disk", "grpc-LoadWeights"]
 
 
-def test_bad_folders_are_refused_over_grpc(server, folders, dirs):
+def _load(srv: BackgroundServer, c: SpecrollClient, path: str, folder: Path, version: str, **extra: Any) -> None:
+    """Load a folder over `path`; raises SpecrollError (gRPC) or the HTTP status and message as an AssertionError."""
+    if path == "grpc-LoadWeights":
+        c.load_weights(str(folder), version, **extra)
+        return
+    r = (_http_load if path == "weights/load" else _http_disk)(srv, folder, version, **extra)
+    if r.status_code != 200:
+        raise AssertionError(r.status_code, r.json()["error"]["message"])
+
+
+@pytest.fixture(scope="module")
+def client(server: BackgroundServer, dirs: tuple[Path, Path], folders: dict[str, Path]) -> Iterator[SpecrollClient]:
     with SpecrollClient(server.grpc_target, admin_token=ADMIN) as c:
-        c.load_weights(str(dirs[0] / "good"), "good-grpc")
-        before = _probe(c)
-        for case, (status, needle) in FOLDERS.items():
-            with pytest.raises(SpecrollError) as err:
-                c.load_weights(str(folders[case]), f"bad-{case}")
-            assert isinstance(err.value, PermissionDenied if status == 403 else InvalidArgument), (case, err.value)
-            assert needle in str(err.value), (case, err.value)
-        assert c.server_info().policy_version == "good-grpc" and _probe(c) == before
-        assert c.load_weights(str(dirs[0] / "float16-cast"), "f16-cast-grpc", cast=True).version == "f16-cast-grpc"
+        c.load_weights(str(dirs[0] / "good"), "good")
+        yield c
+
+
+@pytest.mark.parametrize("path", PATHS)
+@pytest.mark.parametrize("case", list(FOLDERS))
+def test_a_bad_folder_is_refused_with_its_reason(server, client, folders, path, case):
+    status, needle = FOLDERS[case]
+    if path == "grpc-LoadWeights":
+        with pytest.raises(SpecrollError) as err:
+            _load(server, client, path, folders[case], f"bad-{case}")
+        assert isinstance(err.value, PermissionDenied if status == 403 else InvalidArgument), err.value
+        assert needle in str(err.value), err.value
+    else:
+        with pytest.raises(AssertionError) as failed:
+            _load(server, client, path, folders[case], f"bad-{case}")
+        assert failed.value.args == (status, failed.value.args[1]) and needle in failed.value.args[1], failed.value
+    assert client.server_info().policy_version == "good"
+
+
+@pytest.mark.parametrize("path", PATHS)
+def test_after_refused_folders_the_old_weights_serve_and_a_cast_asked_for_is_done(server, client, dirs, base_dir,
+                                                                                  new, tmp_path, path):
+    client.load_weights(str(dirs[0] / "good"), "good")
+    before = _probe(client)
+    for case in FOLDERS:
+        with pytest.raises((SpecrollError, AssertionError)):
+            _load(server, client, path, dirs[0] / case, f"bad-{case}")
+    assert client.server_info().policy_version == "good" and _probe(client) == before
+    _load(server, client, path, dirs[0] / "float16-cast", f"f16-cast-{path}", cast=True)
+    assert client.server_info().policy_version == f"f16-cast-{path}"
+    want = _probe_of(write_checkpoint(base_dir, {k: v.half().float() for k, v in new.items()}, tmp_path / "ref"))
+    assert _probe(client) == want  # the float16 weights, cast to the served float32
 
 
 def test_bad_tensors_are_refused_by_push_weights(server, new, base_dir, tmp_path):
+    """NaN, Inf and float16 state dicts, and a NaN folder the client sends as is."""
     with SpecrollClient(server.grpc_target, admin_token=ADMIN) as c:
         c.push_weights(new, "good-push")
         before = _probe(c)
