@@ -18,6 +18,7 @@ from service.api.context import ServiceContext
 from service.api.deps import UPLOAD_PATH
 from service.api.errors import HANDLED, retry_after, status_of
 from service.api.http_admin import router as admin_router
+from service.api.http_chat import router as chat_router
 from service.api.http_openai import router as openai_router
 from service.api.http_sglang import router as sglang_router
 
@@ -139,6 +140,7 @@ def create_app(ctx: ServiceContext) -> FastAPI:
         return Response(ctx.metrics.render(), media_type=CONTENT_TYPE_LATEST)
 
     app.include_router(openai_router)
+    app.include_router(chat_router)
     app.include_router(sglang_router)
     app.include_router(admin_router)
     app.openapi = lambda: _openapi(app)  # type: ignore[method-assign]
