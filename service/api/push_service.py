@@ -68,6 +68,9 @@ class PushService:
         self.load_root = Path(load_root).resolve() if load_root else None
         self._locks: dict[str, asyncio.Lock] = {}
         self._parked: tuple[Staged, str] | None = None  # a drafter waiting for the next target push
+        from service.api.collective import WeightGroups  # it builds on this service
+
+        self.groups = WeightGroups(self)  # pushes over process groups (SGLang's update_weights_from_distributed)
 
     def role_spec(self, role: str) -> WeightSpec:
         spec = self.backend.weight_roles().get(role)
@@ -79,6 +82,16 @@ class PushService:
         """Runs off the event loop: the backend checks each tensor (the one weight validation's `stream` half)
         and copies it beside the serving weights."""
         return self.backend.stage_weights(role, tensors, cast=cast)
+
+    stage_sync = _stage
+
+    def role_lock(self, role: str) -> asyncio.Lock:
+        """One push per role at a time (a push over a process group holds it from its first bucket to its swap)."""
+        return self._locks.setdefault(role, asyncio.Lock())
+
+    def check(self, role: str, tensors: list[Declared], cast: bool = False) -> None:
+        """What a push would be refused for, before it sends anything (`/weights/check`)."""
+        WeightCheck(self.role_spec(role), cast).declared(tensors)
 
     def _park(self, staged: Staged, version: str, start: float) -> PushResult:
         if self._parked is not None:
@@ -110,8 +123,10 @@ class PushService:
         return PushResult(staged.role, version, staged.nbytes, time.perf_counter() - start, swap.swap_seconds,
                           swap.wait_seconds, swap.aborted)
 
+    apply = _apply
+
     async def _locked(self, role: str, start: float, work: Any) -> PushResult:
-        lock = self._locks.setdefault(role, asyncio.Lock())
+        lock = self.role_lock(role)
         try:
             async with lock:
                 result: PushResult = await work
@@ -119,11 +134,15 @@ class PushService:
             if self.metrics is not None:
                 self.metrics.weight_push(role, ok=False)
             raise
+        self.record(result)
+        return result
+
+    def record(self, result: PushResult) -> None:
+        role = result.role
         if self.metrics is not None:
             self.metrics.weight_push(role, True, result.seconds, result.nbytes, result.swap_seconds)
         logger.info("%s weights %s applied: %d bytes in %.3f s (swap %.1f ms, waited %.2f s)", role,
                     result.version, result.nbytes, result.seconds, result.swap_seconds * 1e3, result.wait_seconds)
-        return result
 
     # -- entry points -----------------------------------------------------------------------------------
     async def push_stream(self, manifest: Manifest, chunks: AsyncIterator[tuple[int, Any]]) -> PushResult:

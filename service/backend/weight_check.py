@@ -78,8 +78,9 @@ class WeightCheck:
         if problems:
             raise PushError(f"{self.spec.role} weights do not match {self.spec.architecture}: " + "; ".join(problems))
 
-    def declared(self, tensors: Iterable[Declared]) -> str:
-        """Check what a push announces before any byte of it is accepted; returns its dtype."""
+    def declared(self, tensors: Iterable[Declared], *, partial: bool = False) -> str:
+        """Check what a push announces before any byte of it is accepted; returns its dtype. `partial`: one
+        bucket of a push, whose other tensors come in other buckets."""
         where: dict[str, str] = {}
         shapes: dict[str, tuple[int, ...]] = {}
         dtypes: dict[str, str] = {}
@@ -98,7 +99,7 @@ class WeightCheck:
         if len(dtypes) > 1:
             raise PushError(f"the push mixes dtypes {sorted(dtypes)} (e.g. {sorted(dtypes.values())}): a push holds "
                             "one dtype")
-        self._shapes(shapes, partial=False)
+        self._shapes(shapes, partial=partial)
         if not dtypes:
             return self.spec.dtype
         [(dtype, name)] = dtypes.items()
