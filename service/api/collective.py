@@ -84,8 +84,10 @@ class Group:
     name: str
     pg: Any
     device: torch.device
+    timeout_s: float
     lock: asyncio.Lock = field(default_factory=asyncio.Lock)
     pending: Pending | None = None
+    expiry: asyncio.Task[None] | None = None  # discards a push whose next bucket does not come
 
     def receive(self, bucket: Sequence[Declared]) -> list[tuple[str, torch.Tensor]]:
         """Blocking: the bucket's tensors, broadcast from rank 0 in order."""
@@ -127,7 +129,7 @@ class WeightGroups:
             raise PushError(f"could not join weight update group {group_name!r} at {master_address}:{master_port}: "
                             f"{exc}") from exc
         device = torch.device("cuda", torch.cuda.current_device()) if backend == "nccl" else torch.device("cpu")
-        self._groups[group_name] = Group(group_name, pg, device)
+        self._groups[group_name] = Group(group_name, pg, device, timeout)
         logger.info("joined weight update group %s (rank %d of %d, %s)", group_name, rank_offset, world_size, backend)
 
     async def destroy(self, group_name: str) -> None:
@@ -149,7 +151,17 @@ class WeightGroups:
             logger.warning("weight update group %s did not close cleanly: %s", group.name, exc)
         logger.info("weight update group %s closed: %s", group.name, why)
 
+    async def _expire(self, group: Group, pending: Pending) -> None:
+        """A push that started holds the target's push lock: one whose trainer stops sending is given up."""
+        await asyncio.sleep(group.timeout_s)
+        async with group.lock:
+            if group.pending is pending and self._groups.get(group.name) is group:
+                self._close(group, f"no bucket of version {pending.version} came for {group.timeout_s:g} s")
+
     def _discard(self, group: Group, why: str) -> None:
+        if group.expiry is not None and group.expiry is not asyncio.current_task():
+            group.expiry.cancel()
+        group.expiry = None
         pending, group.pending = group.pending, None
         if pending is None:
             return
@@ -225,7 +237,11 @@ class WeightGroups:
                 pending.feed.put(item)
             pending.received.update(d.name for d in bucket)
             left = sorted(set(pending.check.spec.shapes) - pending.received)
+            if group.expiry is not None:
+                group.expiry.cancel()
+                group.expiry = None
             if left:
+                group.expiry = asyncio.create_task(self._expire(group, pending))
                 return len(left)
             group.pending = None
             return await self._commit(pending)
