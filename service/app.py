@@ -30,7 +30,7 @@ from service.backend.admission import Admission, AdmissionCollector, AdmissionLi
 from service.backend.base import NotReady, RolloutBackend, StatsSnapshot
 from service.backend.hooks import Hooks
 from service.backend.metrics import Metrics
-from service.buffer import BufferConfig, MemoryBuffer, attach_buffer
+from service.buffer import BufferConfig, MemoryBuffer, RedisBuffer, attach_buffer
 from service.config import EngineConfig
 
 logger = logging.getLogger(__name__)
@@ -55,6 +55,7 @@ class ServerConfig:
     backend: str = "native"  # native | vllm
     vllm: Any = None  # service.vllm.config.VllmConfig for --backend vllm (None: defaults)
     admission: AdmissionLimits = field(default_factory=AdmissionLimits)  # the bounded queue of work
+    control_auth: str = "token"  # token: control calls need the admin token; none: open (trusted networks only)
 
 
 class _Uvicorn(uvicorn.Server):
@@ -94,14 +95,21 @@ class SpecrollServer:
         self.metrics.ready_fn = lambda: self.backend.ready
         self.metrics.stats_fn = self._stats
         pushes = PushService(self.backend, self.metrics, config.limits.max_upload_bytes, config.load_root)
-        self.ctx = ServiceContext(self.backend, pushes, self.metrics, Auth(config.admin_token, config.api_token),
+        self.ctx = ServiceContext(self.backend, pushes, self.metrics, Auth(config.admin_token, config.api_token,
+                                                                          config.control_auth),
                                   config.limits, config.served_model_name or "")
+        if self.ctx.auth.control_open:
+            logger.warning("control calls (pause, resume, abort, weight loads) need no token (--control-auth none): "
+                           "anyone who reaches this server can change its weights; limit who reaches it (a "
+                           "NetworkPolicy, a private network)")
         self.grpc_port = config.grpc_port
         self.http_port = config.http_port
         self._stop: asyncio.Event | None = None
         self._aloop: asyncio.AbstractEventLoop | None = None
         self.started = threading.Event()
         self.buffer = attach_buffer(self._buffer_config(), self.hooks, self.metrics.registry)
+        if isinstance(self.buffer, RedisBuffer):
+            self.ctx.degraded_fn = self.buffer.degraded
         self.trainer = self._start_trainer()
 
     def _stats(self) -> StatsSnapshot | None:
@@ -118,17 +126,14 @@ class SpecrollServer:
         return cfg
 
     def _start_trainer(self) -> Any:
-        """The in-process drafter trainer: without Redis, on the native backend, reading the memory buffer."""
+        """The in-process drafter trainer: without Redis, reading the memory buffer (it stays off on a backend
+        that lends it no drafter copy and teacher)."""
         cfg = self._buffer_config()
         if not isinstance(self.buffer, MemoryBuffer) or not cfg.embedded_trainer:
             return None
         from drafter_trainer.config import TrainerConfig
         from drafter_trainer.embedded import EmbeddedTrainer
-        from service.engine.native import NativeBackend
 
-        if not isinstance(self.backend, NativeBackend):
-            logger.info("the in-process drafter trainer runs on the native backend only; use the sidecar")
-            return None
         trainer_cfg = cfg.trainer
         if trainer_cfg is None:
             gate = cfg.trainer_gate
@@ -210,10 +215,7 @@ def run_server(engine_config: EngineConfig, config: ServerConfig) -> int:
     if server.backend.load_error is not None:
         logger.error("the model failed to load: %s", server.backend.load_error)
         code = 1
-    from service.engine.background_compile import still_compiling
-
-    if still_compiling():  # everything is closed: exit without finalizing (service/engine/background_compile.py)
-        logger.info("exiting with the background compile unfinished")
+    if server.backend.must_exit_hard():  # everything is closed; a backend thread cannot be joined
         logging.shutdown()
         sys.stdout.flush()
         sys.stderr.flush()

@@ -12,13 +12,23 @@ import hashlib
 import tempfile
 from dataclasses import asdict
 from pathlib import Path
-from typing import Annotated, Any, BinaryIO
+from typing import Annotated, Any, BinaryIO, Literal
 
 from fastapi import APIRouter, Query, Request
-from pydantic import BaseModel, ConfigDict
+from pydantic import BaseModel, ConfigDict, ValidationError
 
+from service.api.compat import (
+    VLLM_PAUSE,
+    next_version,
+    pause_mode,
+    reset_prefix_cache,
+    sglang_server_info,
+    vllm_config,
+)
+from service.api.compat import pause as compat_pause
 from service.api.deps import UPLOAD_PATH, AdminCtx, ApiCtx
 from service.api.disconnect import unless_disconnected
+from service.api.generation import InvalidRequest
 from service.api.push_protocol import PushError, PushResult
 from service.safetensors_io import CheckpointError, read_header
 
@@ -35,7 +45,8 @@ class LoadRequest(BaseModel):
 
 
 class PauseRequest(BaseModel):
-    mode: str = "wait"
+    mode: str | None = None
+    clear_cache: bool = False
 
 
 class AbortRequest(BaseModel):
@@ -49,11 +60,16 @@ class RewardsRequest(BaseModel):
 
 
 class DiskUpdateRequest(BaseModel):
+    """SGLang's payload (AReaL sends model_path and abort_all_requests only)."""
+
     model_config = ConfigDict(extra="ignore")
     model_path: str
-    weight_version: str
-    mode: str = "wait"
-    cast: bool = False
+    weight_version: str | None = None  # None: the next number after the serving version
+    mode: str | None = None
+    abort_all_requests: bool = False  # SGLang: abort running requests first (mode abort)
+    flush_cache: bool = True
+    load_format: str | None = None
+    cast: bool = False  # ours: cast the folder's dtype to the served one (never done unasked)
 
 
 def _reply(result: PushResult) -> dict[str, Any]:
@@ -125,10 +141,17 @@ async def load_weights(req: LoadRequest, ctx: AdminCtx, request: Request) -> dic
 
 @router.post("/update_weights_from_disk")
 async def update_from_disk(req: DiskUpdateRequest, ctx: AdminCtx, request: Request) -> dict[str, Any]:
-    """SGLang-style alias of /weights/load for the target."""
-    result = await unless_disconnected(
-        request, ctx.pushes.load_path("target", req.weight_version, req.model_path, req.mode, req.cast))
-    return {"success": True, "message": "weights updated", **_reply(result)}
+    """SGLang's update from a folder the server can read: /weights/load for the target. abort_all_requests
+    aborts running requests first (mode abort); without it they finish first (wait) unless a mode is given."""
+    if req.load_format not in (None, "auto", "safetensors"):
+        raise InvalidRequest(f"load_format={req.load_format!r} is not supported: safetensors folders only")
+    mode = req.mode or ("abort" if req.abort_all_requests else "wait")
+    version = req.weight_version or next_version(ctx.backend.stats().policy_version)
+    result = await unless_disconnected(request, ctx.pushes.load_path("target", version, req.model_path, mode,
+                                                                      req.cast))
+    if req.flush_cache:
+        await reset_prefix_cache(ctx)
+    return {"success": True, "message": "weights updated", "num_paused_requests": 0, **_reply(result)}
 
 
 @router.get("/weights/version")
@@ -145,17 +168,29 @@ async def get_weight_version(ctx: ApiCtx) -> dict[str, str]:
 
 
 @router.post("/pause")
-async def pause(req: PauseRequest, ctx: AdminCtx, request: Request) -> dict[str, Any]:
-    """Pause generation: abort (end running requests), wait (let them finish; returns once idle), keep.
+async def pause(ctx: AdminCtx, request: Request, mode: Annotated[str | None, Query()] = None,
+                clear_cache: Annotated[bool | None, Query()] = None) -> dict[str, Any]:
+    """Pause generation: abort (end running requests), wait (let them finish; returns once idle), keep (they
+    stay, and go on where they were on resume). The mode comes in a JSON body or, as vLLM's /pause takes it, the
+    query (`?mode=keep&clear_cache=false`, no body). clear_cache then drops cached KV (not with keep).
     A wait whose client disconnects first is withdrawn: the server is not left paused."""
-    aborted = await unless_disconnected(request, ctx.pause(req.mode))
-    return {"paused": True, "aborted": aborted}
+    body = await request.body()
+    try:
+        req = PauseRequest.model_validate_json(body) if body.strip() else PauseRequest()
+    except ValidationError as exc:
+        raise InvalidRequest(f"invalid pause body: {exc.errors()[0].get('msg', 'invalid')}") from exc
+    if mode is not None and req.mode is not None and mode != req.mode:
+        raise InvalidRequest(f"mode is {mode!r} in the query and {req.mode!r} in the body: give one")
+    backend_mode = pause_mode(mode or req.mode, VLLM_PAUSE, "wait")
+    clear = bool(req.clear_cache if clear_cache is None else clear_cache)
+    aborted = await unless_disconnected(request, compat_pause(ctx, backend_mode, clear))
+    return {"paused": True, "status": "paused", "aborted": aborted}
 
 
 @router.post("/resume")
 async def resume(ctx: AdminCtx) -> dict[str, Any]:
     await ctx.resume()
-    return {"paused": False}
+    return {"paused": False, "status": "resumed"}
 
 
 @router.post("/abort")
@@ -169,5 +204,13 @@ async def rewards(req: RewardsRequest, ctx: AdminCtx) -> dict[str, int]:
 
 
 @router.get("/server_info")
-async def server_info(ctx: ApiCtx, request: Request) -> dict[str, Any]:
-    return ctx.info(admin=ctx.auth.is_admin(request.headers.get("authorization")))
+@router.get("/get_server_info")
+async def server_info(ctx: ApiCtx, request: Request, config_format: Literal["text", "json"] | None = None,
+                      ) -> dict[str, Any]:
+    """specroll's state, with the fields SGLang's /get_server_info has that slime reads and, for vLLM clients
+    (TRL reads `config_format=json`), a `vllm_config` with the fields they read."""
+    info = {**sglang_server_info(ctx), **ctx.info(admin=ctx.auth.is_admin(request.headers.get("authorization"))),
+            "control_auth": ctx.auth.control_auth}  # none: control calls need no token (a trusted network)
+    config = vllm_config(ctx)
+    info["vllm_config"] = str(config) if config_format == "text" else config
+    return info

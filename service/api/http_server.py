@@ -22,6 +22,7 @@ from service.api.http_chat import router as chat_router
 from service.api.http_collective import router as collective_router
 from service.api.http_openai import router as openai_router
 from service.api.http_sglang import router as sglang_router
+from service.api.http_vllm import router as vllm_router
 
 logger = logging.getLogger(__name__)
 
@@ -129,9 +130,11 @@ def create_app(ctx: ServiceContext) -> FastAPI:
 
     @app.get("/ready", tags=["ops"])
     async def ready() -> JSONResponse:
-        """Readiness: the model is loaded and the engine loop runs (also while paused for a push)."""
+        """Readiness: the model is loaded and the engine loop runs (also while paused for a push). `degraded`
+        names what fails while the server still serves (e.g. spool_disk_full: rollouts are being lost)."""
         ok = ctx.ready
-        return JSONResponse({"ready": ok, "paused": bool(ok and ctx.backend.stats().paused)},
+        return JSONResponse({"ready": ok, "paused": bool(ok and ctx.backend.stats().paused),
+                             "degraded": ctx.degraded()},
                             status_code=200 if ok else 503)
 
     @app.get("/metrics", tags=["ops"], response_class=PlainTextResponse,
@@ -145,6 +148,7 @@ def create_app(ctx: ServiceContext) -> FastAPI:
     app.include_router(sglang_router)
     app.include_router(admin_router)
     app.include_router(collective_router)
+    app.include_router(vllm_router)
     app.openapi = lambda: _openapi(app)  # type: ignore[method-assign]
     app.add_middleware(BodyLimit, limit=ctx.limits.max_request_bytes,  # type: ignore[arg-type]
                        upload_limit=ctx.limits.max_upload_bytes)

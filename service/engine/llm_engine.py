@@ -53,9 +53,17 @@ class LLMEngine:
         if self.tokenizer is not None and self.tokenizer.eos_token_id is not None:
             eos.add(self.tokenizer.eos_token_id)
         self.eos_token_ids = tuple(sorted(eos))
-        max_positions = config.max_model_len + SPEC_HEADROOM + 1
         budget = config.kv_cache_memory_gb * 2**30
+        token_bytes = self.model_config.kv_bytes_per_token * torch.empty((), dtype=self.dtype).element_size()
+        config.resolve_max_model_len(self.model_config.max_position_embeddings,
+                                     int(budget // token_bytes) - SPEC_HEADROOM - 1,
+                                     f"{config.kv_cache_memory_gb:g} GiB")
+        max_positions = config.max_model_len + SPEC_HEADROOM + 1
         num_slots = min(config.max_num_seqs, slots_for_budget(self.model_config, max_positions, self.dtype, budget))
+        if 0 < num_slots < config.max_num_seqs:
+            logger.warning("the KV cache (%g GiB) holds %d of --max-num-seqs %d sequences of max_model_len %d: raise "
+                           "--kv-cache-gb or lower --max-model-len for a larger batch", config.kv_cache_memory_gb,
+                           num_slots, config.max_num_seqs, config.max_model_len)
         self.cache = KVCache(self.model_config, num_slots, max_positions, self.dtype, self.device)
         self.scheduler = Scheduler(num_slots, config.max_num_batched_tokens)
         self.runner = ModelRunner(model, self.cache, self.device, compiled=not config.enforce_eager)

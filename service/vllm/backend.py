@@ -117,6 +117,8 @@ class VllmBackend(WeightPushes, RolloutBackend):
             online = depth.to_json()
         self._vllm, self._engine = build_engine(self.config, self.vcfg, self.drafter, self.table,
                                                 [step_logger(self._on_step, self.drafter.method)], online)
+        # The context vLLM settled on (its auto-fit when --max-model-len is unset: the checkpoint's, cut to the cache)
+        self.config.max_model_len = int(self._engine.model_config.max_model_len)
         await self._warm_up()
         eos = self._tokenizer.eos_token_id if self._tokenizer is not None else None
         caps = (set() if self._cpu else {CAP_SEEDS}) | (set() if self.table else {CAP_TOP_LOGPROBS})
@@ -124,7 +126,8 @@ class VllmBackend(WeightPushes, RolloutBackend):
             backend="vllm", model_path=self.model_dir, vocab_size=self.model_config.vocab_size,
             max_model_len=self.config.max_model_len, dtype=str(self.config.dtype), eos_token_id=eos,
             drafter=self.drafter.as_flag(),
-            num_slots=self.config.max_num_seqs, capabilities=frozenset(caps))
+            num_slots=self.config.max_num_seqs, capabilities=frozenset(caps),
+            parallel=(self.vcfg.tensor_parallel_size, self.vcfg.pipeline_parallel_size, self.vcfg.data_parallel_size))
         self.admission.slots = self.config.max_num_seqs
         self._ready.set()
         self._loaded.set()
@@ -274,6 +277,12 @@ class VllmBackend(WeightPushes, RolloutBackend):
 
     def resume(self) -> Future[None]:
         return self._call(self._resume())
+
+    def reset_prefix_cache(self) -> Future[bool]:
+        return self._call(self._reset_prefix_cache())
+
+    async def _reset_prefix_cache(self) -> bool:
+        return bool(await self._engine.reset_prefix_cache())
 
     async def _resume(self) -> None:
         await self._engine.resume_generation()

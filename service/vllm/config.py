@@ -60,6 +60,15 @@ class VllmConfig:
             self.spec_table = check_table(self.spec_table, self.num_speculative_tokens)
 
 
+AUTO_FIT = -1  # vLLM's max_model_len that means: the checkpoint's context length, cut to what the KV cache holds
+
+
+def engine_max_model_len(max_model_len: int | None) -> int:
+    """vLLM's max_model_len for specroll's: a set value as is; unset, vLLM's auto-fit (it derives the context length
+    from the checkpoint, caps it by the KV cache and logs why)."""
+    return AUTO_FIT if max_model_len is None else max_model_len
+
+
 def check_table(table: list[Any], max_k: int) -> list[tuple[int, int, int]]:
     out: list[tuple[int, int, int]] = []
     for row in table:

@@ -18,7 +18,7 @@ from pathlib import Path
 from typing import Any
 
 from service.config import EngineConfig
-from service.vllm.config import DrafterSpec, VllmConfig, check_table, speculative_config
+from service.vllm.config import DrafterSpec, VllmConfig, check_table, engine_max_model_len, speculative_config
 from service.vllm.sampling import MAX_TOP_LOGPROBS
 
 logger = logging.getLogger(__name__)
@@ -59,7 +59,8 @@ def engine_args(config: EngineConfig, vcfg: VllmConfig, drafter: DrafterSpec,
     spec = speculative_config(drafter, vcfg, table) if table else None
     args: dict[str, Any] = {
         "model": str(config.model), "tokenizer": str(config.model), "dtype": config.dtype,
-        "max_model_len": config.max_model_len, "max_num_seqs": config.max_num_seqs, "seed": config.seed,
+        "max_model_len": engine_max_model_len(config.max_model_len), "max_num_seqs": config.max_num_seqs,
+        "seed": config.seed,
         "logprobs_mode": "processed_logprobs", "max_logprobs": MAX_TOP_LOGPROBS,
         "tensor_parallel_size": vcfg.tensor_parallel_size, "pipeline_parallel_size": vcfg.pipeline_parallel_size,
         "data_parallel_size": vcfg.data_parallel_size, "enforce_eager": vcfg.enforce_eager,
