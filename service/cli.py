@@ -8,6 +8,7 @@ import os
 import sys
 import time
 from pathlib import Path
+from typing import Any
 
 logger = logging.getLogger("specroll")
 
@@ -47,15 +48,16 @@ def _model_dir(args: argparse.Namespace) -> str:
     return str(ensure_default_model())
 
 
-def _engine_config(args: argparse.Namespace):
+def _engine_config(args: argparse.Namespace, **settings: Any):
     from service.config import EngineConfig
+    from service.drafter_spec import DrafterSpec
 
     return EngineConfig(
         model=_model_dir(args), dtype=args.dtype, device=args.device, max_model_len=args.max_model_len,
         max_num_seqs=args.max_num_seqs, kv_cache_memory_gb=args.kv_cache_gb, seed=args.seed,
         max_num_batched_tokens=max(8192, args.max_model_len or 0), spec=args.spec, spec_k=args.spec_k,
-        num_threads=args.threads, drafter=getattr(args, "drafter", "none"), enforce_eager=args.enforce_eager,
-        strategy_trace=args.strategy_trace,
+        num_threads=args.threads, drafter=DrafterSpec.parse(getattr(args, "drafter", "none")),
+        enforce_eager=args.enforce_eager, strategy_trace=args.strategy_trace, **settings,
     )
 
 
@@ -115,9 +117,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
     from service.buffer.config import buffer_config_from_args
     from service.vllm.config import vllm_config_from_args
 
-    engine_config = _engine_config(args)
-    engine_config.drafter = args.drafter
-    engine_config.compile_background = not args.compile_before_serving
+    engine_config = _engine_config(args, compile_background=not args.compile_before_serving)
     if args.max_upload_gb <= 0:
         raise ValueError(f"--max-upload-gb must be > 0, got {args.max_upload_gb}")
     limits = Limits(max_tokens=args.max_tokens_per_request, max_n=args.max_n,

@@ -9,6 +9,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from service.drafter_spec import DrafterSpec
+
 logger = logging.getLogger(__name__)
 
 # Where Hugging Face configs give the context length, most specific first (text_config: multimodal wrappers).
@@ -173,9 +175,9 @@ class EngineConfig:
     kv_cache_memory_gb: float = 2.0
     seed: int = 0
     num_threads: int | None = None
-    # Speculative decoding: drafters as a comma-separated list of "suffix" and draft-model folders
-    # ("none" for plain decoding); spec "adaptive" picks (drafter, k) per step, "fixed" pins spec_k.
-    drafter: str = "none"
+    # Speculative decoding: the drafters (service/drafter_spec.py; a --drafter string is parsed on construction,
+    # "none" for plain decoding); spec "adaptive" picks (drafter, k) per step, "fixed" pins spec_k.
+    drafter: DrafterSpec = field(default_factory=DrafterSpec)
     spec: str = "adaptive"
     spec_k: int = 4
     # Run decode and verify forwards eagerly: no CUDA graphs on a GPU (service/engine/graphs.py), no torch.compile
@@ -190,6 +192,8 @@ class EngineConfig:
     extra: dict[str, Any] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
+        if isinstance(self.drafter, str):
+            self.drafter = DrafterSpec.parse(self.drafter)
         if self.dtype not in DTYPES:
             raise ConfigError(f"dtype must be one of {DTYPES}, got {self.dtype!r}")
         if self.max_num_seqs < 1:

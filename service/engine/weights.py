@@ -86,7 +86,8 @@ class WeightStager:
 
     def unsupported(self, role: str) -> str:
         if role == "drafter" and self.engine.drafter_weights() is None:
-            return (f"the server runs drafter {self.engine.config.drafter!r}, which has no draft model or head to push "
+            drafter = str(self.engine.drafter_spec)
+            return (f"the server runs drafter {drafter!r}, which has no draft model or head to push "
                     "weights into (start it with --drafter <draft model folder> or eagle:<head folder>)")
         return ""
 

@@ -32,7 +32,7 @@ from service.backend.hooks import Hooks
 from service.config import EngineConfig, ModelConfig
 from service.params import SamplingError, check_fits
 from service.tokenizer import Tokenizer
-from service.vllm.config import VllmConfig, parse_drafter
+from service.vllm.config import VllmConfig, vllm_drafter
 from service.vllm.engine import build_engine, spec_table_for, wants_profile
 from service.vllm.profile import profiled_table
 from service.vllm.pushes import WeightPushes
@@ -67,7 +67,7 @@ class VllmBackend(WeightPushes, RolloutBackend):
             self.hooks.on_rollout_lost = metrics.rollout_unrecorded
         self.model_dir = Path(config.model).resolve()
         self.model_config = ModelConfig.from_dir(self.model_dir)
-        self.drafter = parse_drafter(config.drafter, self.model_dir)  # a bad --drafter fails here, at start
+        self.drafter = vllm_drafter(config.drafter, self.model_dir)  # a bad --drafter fails here, at start
         self.table = spec_table_for(self.drafter, config, self.vcfg)
         self.versions = Versions(str(config.extra.get("policy_version", "0")),
                                  "none" if self.drafter.method == "none" else f"{self.drafter.method}@0")

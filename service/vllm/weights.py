@@ -20,8 +20,8 @@ from safetensors.torch import save_file
 
 from service.backend.base import PushError, WeightSpec
 from service.config import ModelConfig
+from service.drafter_spec import DrafterItem
 from service.models.loader import checkpoint_shapes
-from service.vllm.config import DrafterSpec
 
 logger = logging.getLogger(__name__)
 
@@ -31,7 +31,7 @@ def target_spec(cfg: ModelConfig, dtype: str) -> WeightSpec:
     return WeightSpec("target", cfg.architecture, checkpoint_shapes(cfg), tolerated, dtype)
 
 
-def drafter_spec(drafter: DrafterSpec, dtype: str) -> WeightSpec | None:
+def drafter_spec(drafter: DrafterItem, dtype: str) -> WeightSpec | None:
     """What a drafter push must hold: the draft model's checkpoint (Hugging Face names). None where the backend
     cannot replace the drafter's weights in place."""
     if drafter.method != "draft_model" or drafter.path is None:
@@ -40,7 +40,7 @@ def drafter_spec(drafter: DrafterSpec, dtype: str) -> WeightSpec | None:
     return WeightSpec("drafter", spec.architecture, spec.shapes, spec.tolerated, dtype)
 
 
-def drafter_unsupported(drafter: DrafterSpec) -> str:
+def drafter_unsupported(drafter: DrafterItem) -> str:
     if not drafter.has_weights:
         return (f"the server runs drafter {drafter.method!r}, which has no weights to push into (vLLM backend: "
                 "--drafter <draft model folder> | eagle:DIR | eagle3:DIR | mtp)")
