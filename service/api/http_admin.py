@@ -1,7 +1,8 @@
 """Weight and control endpoints (admin token), rewards, server info and weight versions.
 
-Uploads are raw safetensors bodies, streamed to a temporary file and read with ``safetensors.torch.load_file``
-(the body is never held whole in memory); nothing is ever unpickled.
+Uploads are raw safetensors bodies, streamed to a temporary file, their header checked against the body, then
+read with ``safetensors.torch.load_file`` (the body is never held whole in memory); nothing is ever unpickled.
+What the tensors must be is the one weight validation every path runs (service/backend/weight_check.py).
 """
 
 from __future__ import annotations
@@ -29,6 +30,7 @@ from service.api.deps import UPLOAD_PATH, AdminCtx, ApiCtx
 from service.api.disconnect import unless_disconnected
 from service.api.generation import InvalidRequest
 from service.api.push_protocol import PushError, PushResult
+from service.safetensors_io import CheckpointError, read_header
 
 router = APIRouter(tags=["admin"])
 
@@ -39,6 +41,7 @@ class LoadRequest(BaseModel):
     version: str
     role: str = "target"
     mode: str = "wait"
+    cast: bool = False  # cast the folder's dtype to the served one (never done unasked)
 
 
 class PauseRequest(BaseModel):
@@ -66,6 +69,7 @@ class DiskUpdateRequest(BaseModel):
     abort_all_requests: bool = False  # SGLang: abort running requests first (mode abort)
     flush_cache: bool = True
     load_format: str | None = None
+    cast: bool = False  # ours: cast the folder's dtype to the served one (never done unasked)
 
 
 def _reply(result: PushResult) -> dict[str, Any]:
@@ -78,6 +82,10 @@ SPOOL_BYTES = 8 * 2**20  # body bytes gathered in memory before they are hashed 
 def _load_file(path: Path) -> dict[str, Any]:
     from safetensors.torch import load_file
 
+    try:
+        read_header(path)  # the header checked against the body first (safetensors takes a name given twice)
+    except CheckpointError as exc:
+        raise PushError(f"the body is not a valid safetensors file: {exc}") from exc
     try:
         return load_file(str(path))
     except Exception as exc:  # malformed header or data
@@ -103,26 +111,13 @@ async def _receive_to_file(request: Request, path: Path) -> tuple[int, str]:
     return size, digest.hexdigest()
 
 
-def _check_upload(tensors: dict[str, Any]) -> None:
-    """What a well-formed upload is beyond its safetensors framing (which `load` checks: the header must cover
-    the body exactly): one dtype for every tensor (never silently cast) and finite values only."""
-    import torch
-
-    dtypes = sorted({str(t.dtype).removeprefix("torch.") for t in tensors.values()})
-    if len(dtypes) > 1:
-        raise PushError(f"the upload mixes dtypes {dtypes}: send every tensor in one dtype")
-    for name, t in tensors.items():
-        if t.is_floating_point() and not bool(torch.isfinite(t).all()):
-            raise PushError(f"tensor {name!r} holds NaN or infinite values: the body is corrupt or the weights "
-                            "diverged")
-
-
 @router.post(UPLOAD_PATH, openapi_extra={"requestBody": {"required": True, "description": "a safetensors file",
                                                          "content": {"application/octet-stream": {
                                                              "schema": {"type": "string", "format": "binary"}}}}})
 async def upload_weights(request: Request, ctx: AdminCtx, version: Annotated[str, Query()],
                          role: str = "target", mode: str = "wait", dtype: str | None = None,
                          sha256: Annotated[str | None, Query(description="hex sha256 of the body")] = None,
+                         cast: Annotated[bool, Query(description="cast to the served dtype")] = False,
                          ) -> dict[str, Any]:
     """Push weights as a safetensors body (Hugging Face tensor names, the complete set for the role)."""
     with tempfile.TemporaryDirectory(prefix="specroll-upload-") as tmp:
@@ -133,15 +128,15 @@ async def upload_weights(request: Request, ctx: AdminCtx, version: Annotated[str
         if sha256 is not None and digest != sha256.lower():
             raise PushError(f"checksum mismatch: the body hashes to {digest}, the request says {sha256}")
         tensors = await asyncio.to_thread(_load_file, path)
-    await asyncio.to_thread(_check_upload, tensors)
-    return _reply(await unless_disconnected(request, ctx.pushes.push_tensors(role, version, tensors, mode, dtype)))
+    return _reply(await unless_disconnected(request, ctx.pushes.push_tensors(role, version, tensors, mode, dtype,
+                                                                             cast)))
 
 
 @router.post("/weights/load")
 async def load_weights(req: LoadRequest, ctx: AdminCtx, request: Request) -> dict[str, Any]:
     """Load weights from a safetensors folder the server can read."""
     return _reply(await unless_disconnected(request, ctx.pushes.load_path(req.role, req.version, req.path,
-                                                                           req.mode)))
+                                                                           req.mode, req.cast)))
 
 
 @router.post("/update_weights_from_disk")
@@ -152,7 +147,8 @@ async def update_from_disk(req: DiskUpdateRequest, ctx: AdminCtx, request: Reque
         raise InvalidRequest(f"load_format={req.load_format!r} is not supported: safetensors folders only")
     mode = req.mode or ("abort" if req.abort_all_requests else "wait")
     version = req.weight_version or next_version(ctx.backend.stats().policy_version)
-    result = await unless_disconnected(request, ctx.pushes.load_path("target", version, req.model_path, mode))
+    result = await unless_disconnected(request, ctx.pushes.load_path("target", version, req.model_path, mode,
+                                                                      req.cast))
     if req.flush_cache:
         await reset_prefix_cache(ctx)
     return {"success": True, "message": "weights updated", "num_paused_requests": 0, **_reply(result)}

@@ -163,7 +163,7 @@ class NativeBackend(RolloutBackend):
             raise PushUnsupported(self._stager.unsupported(role) or f"no weights to push for role {role!r}")
         return self._stager
 
-    def stage_weights(self, role: str, tensors: Iterable[tuple[str, torch.Tensor]]) -> Staged:
+    def stage_checked(self, role: str, tensors: Iterable[tuple[str, torch.Tensor]]) -> Staged:
         return self._stager_for(role).stage(role, tensors)
 
     def commit_weights(self, staged: Staged, version: str, mode: str,

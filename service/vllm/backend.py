@@ -74,8 +74,8 @@ class VllmBackend(WeightPushes, RolloutBackend):
         self._tokenizer = Tokenizer.from_dir(self.model_dir)
         self._cpu = str(config.device).startswith("cpu")
         self._files = WeightFiles(self.model_dir)
-        self._roles = {"target": target_spec(self.model_config)}
-        if self.table and (spec := drafter_spec(self.drafter)) is not None:
+        self._roles = {"target": target_spec(self.model_config, str(config.dtype))}
+        if self.table and (spec := drafter_spec(self.drafter, str(config.dtype))) is not None:
             self._roles["drafter"] = spec
         self._engine: Any = None
         self._vllm: Any = None

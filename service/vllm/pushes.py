@@ -51,7 +51,8 @@ class WeightPushes:
             return drafter_unsupported(self.drafter)
         return ""
 
-    def stage_weights(self, role: str, tensors: Iterable[tuple[str, torch.Tensor]]) -> Staged:
+    def stage_checked(self, role: str, tensors: Iterable[tuple[str, torch.Tensor]]) -> Staged:
+        """Runs after the one validation (`RolloutBackend.stage_weights`): nothing unchecked reaches a worker."""
         if role not in self._roles:
             raise PushUnsupported(self.unsupported(role) or f"no weights to push for role {role!r}")
         folder, nbytes = self._files.stage(tensors, self.config.dtype)
