@@ -95,6 +95,8 @@ class BackendInfo:
     drafter: str  # the --drafter setting, "none" without speculation
     num_slots: int  # sequences the running batch can hold
     capabilities: frozenset[str] = frozenset()
+    # sampled requests under speculation: "exact" (served), "refused: <why>", or "no speculation"
+    speculative_sampling: str = "exact"
 
 
 @dataclass(frozen=True, slots=True)
