@@ -65,7 +65,6 @@ class ServiceContext:
             "model_path": str(info.model_path) if admin else info.model_path.name,
             "backend": info.backend,
             "capabilities": sorted(info.capabilities),
-            "speculative_sampling": info.speculative_sampling,
             "policy_version": stats.policy_version,
             "drafter_version": stats.drafter_version,
             "num_running": stats.num_running,

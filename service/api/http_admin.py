@@ -175,4 +175,6 @@ async def rewards(req: RewardsRequest, ctx: AdminCtx) -> dict[str, int]:
 
 @router.get("/server_info")
 async def server_info(ctx: ApiCtx, request: Request) -> dict[str, Any]:
-    return ctx.info(admin=ctx.auth.is_admin(request.headers.get("authorization")))
+    # speculative_sampling: HTTP only (the gRPC message has no such field; sampled requests are refused with it)
+    return ctx.info(admin=ctx.auth.is_admin(request.headers.get("authorization"))) | {
+        "speculative_sampling": ctx.model().speculative_sampling}
