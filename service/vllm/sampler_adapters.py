@@ -4,8 +4,8 @@
   `VLLM_USE_V2_MODEL_RUNNER=0`): the module itself, with vLLM's own `Sampler` for the bonus tokens, in
   `processed_logprobs` mode, exactly as its model runner calls it.
 - MRv2 (`vllm.v1.worker.gpu.spec_decode.rejection_sampler_utils.rejection_sample`, CUDA's default): its
-  kernels, fed target logits already processed (top-k / top-p masked; temperature is the kernels' own input, as
-  MRv2's sampler leaves it) and per-request state indexed the way MRv2's input batch indexes it. Tokens only:
+  kernels, fed target logits processed as MRv2's sampler hands them over (tempered, top-k / top-p masked; the
+  kernels temper the draft logits themselves) and per-request state indexed the way MRv2's input batch indexes it. Tokens only:
   MRv2 computes logprobs in other kernels. Not run on this project's machines (no Triton GPU): a failure or an
   exception here refuses sampled requests, it never admits them.
 """
@@ -66,9 +66,11 @@ def mrv2_verifier(device: str | torch.device) -> Verifier:
         dev = torch.device(device)
         case_of_row = torch.tensor(batch.case_of_row)
         processed_logits = torch.empty(rows, width, vocab, dtype=torch.float32)
-        for c, case in enumerate(CASES):  # top-k / top-p masks, untempered (the kernels apply temperature)
-            keep = processed(batch.target_logits[case_of_row == c], case) > 0
-            processed_logits[case_of_row == c] = batch.target_logits[case_of_row == c].masked_fill(~keep, -math.inf)
+        for c, case in enumerate(CASES):  # what MRv2's sampler hands the kernels: tempered, top-k / top-p masked
+            mine = case_of_row == c
+            keep = processed(batch.target_logits[mine], case) > 0
+            tempered = batch.target_logits[mine] / (case.temperature if case.temperature > 0 else 1.0)
+            processed_logits[mine] = tempered.masked_fill(~keep, -math.inf)
         flat = processed_logits.reshape(-1, vocab).to(dev)
         # logits row r * width + j: draft position j of request r (j = DEPTH: the bonus position); the token in
         # row j + 1 is the draft verified by row j
