@@ -5,9 +5,9 @@
   `processed_logprobs` mode, exactly as its model runner calls it.
 - MRv2 (`vllm.v1.worker.gpu.spec_decode.rejection_sampler_utils.rejection_sample`, CUDA's default): its
   kernels, fed target logits processed as MRv2's sampler hands them over (tempered, top-k / top-p masked; the
-  kernels temper the draft logits themselves) and per-request state indexed the way MRv2's input batch indexes it. Tokens only:
-  MRv2 computes logprobs in other kernels. Not run on this project's machines (no Triton GPU): a failure or an
-  exception here refuses sampled requests, it never admits them.
+  kernels temper the draft logits themselves) and per-request state indexed the way MRv2's input batch
+  indexes it. Tokens only: MRv2 computes logprobs in other kernels. Not run compiled on this project's
+  machines (no GPU): a failure or an exception here refuses sampled requests, it never admits them.
 """
 
 from __future__ import annotations
