@@ -124,8 +124,10 @@ class VllmBackend(WeightPushes, RolloutBackend):
         await self._warm_up()
         eos = self._tokenizer.eos_token_id if self._tokenizer is not None else None
         caps = (set() if self._cpu else {CAP_SEEDS}) | (set() if self._sampled_refusal else {CAP_TOP_LOGPROBS})
-        sampling = ("no speculation" if not self.table else
-                    f"refused: {self._sampled_refusal}" if self._sampled_refusal else "exact")
+        covered = ", ".join(sorted({f"{r.get('runner')} verification on {r.get('device')}"
+                                    for r in self.sampling_checks}))
+        sampling = ("no speculation" if not self.table else f"refused: {self._sampled_refusal}"
+                    if self._sampled_refusal else f"exact (self-check passed: {covered})")
         self._info = BackendInfo(
             backend="vllm", model_path=self.model_dir, vocab_size=self.model_config.vocab_size,
             max_model_len=self.config.max_model_len, dtype=str(self.config.dtype), eos_token_id=eos,

@@ -270,7 +270,8 @@ def test_the_self_check_passed_on_every_rank(server):
         assert r["expand_at_import"]["fix"] == "installed" and "torch.float32" in r["expand_at_import"]["before"]
         assert r["expand"]["after"] == "" and r["sampler"]["passed"]
     info = json.loads(urllib.request.urlopen(f"{srv.http_url}/server_info", timeout=10).read())
-    assert info["speculative_sampling"] == "exact" and "top_logprobs" in info["capabilities"]
+    assert info["speculative_sampling"] == "exact (self-check passed: V1 verification on cpu)"
+    assert "top_logprobs" in info["capabilities"]
     assert _metric(srv, "specroll:spec_decode_sampling_exact") == ['specroll:spec_decode_sampling_exact{reason=""} 1.0']
 
 
