@@ -1,23 +1,14 @@
-"""What speculative decoding could buy at most on this machine: the GRPO workload of bench/e2e.py decoded plainly and
-with a drafter that is always right and costs nothing, step by step, per batch-size bucket.
+"""What speculative decoding could buy at most on this machine, for bench/e2e.py's GRPO workload.
 
-The perfect drafter is the target drafting for itself (`--drafter` = its own folder, fixed k): its distribution is
-the target's, so min(1, p/q) accepts nearly every draft, and its seconds (catching up and drafting, all inside
-`propose`) are left out of each step: what is left is the verify step the engine would run for a drafter whose every
-draft is accepted, sampling and host work included. Both engines serve the same rollouts (bench/e2e.py's prompt
-pool, sampling seeds and token budget; the policy frozen) in one process, rollouts alternating between them, so a
-drift in the machine's speed hits both alike.
-
-Per bucket: SD off's tokens a second and the perfect drafter's, and their ratio; over the rollout, SD off's decode
-seconds over the perfect drafter's verify seconds (`rollout_ceiling`). Given a bench.e2e JSON (`--e2e`), the GRPO
-step too: SD off's step with its rollout shortened by that ceiling and its update and push as they were
-(`step_ceiling`: an upper bound, since the rollout's prefill and streaming shrink with it here). A drafter that a
-real engine runs is neither free nor always right, so no drafter reaches these figures; where an aim is above them,
-it is out of reach on this machine for this workload.
+The perfect drafter is the target drafting for itself at fixed k: it accepts nearly every draft, and its drafting
+seconds are left out of each step. Both engines serve the same rollouts in one process, alternating, so a drift in
+the machine's speed hits both alike. Per batch bucket it reports SD off's tokens a second, the perfect drafter's,
+and their ratio; over the rollout, the rollout ceiling; given a bench.e2e JSON, the GRPO step ceiling. No real
+drafter reaches these figures: an aim above them is out of reach here.
 
     python -m bench.ceiling [--k 8] [--rollouts 6] [--e2e docs/e2e.json]
 
-Prints one JSON line.
+Prints one JSON line. docs/design-notes.md has the details.
 """
 
 from __future__ import annotations

@@ -1,34 +1,14 @@
 """Rollout benchmark: speculative decoding off, fixed (draft, k), and adaptive, on several workload shapes.
 
-Each workload is 64 requests (8 prompts x 8 samples, like a GRPO group):
-- long_tail: log-normal lengths (median 48, sigma 0.9), so the batch drains to a few long sequences;
-- near_uniform: lengths within +-10% of 96, so the batch stays full until the end;
-- heavy_tail: log-normal lengths (median 24, sigma 1.5): most finish early, a few run very long;
-- collapse: long_tail, but halfway (by tokens) the draft model is swapped for an unrelated one, as after a
-  policy push its drafter has not caught up with: acceptance collapses.
-Target and draft model are built here, no downloads: the target is a deeper model whose extra layers write
-small updates into the residual stream, the draft model is its first layers with the same embedding and
-head (a well-aligned drafter; `--align` sets how well). Prints one JSON line (tokens/s, tail time, ratios per
-workload, loadavg) and writes a PNG per workload (`--plot-dir`): tokens/s of each strategy per batch-size
-bucket, and the adaptive choice over the run's steps.
+Each workload is 64 requests (8 prompts x 8 samples): long_tail, near_uniform, heavy_tail, and collapse (the draft
+model swapped for an unrelated one halfway). Target and draft model are built here. Each config runs `--repeats`
+times round-robin; the JSON reports the median run and adaptive against the best fixed k paired round by round.
+`--configs ...,perfect` adds a drafter that is always right and free; `--warm` serves each workload once untimed
+first (the steady state). Prints one JSON line and writes a PNG per workload (`--plot-dir`).
 
-    python3 -m bench.spec_decode [--threads 1] [--workloads long_tail,near_uniform] [--repeats 3] [--warm] [--quick]
+    python3 -m bench.spec_decode [--threads 1] [--workloads long_tail,near_uniform] [--repeats 3] [--warm]
 
-`--configs ...,perfect` adds a drafter that is always right and free: the target drafting for itself at
-`--perfect-k` (q = p, so min(1, p/q) accepts nearly every draft), its drafting seconds left out
-(`ratio_perfect_vs_off`, `ratio_tail_perfect_vs_off`): what no drafter can beat on this machine, since a real one
-costs something and misses. Not in the default configs: drafting with the target takes as long as k target steps.
-
-Every timed rollout runs on a fresh engine, so the adaptive strategy starts it knowing nothing of its arms; with
-`--warm` each engine first serves the same workload untimed (other seeds), as a server does between a run's first
-rollout and the next: the steady state (`steady_state`). Its strategy trace then holds that rollout first.
-
-Each config runs `--repeats` times, round-robin; the JSON reports the run with the median wall time (and
-every run's seconds), since runs of ~10 s vary by about 5% on a quiet machine, and adaptive against the best
-fixed k paired round by round (`ratio_adaptive_vs_best_fixed_paired`: the two runs of a round ran minutes apart
-at most). `bucket_oracle_seconds`: a rollout that ran the fastest fixed config (off or a k) in each batch-size
-bucket, known beforehand (`ratio_bucket_oracle_vs_best_fixed`: how far ahead of the best fixed k choosing the
-k per bucket can get at all).
+docs/design-notes.md describes the workloads and fields in full.
 """
 
 from __future__ import annotations

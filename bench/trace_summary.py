@@ -1,19 +1,12 @@
-"""Where a rollout's decode time goes, per batch-size bucket, from strategy traces (`specroll serve --strategy-trace`,
-`bench.e2e --strategy-trace`, `bench.spec_decode --strategy-trace`).
+"""Where a rollout's decode time goes, per batch-size bucket, from strategy traces.
 
-Per trace and bucket (rows 1, 2, 3-4, 5-8, ... as the strategy buckets them): decode steps, tokens, seconds,
-milliseconds a step, tokens a step and a row, tokens a second, and the arms that ran (share of steps). Given several
-traces (SD off first, say), each bucket's tokens a second is also set against the first trace's: the speed-up where
-the batch is full and where it drains, which the whole-rollout figures average away. Seconds are each step's wall
-time (the trace's `seconds`); the work between two steps (`cost_seconds` - `seconds`, where the engine timed it) is
-reported apart, as `between_ms`.
+Per trace and bucket: decode steps, tokens, seconds, milliseconds a step, tokens a step and a row, tokens a second,
+and the arms that ran. Given several traces (SD off first), each bucket's tokens a second is set against the first
+trace's: the speed-up where the batch is full and where it drains. The work between two steps is reported apart.
 
     python -m bench.trace_summary OFF.jsonl ADAPTIVE.jsonl [--skip-rollouts 2]
 
-`--skip-rollouts N` leaves out each trace's first N rollouts (warm-up: a bench's first steps). A rollout begins
-where at least `--new-rows` rows join the batch (the trace's `joined`) after a row of the one before finished, as
-when a trainer sends a step's requests together once the last step's are done (requests sent together but admitted
-over a few steps stay one rollout). Prints one JSON line.
+Prints one JSON line. docs/design-notes.md says how rollouts are delimited.
 """
 
 from __future__ import annotations

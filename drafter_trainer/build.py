@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import copy
 import logging
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -15,7 +14,7 @@ from service.engine.drafters.eagle import init_head, load_head
 from service.models.loader import load_model
 
 if TYPE_CHECKING:
-    from service.engine.llm_engine import LLMEngine
+    from service.backend.base import DrafterCopy
 
 logger = logging.getLogger(__name__)
 
@@ -47,19 +46,17 @@ def build_student(spec: str, target_cfg: ModelConfig | None, vocab: int, max_pos
     return EagleStudent(head, vocab, max_positions, device, fresh=path is None)
 
 
-def student_from_engine(engine: LLMEngine, max_positions: int) -> Student:
-    """A trainable copy of the drafter an engine is serving right now (in-process trainer)."""
-    vocab = engine.model_config.vocab_size
-    found = engine.drafter_weights()
-    if found is None:
-        raise NothingToTrain(f"the engine's drafters {sorted(engine.drafters)} have no weights to train")
-    kind, module = found
-    spec_kind, path = parse_drafter(engine.config.drafter)
-    if kind == "eagle":  # `--drafter eagle` without a folder: the engine initialised the head
-        return EagleStudent(copy.deepcopy(module), vocab, max_positions, engine.device, fresh=path is None)
+def student_from_copy(found: DrafterCopy, spec: str, vocab: int, max_positions: int) -> Student:
+    """A student from a copy of the drafter a server is serving right now (in-process trainer); `spec` is the
+    server's --drafter value (whether an EAGLE head was initialised rather than loaded, where a draft model's
+    folder is)."""
+    device = next(found.module.parameters()).device
+    spec_kind, path = parse_drafter(spec)
+    if found.kind == "eagle":  # `--drafter eagle` without a folder: the engine initialised the head
+        return EagleStudent(found.module, vocab, max_positions, device, fresh=path is None)
     source = Path(path) if spec_kind == "draft" and path else None
-    model: Any = copy.deepcopy(module)
-    return DraftStudent(model, source, vocab, max_positions, engine.device)
+    model: Any = found.module
+    return DraftStudent(model, source, vocab, max_positions, device)
 
 
 def target_config(spec: str | None, version: str, fallback: str | None) -> ModelConfig | None:

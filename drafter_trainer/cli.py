@@ -2,6 +2,9 @@
 
     specroll drafter-trainer --server 127.0.0.1:50051 --redis-url redis://127.0.0.1:6379/0 \\
         --admin-token T --checkpoint-dir /shared/drafter-ckpt --metrics-port 9400
+
+It trains only while it holds its consumer group's lease (lease.py) and stands by otherwise: a second sidecar
+on the same group is a warm spare that takes over, from the shared checkpoint, when the first goes.
 """
 
 from __future__ import annotations
@@ -26,8 +29,8 @@ def add_subcommand(sub: Any) -> None:
     p.set_defaults(func=run)
 
 
-def build(cfg: TrainerConfig) -> Any:
-    """A DrafterTrainer for a running server and Redis, as the sidecar runs it."""
+def build(cfg: TrainerConfig, metrics: Any = None, lease: Any = None) -> Any:
+    """A DrafterTrainer for a running server and Redis, as the sidecar runs it (resumed from the checkpoint)."""
     import redis
 
     from client import SpecrollClient
@@ -62,28 +65,58 @@ def build(cfg: TrainerConfig) -> Any:
             return model
     else:
         logger.warning("no target model folder: training from payload logprobs / sampled tokens only")
-    metrics = TrainerMetrics()
-    if cfg.metrics_port:
-        from drafter_trainer.metrics_http import serve_metrics
-
-        serve_metrics(cfg.metrics_port, metrics.registry)
-        logger.info("metrics on :%d/metrics", cfg.metrics_port)
+    metrics = metrics or TrainerMetrics()
     source = RedisSource(redis.Redis.from_url(cfg.redis_url, socket_timeout=max(5.0, cfg.block_ms / 500)), cfg)
     store = CheckpointStore(cfg.checkpoint_dir) if cfg.checkpoint_dir else None
     logger.info("training the %s drafter of %s (policy %s) from %s, consumer %s/%s", student.kind, cfg.server,
                 info.policy_version, cfg.stream, cfg.group, cfg.consumer)
     return DrafterTrainer(cfg, source, GrpcServer(client), student, Teacher(resolver, device, max_positions),
-                          metrics, store)
+                          metrics, store, lease)
+
+
+def serve(cfg: TrainerConfig, stop: threading.Event, metrics: Any = None) -> None:
+    """Stand by until this sidecar holds its consumer group's lease, train until `stop` is set or the lease is
+    lost (then stand by again, and resume from the checkpoint when it is ours once more)."""
+    import redis
+
+    from drafter_trainer.lease import Lease, lease_key
+    from drafter_trainer.metrics import TrainerMetrics
+
+    if not cfg.redis_url:
+        raise ValueError("--redis-url is required (the sidecar reads the server's rollout stream)")
+    metrics = metrics or TrainerMetrics()
+    if cfg.metrics_port:
+        from drafter_trainer.metrics_http import serve_metrics
+
+        serve_metrics(cfg.metrics_port, metrics.registry)
+        logger.info("metrics on :%d/metrics", cfg.metrics_port)
+    lease = None
+    if cfg.lease_ttl_ms:
+        client = redis.Redis.from_url(cfg.redis_url, socket_timeout=max(2.0, cfg.lease_ttl_ms / 3000))
+        lease = Lease(client, lease_key(cfg.stream, cfg.group), cfg.consumer, cfg.lease_ttl_ms, metrics)
+    while not stop.is_set():
+        if lease is not None and not lease.acquire(stop):
+            return
+        trainer = None
+        try:
+            trainer = build(cfg, metrics, lease)
+            trainer.run(stop)
+            logger.info("stopped after %d rounds, %d pushes, %d rollouts taken in", trainer.round, trainer.pushes,
+                        trainer.ledger.taken_total)
+        finally:
+            if trainer is not None:
+                trainer.server.client.close()
+                trainer.source.r.close()
+            if lease is not None:
+                lease.release()
+        if lease is None or (cfg.max_rounds is not None and trainer.round >= cfg.max_rounds):
+            return
 
 
 def run(args: argparse.Namespace) -> int:
     cfg = from_args(args)
-    trainer = build(cfg)
     stop = threading.Event()
     for sig in (signal.SIGINT, signal.SIGTERM):
         signal.signal(sig, lambda *_: stop.set())
-    trainer.run(stop)
-    logger.info("stopped after %d rounds, %d pushes, %d rollouts taken in", trainer.round, trainer.pushes,
-                trainer.ledger.taken_total)
-    trainer.server.client.close()
+    serve(cfg, stop)
     return 0

@@ -29,6 +29,7 @@ class TrainerConfig:
     block_ms: int = 500
     max_deliveries: int = 3
     claim_idle_ms: int = 30_000
+    lease_ttl_ms: int = 10_000  # one trainer per consumer group (lease.py); 0: no lease
     dedupe_window: int = 100_000
     # training
     k: int = 4  # draft length the accepted-length measure assumes
@@ -74,6 +75,8 @@ class TrainerConfig:
             raise ValueError("micro_tokens must be >= 1")
         if self.max_deliveries < 1:
             raise ValueError("max_deliveries must be >= 1")
+        if self.lease_ttl_ms != 0 and self.lease_ttl_ms < 100:
+            raise ValueError(f"lease_ttl_ms must be 0 (no lease) or >= 100, got {self.lease_ttl_ms}")
         self.consumer = self.consumer or f"{socket.gethostname()}-{os.getpid()}"
         self.dead_letter_stream = self.dead_letter_stream or f"{self.stream}:dead"
 

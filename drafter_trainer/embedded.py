@@ -1,8 +1,10 @@
 """The drafter trainer inside the server process (`specroll serve` without --redis-url).
 
-It reads the server's in-process buffer, uses the engine's serving model as the teacher (always at the
-served policy version), swaps improved drafters in on the engine loop, and reports its metrics on the
-server's /metrics. Same loop and accounting as the sidecar; checkpoints only with --trainer-dir.
+It reads the server's in-process buffer and talks to the engine only through the backend interface: a copy of
+the serving drafter to train, the serving target as its teacher (a read-only snapshot at the served policy
+version), and improved drafters back through the push path. It reports its metrics on the server's /metrics.
+Same loop and accounting as the sidecar; checkpoints only with --trainer-dir. A backend that lends neither
+(vLLM) leaves it off.
 """
 
 from __future__ import annotations
@@ -16,13 +18,14 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from drafter_trainer.config import TrainerConfig
+from service.backend.base import PushUnsupported, TeacherSnapshot
 from service.cpu_threads import one_cpu_thread
 
 if TYPE_CHECKING:
     from prometheus_client import CollectorRegistry
 
+    from service.backend.base import RolloutBackend
     from service.buffer.memory import MemoryBuffer
-    from service.engine.native import NativeBackend
 
 logger = logging.getLogger(__name__)
 
@@ -52,12 +55,14 @@ def lower_thread_priority(niceness: int) -> None:
 
 
 class EmbeddedTrainer:
-    def __init__(self, backend: NativeBackend, buffer: MemoryBuffer, registry: CollectorRegistry,
+    def __init__(self, backend: RolloutBackend, buffer: MemoryBuffer, registry: CollectorRegistry,
                  checkpoint_dir: str | None = None, config: TrainerConfig | None = None) -> None:
         self.backend, self.buffer, self.registry = backend, buffer, registry
         config = config or TrainerConfig(consumer="in-process")
         self.config = replace(config, checkpoint_dir=checkpoint_dir or config.checkpoint_dir)
         self.trainer: Any = None
+        self.timeout_s = 60.0  # for what the engine thread hands over between two steps
+        self._teacher: TeacherSnapshot | None = None
         self.niceness = NICENESS
         self.one_thread: bool | None = None  # whether its torch ops run on its own thread alone (set once running)
         self._stop = threading.Event()
@@ -72,7 +77,7 @@ class EmbeddedTrainer:
             self._thread.join(timeout)
 
     def _build(self) -> Any:
-        from drafter_trainer.build import NothingToTrain, student_from_engine
+        from drafter_trainer.build import NothingToTrain, student_from_copy
         from drafter_trainer.checkpoint import CheckpointStore
         from drafter_trainer.metrics import TrainerMetrics
         from drafter_trainer.servers import LocalServer
@@ -81,22 +86,28 @@ class EmbeddedTrainer:
         from drafter_trainer.trainer import DrafterTrainer
 
         cfg = self.config
-        engine = self.backend.engine
+        backend = self.backend
+        info = backend.info()
         max_positions = cfg.max_seq_len + 1
         try:
-            student = student_from_engine(engine, max_positions)
-        except NothingToTrain as exc:
+            found = backend.drafter_copy().result(self.timeout_s)
+            if found is None:
+                raise NothingToTrain(f"the server's drafter {info.drafter!r} has no weights to train")
+            student = student_from_copy(found, info.drafter, info.vocab_size, max_positions)
+        except (NothingToTrain, PushUnsupported) as exc:
             logger.info("in-process drafter trainer is off: %s", exc)
             return None
 
-        def serving_model(version: str) -> Any:  # the teacher: the policy the engine serves, read-only
-            return engine.runner.model if str(engine.policy_version) == version else None
+        def serving_model(version: str) -> Any:  # the teacher: the policy the engine serves, lent read-only
+            snap = backend.teacher_snapshot().result(self.timeout_s)
+            self._teacher = snap if snap.version == version else None  # held while the teacher reads it
+            return None if self._teacher is None else self._teacher.module
 
-        teacher = Teacher(serving_model, engine.device, max_positions)
+        teacher = Teacher(serving_model, student.device, max_positions)
         store = CheckpointStore(cfg.checkpoint_dir) if cfg.checkpoint_dir else None
         metrics = TrainerMetrics(self.registry)
         logger.info("in-process drafter trainer: training the %s drafter on this server's rollouts", student.kind)
-        return DrafterTrainer(cfg, MemorySource(self.buffer, cfg.max_deliveries), LocalServer(self.backend), student,
+        return DrafterTrainer(cfg, MemorySource(self.buffer, cfg.max_deliveries), LocalServer(backend), student,
                               teacher, metrics, store)
 
     def _run(self) -> None:

@@ -15,9 +15,10 @@ class TrainerMetrics:
                                 registry=r)
         self.acked = Counter(P + "entries_acked", "Stream entries acked after the checkpoint that took them in",
                              registry=r)
-        self.dead = Counter(P + "entries_dead_lettered", "Entries moved to the dead-letter stream", registry=r)
-        self.failed = Counter(P + "entries_failed", "Entries whose processing failed (left for redelivery)",
-                              registry=r)
+        self.dead = Counter(P + "entries_dead_lettered", "Entries moved to the dead-letter stream, by kind of fault "
+                            "(encoding, protobuf, missing, shape, token_range, non_finite, params, error, deliveries)",
+                            ["reason"], registry=r)
+        self.failed = Counter(P + "entries_failed", "Entries that failed to decode or to be taken in", registry=r)
         self.duplicates = Counter(P + "entries_duplicate", "Entries whose rollout id was already taken in",
                                   registry=r)
         self.taken = Counter(P + "rollouts_taken", "Rollouts taken in, by role", ["role"], registry=r)
@@ -30,7 +31,8 @@ class TrainerMetrics:
                             "Expected tokens per step of the served drafter on held-out rollouts", registry=r)
         self.after = Gauge(P + "accepted_length_after",
                            "Expected tokens per step of the trained drafter on the same rollouts", registry=r)
-        self.pushes = Counter(P + "pushes", "Drafter pushes to the server by result", ["result"], registry=r)
+        self.pushes = Counter(P + "pushes", "Drafter pushes to the server by result (ok, error, unsupported, fenced)",
+                              ["result"], registry=r)
         self.stale = Gauge(P + "drafter_stale", "1 while the freshness alarm is raised", registry=r)
         self.alarms = Counter(P + "stale_alarms", "Times the freshness alarm was raised", registry=r)
         self.recovery = Histogram(P + "stale_recovery_seconds", "Policy push to recovered accepted length",
@@ -39,5 +41,11 @@ class TrainerMetrics:
         self.gate = Gauge(P + "gate_open", "1 when the server is idle or in its long tail", registry=r)
         self.backoff = Counter(P + "backoff_seconds", "Seconds spent waiting for the server to be less busy",
                                registry=r)
+        self.lease_held = Gauge(P + "lease_held", "1 while this trainer holds its consumer group's lease, 0 in standby",
+                                registry=r)
+        self.lease_acquired = Counter(P + "lease_acquired", "Times this trainer took its consumer group's lease",
+                                      registry=r)
+        self.lease_lost = Counter(P + "lease_lost", "Times the lease was found taken or lapsed while held",
+                                  registry=r)
         self.lr = Gauge(P + "learning_rate", "The student's learning rate (halved when a round makes it worse)",
                         registry=r)

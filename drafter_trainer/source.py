@@ -4,7 +4,8 @@ Redis: new entries with XREADGROUP ">"; this consumer's own pending entries from
 (XREADGROUP "0"); entries a crashed consumer left pending are taken over with XAUTOCLAIM once idle for
 `claim_idle_ms`. An entry whose processing failed stays pending and comes back the same way; its
 `max_deliveries`-th failure (or a claim past that many deliveries: a consumer crashed on it each time)
-copies it to the dead-letter stream and acks it, in one MULTI. Entries this consumer holds (read, not yet
+copies it to the dead-letter stream and acks it, in one MULTI; an entry that cannot be a rollout (it failed to
+decode, which no retry changes) is dead-lettered at once. Entries this consumer holds (read, not yet
 acked) are re-claimed with JUSTID before every XAUTOCLAIM, which resets their idle time without counting a
 delivery, so they are not taken over while being worked on (claim_idle_ms must exceed a training round).
 """
@@ -13,7 +14,7 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any, Protocol
 
@@ -31,15 +32,22 @@ class Entry:
     deliveries: int = 1
 
 
+def _ignore(kind: str) -> None:
+    return None
+
+
 class Source(Protocol):
     dead_lettered: int
     claimed: int
+    on_dead_letter: Callable[[str], None]  # called with the fault's kind (a metric label) for each dead letter
 
     def read(self, count: int, block_ms: int) -> list[Entry]: ...
 
     def ack(self, entry_ids: list[str]) -> None: ...
 
-    def fail(self, entry: Entry, reason: str) -> None: ...
+    def fail(self, entry: Entry, reason: str, kind: str = "error") -> None: ...
+
+    def dead_letter(self, entry: Entry, reason: str, kind: str) -> None: ...
 
     def lag(self) -> tuple[int, int]: ...
 
@@ -55,11 +63,12 @@ class RedisSource:
         self.r, self.cfg = client, cfg
         self.stream, self.group, self.consumer = cfg.stream, cfg.group, cfg.consumer
         self.dead_lettered = self.claimed = self.trimmed = 0
+        self.on_dead_letter: Callable[[str], None] = _ignore
         self._own_done = False
         self._own_cursor = "0"
         self._cursor = "0-0"
         self._next_claim = 0.0
-        self._failures: dict[str, str] = {}
+        self._failures: dict[str, tuple[str, str]] = {}  # entry id -> (reason, kind) of its last failure
         self._inflight: set[str] = set()  # delivered to us, not yet acked or failed
         try:
             self.r.xgroup_create(self.stream, self.group, id=start_id, mkstream=True)
@@ -119,7 +128,7 @@ class RedisSource:
         kept = []
         for e in self._with_deliveries(entries):
             if e.deliveries > self.cfg.max_deliveries:
-                self._dead_letter(e, self._failures.pop(e.entry_id, "delivered too often"))
+                self.dead_letter(e, *self._failures.pop(e.entry_id, ("delivered too often", "deliveries")))
             else:
                 kept.append(e)
         return kept
@@ -133,28 +142,30 @@ class RedisSource:
             e.deliveries = counts.get(e.entry_id, 1)
         return entries
 
-    def _dead_letter(self, e: Entry, reason: str) -> None:
-        fields = {_sid(k): v for k, v in e.fields.items()}
-        fields.update({"dl_entry_id": e.entry_id, "dl_reason": reason[:500], "dl_deliveries": str(e.deliveries),
-                       "dl_consumer": self.consumer, "dl_at": repr(time.time())})
+    def dead_letter(self, e: Entry, reason: str, kind: str) -> None:
+        """Copy the entry to the dead-letter stream with why (its fields as they were, bytes included) and ack it."""
+        fields: dict[Any, Any] = dict(e.fields)
+        fields.update({"dl_entry_id": e.entry_id, "dl_reason": reason[:500], "dl_kind": kind,
+                       "dl_deliveries": str(e.deliveries), "dl_consumer": self.consumer, "dl_at": repr(time.time())})
         pipe = self.r.pipeline(transaction=True)
         pipe.xadd(self.cfg.dead_letter_stream, fields)
         pipe.xack(self.stream, self.group, e.entry_id)
         pipe.execute()
         self._inflight.discard(e.entry_id)
         self.dead_lettered += 1
-        logger.warning("entry %s dead-lettered to %r after %d deliveries: %s", e.entry_id,
-                       self.cfg.dead_letter_stream, e.deliveries, reason)
+        self.on_dead_letter(kind)
+        logger.warning("entry %s dead-lettered to %r after %d deliveries (%s): %s", e.entry_id,
+                       self.cfg.dead_letter_stream, e.deliveries, kind, reason)
 
-    def fail(self, entry: Entry, reason: str) -> None:
+    def fail(self, entry: Entry, reason: str, kind: str = "error") -> None:
         """The N-th failed delivery goes to the dead-letter stream; earlier ones stay pending and are claimed
         again after claim_idle_ms."""
         self._inflight.discard(entry.entry_id)
         if entry.deliveries >= self.cfg.max_deliveries:
             self._failures.pop(entry.entry_id, None)
-            self._dead_letter(entry, reason)
+            self.dead_letter(entry, reason, kind)
         else:
-            self._failures[entry.entry_id] = reason
+            self._failures[entry.entry_id] = (reason, kind)
 
     def ack(self, entry_ids: list[str]) -> None:
         for i in range(0, len(entry_ids), 1000):
@@ -191,6 +202,7 @@ class MemorySource:
         self.buffer = buffer
         self.max_deliveries = max_deliveries
         self.dead_lettered = self.claimed = 0
+        self.on_dead_letter: Callable[[str], None] = _ignore
         self.dead: list[tuple[Entry, str]] = []
         self._last = 0
         self._retry: list[Entry] = []
@@ -206,13 +218,18 @@ class MemorySource:
         self._held += len(out)
         return out
 
-    def fail(self, entry: Entry, reason: str) -> None:
+    def dead_letter(self, entry: Entry, reason: str, kind: str) -> None:
         self._held = max(0, self._held - 1)
+        self.dead.append((entry, reason))
+        self.dead_lettered += 1
+        self.on_dead_letter(kind)
+        logger.warning("entry %s dropped after %d deliveries (%s): %s", entry.entry_id, entry.deliveries, kind, reason)
+
+    def fail(self, entry: Entry, reason: str, kind: str = "error") -> None:
         if entry.deliveries >= self.max_deliveries:
-            self.dead.append((entry, reason))
-            self.dead_lettered += 1
-            logger.warning("entry %s dropped after %d deliveries: %s", entry.entry_id, entry.deliveries, reason)
+            self.dead_letter(entry, reason, kind)
         else:
+            self._held = max(0, self._held - 1)
             self._retry.append(Entry(entry.entry_id, entry.fields, entry.deliveries + 1))
 
     def ack(self, entry_ids: list[str]) -> None:

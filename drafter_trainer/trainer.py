@@ -40,11 +40,24 @@ class Server(Protocol):
     def push(self, student: Student, module: torch.nn.Module, version: str) -> None: ...
 
 
+class Fence(Protocol):
+    """The consumer group's lease (lease.py): whether this trainer may still act for the group."""
+
+    @property
+    def held(self) -> bool: ...
+
+    def confirm(self) -> bool: ...
+
+
 class DrafterTrainer:
     def __init__(self, cfg: TrainerConfig, source: Source, server: Server, student: Student, teacher: Teacher,
-                 metrics: TrainerMetrics | None = None, store: CheckpointStore | None = None) -> None:
+                 metrics: TrainerMetrics | None = None, store: CheckpointStore | None = None,
+                 lease: Fence | None = None) -> None:
         self.cfg, self.source, self.server, self.student, self.teacher = cfg, source, server, student, teacher
+        self.lease = lease  # None: the only trainer of its source (in-process)
         self.metrics = metrics or TrainerMetrics()
+        if source is not None:
+            source.on_dead_letter = lambda kind: self.metrics.dead.labels(kind).inc()
         self.store = store
         self.lr = cfg.lr if cfg.lr is not None else FRESH_LR if student.fresh else TUNE_LR
         self.optim = torch.optim.AdamW(student.module.parameters(), lr=self.lr)
@@ -67,13 +80,24 @@ class DrafterTrainer:
 
     # -- the loop -------------------------------------------------------------------------------------
     def run(self, stop: threading.Event | None = None) -> None:
+        """Train until `stop` is set, `max_rounds` are done or the lease is lost."""
         stop = stop or threading.Event()
         while not stop.is_set() and (self.cfg.max_rounds is None or self.round < self.cfg.max_rounds):
+            if self.lease is not None and not self.lease.held:
+                logger.warning("the consumer group's lease is no longer ours: this trainer stops")
+                return
             try:
                 self.tick()
             except Exception:
                 logger.exception("trainer step failed; retrying")
                 stop.wait(self.cfg.backoff_s)
+
+    def fenced(self, what: str) -> bool:
+        """True (and logged) when the lease is not confirmed ours: `what` must not happen."""
+        if self.lease is None or self.lease.confirm():
+            return False
+        logger.warning("not %s: this trainer no longer holds the consumer group's lease", what)
+        return True
 
     def tick(self) -> None:
         self.server_state()
@@ -113,28 +137,37 @@ class DrafterTrainer:
             self._push(self.served, self.served_version)
 
     def take_in(self, entries: list[Entry]) -> None:
+        """Decode and account for each entry on its own: one that is not a rollout, or whose token ids lie outside
+        the vocabulary the drafter is trained on, is dead-lettered at once (a retry decodes it the same way); one
+        whose taking-in fails for another reason is left for redelivery. Either way the rest go on."""
         for e in entries:
             self.metrics.consumed.inc()
             try:
-                r = decode_entry(e.entry_id, e.fields)
+                r = decode_entry(e.entry_id, e.fields, vocab_size=self.student.vocab)
             except PayloadError as exc:
                 self.metrics.failed.inc()
-                before = self.source.dead_lettered
-                self.source.fail(e, str(exc))
-                self.metrics.dead.inc(self.source.dead_lettered - before)
+                self.source.dead_letter(e, str(exc), exc.reason)
                 continue
-            seen = self.ledger.seen(r.rollout_id)
-            if seen is not None:
-                self.metrics.duplicates.inc()
-                if seen == "settled":
-                    self._ack([e.entry_id])
-                else:
-                    self.ledger.hold(e.entry_id)
-                continue
-            role = self.pool.role(r.rollout_id) if usable(r, self.cfg.max_seq_len, self.student.min_col) else "skip"
-            self.ledger.take(r.rollout_id, role, e.entry_id)
-            self.metrics.taken.labels(role).inc()
-            self.pool.add(r, role)
+            try:
+                self._take(e, r)
+            except Exception as exc:
+                logger.exception("taking in entry %s failed", e.entry_id)
+                self.metrics.failed.inc()
+                self.source.fail(e, f"{type(exc).__name__}: {exc}", "error")
+
+    def _take(self, e: Entry, r: BufferedRollout) -> None:
+        seen = self.ledger.seen(r.rollout_id)
+        if seen is not None:
+            self.metrics.duplicates.inc()
+            if seen == "settled":
+                self._ack([e.entry_id])
+            else:
+                self.ledger.hold(e.entry_id)
+            return
+        role = self.pool.role(r.rollout_id) if usable(r, self.cfg.max_seq_len, self.student.min_col) else "skip"
+        self.ledger.take(r.rollout_id, role, e.entry_id)
+        self.metrics.taken.labels(role).inc()
+        self.pool.add(r, role)
 
     def due(self) -> bool:
         waited = time.monotonic() - self._last_round >= self.cfg.max_wait_s
@@ -245,6 +278,9 @@ class DrafterTrainer:
         logger.info("training again from the served drafter at lr %.2g", self.optim.param_groups[0]["lr"])
 
     def _push(self, module: torch.nn.Module, version: str) -> bool:
+        if self.fenced(f"pushing drafter {version}"):
+            self.metrics.pushes.labels("fenced").inc()
+            return False
         try:
             self.server.push(self.student, module, version)
         except PushRefused as exc:
@@ -268,7 +304,10 @@ class DrafterTrainer:
 
     # -- accounting -----------------------------------------------------------------------------------
     def commit(self) -> None:
-        """Checkpoint what was taken in, then ack its entries."""
+        """Checkpoint what was taken in, then ack its entries (neither once the lease is lost: the trainer that
+        took it over has the entries delivered again and owns the checkpoint)."""
+        if self.fenced("checkpointing or acking"):
+            return
         held = self.ledger.settle()
         if self.store is not None:
             state = {"round": self.round, "pushes": self.pushes, "served_version": self.served_version,

@@ -30,7 +30,7 @@ from service.backend.admission import Admission, AdmissionCollector, AdmissionLi
 from service.backend.base import NotReady, RolloutBackend, StatsSnapshot
 from service.backend.hooks import Hooks
 from service.backend.metrics import Metrics
-from service.buffer import BufferConfig, MemoryBuffer, attach_buffer
+from service.buffer import BufferConfig, MemoryBuffer, RedisBuffer, attach_buffer
 from service.config import EngineConfig
 
 logger = logging.getLogger(__name__)
@@ -102,6 +102,8 @@ class SpecrollServer:
         self._aloop: asyncio.AbstractEventLoop | None = None
         self.started = threading.Event()
         self.buffer = attach_buffer(self._buffer_config(), self.hooks, self.metrics.registry)
+        if isinstance(self.buffer, RedisBuffer):
+            self.ctx.degraded_fn = self.buffer.degraded
         self.trainer = self._start_trainer()
 
     def _stats(self) -> StatsSnapshot | None:
@@ -118,17 +120,14 @@ class SpecrollServer:
         return cfg
 
     def _start_trainer(self) -> Any:
-        """The in-process drafter trainer: without Redis, on the native backend, reading the memory buffer."""
+        """The in-process drafter trainer: without Redis, reading the memory buffer (it stays off on a backend
+        that lends it no drafter copy and teacher)."""
         cfg = self._buffer_config()
         if not isinstance(self.buffer, MemoryBuffer) or not cfg.embedded_trainer:
             return None
         from drafter_trainer.config import TrainerConfig
         from drafter_trainer.embedded import EmbeddedTrainer
-        from service.engine.native import NativeBackend
 
-        if not isinstance(self.backend, NativeBackend):
-            logger.info("the in-process drafter trainer runs on the native backend only; use the sidecar")
-            return None
         trainer_cfg = cfg.trainer
         if trainer_cfg is None:
             gate = cfg.trainer_gate
@@ -210,10 +209,7 @@ def run_server(engine_config: EngineConfig, config: ServerConfig) -> int:
     if server.backend.load_error is not None:
         logger.error("the model failed to load: %s", server.backend.load_error)
         code = 1
-    from service.engine.background_compile import still_compiling
-
-    if still_compiling():  # everything is closed: exit without finalizing (service/engine/background_compile.py)
-        logger.info("exiting with the background compile unfinished")
+    if server.backend.must_exit_hard():  # everything is closed; a backend thread cannot be joined
         logging.shutdown()
         sys.stdout.flush()
         sys.stderr.flush()

@@ -1,20 +1,12 @@
 """Keep torch work on threads other than the engine's to one CPU thread each.
 
-Every thread that runs a parallel torch op gets an OpenMP team of its own (torch gives each new thread the
-process's thread count), and the team lives as long as the thread. GNU OpenMP, once it manages more threads
-than there are CPUs, stops letting idle team members spin between parallel regions: they sleep, and each of
-the engine's hundreds of small parallel ops per step waits for its team to wake. Measured on a 2-core machine:
-one dtype-converting copy on another thread left a small linear + SiLU 2.2-2.5x slower on the first; a
-float32 server that loaded a bf16 folder (converted where it is staged, on a pooled thread) decoded 32
-sequences in 1.41-1.47 s instead of 0.84-0.94 s from then on; the in-process drafter trainer's thread halved
-the engine's tokens/s in every batch bucket of bench/e2e.py's GRPO run, training or not. So work off the
-engine thread (staging pushed weights, the drafter trainer) calls `one_cpu_thread()` first: its ops run on
-the calling thread alone, and the process keeps the engine's team only.
+Every thread that runs a parallel torch op gets an OpenMP team of its own. Once GNU OpenMP manages more threads
+than there are CPUs, idle team members sleep between parallel regions, and each of the engine's many small
+parallel ops waits for its team to wake: the engine slows down by about 2x. So work off the engine thread (staging
+pushed weights, the drafter trainer) calls `one_cpu_thread()` first.
 
-torch.set_num_threads cannot do it: called on one thread, it changed the count on the others too. This sets
-the calling thread's own counts in the OpenMP runtime and the MKL that torch loaded (found in
-/proc/self/maps), after torch's per-thread set-up, which would overwrite them. Where neither can be found
-(another platform or build) it logs once and changes nothing.
+`torch.set_num_threads` changes the count on other threads too, so this sets the calling thread's own counts in the
+OpenMP runtime and the MKL that torch loaded. Where neither is found it logs once and changes nothing.
 """
 
 from __future__ import annotations

@@ -129,9 +129,10 @@ class Tokenizer:
         token_id = self._tok.token_to_id(token)
         return None if token_id is None else int(token_id)
 
-    def encode(self, text: str) -> list[int]:
-        """Token ids of ``text``; special tokens are only added by the tokenizer's post-processor."""
-        return list(self._tok.encode(text, add_special_tokens=True).ids)
+    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        """Token ids of ``text``; special tokens are only added by the tokenizer's post-processor (a rendered
+        chat template has its own: encode it with ``add_special_tokens=False``)."""
+        return list(self._tok.encode(text, add_special_tokens=add_special_tokens).ids)
 
     def encode_batch(self, texts: Sequence[str]) -> list[list[int]]:
         return [list(enc.ids) for enc in self._tok.encode_batch(list(texts), add_special_tokens=True)]

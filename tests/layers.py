@@ -59,6 +59,9 @@ BELOW: dict[str, frozenset[str]] = {
 NEVER: tuple[tuple[str, str, str], ...] = (
     ("service.engine.drafters", "service.engine.llm_engine", "drafters get what they need, not the engine"),
     ("service.engine.scheduler", "torch", "the scheduler is torch-free"),
+    *(("drafter_trainer", live, "the in-process trainer reaches the engine through RolloutBackend only")
+      for live in ("service.engine.native", "service.engine.llm_engine", "service.engine.loop")),
+    ("service.app", "service.engine.background_compile", "how its threads end is the backend's: must_exit_hard"),
 )
 
 ROOTS = ("service", "client", "drafter_trainer", "bench", "examples")

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
@@ -25,10 +26,18 @@ class ServiceContext:
     auth: Auth = field(default_factory=Auth)
     limits: Limits = field(default_factory=Limits)
     model_name: str = ""
+    degraded_fn: Callable[[], list[str]] | None = None  # why the server serves degraded (e.g. the buffer's disk)
 
     @property
     def ready(self) -> bool:
         return self.backend.ready
+
+    def degraded(self) -> list[str]:
+        """Reasons the server runs degraded while it still serves (a full spool disk, Redis down)."""
+        try:
+            return self.degraded_fn() if self.degraded_fn is not None else []
+        except Exception:
+            return ["unknown"]
 
     def model(self) -> BackendInfo:
         """What the backend serves; raises NotReady (503 / UNAVAILABLE) until it is loaded."""

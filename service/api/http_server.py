@@ -18,6 +18,7 @@ from service.api.context import ServiceContext
 from service.api.deps import UPLOAD_PATH
 from service.api.errors import HANDLED, retry_after, status_of
 from service.api.http_admin import router as admin_router
+from service.api.http_chat import router as chat_router
 from service.api.http_openai import router as openai_router
 from service.api.http_sglang import router as sglang_router
 
@@ -127,9 +128,11 @@ def create_app(ctx: ServiceContext) -> FastAPI:
 
     @app.get("/ready", tags=["ops"])
     async def ready() -> JSONResponse:
-        """Readiness: the model is loaded and the engine loop runs (also while paused for a push)."""
+        """Readiness: the model is loaded and the engine loop runs (also while paused for a push). `degraded`
+        names what fails while the server still serves (e.g. spool_disk_full: rollouts are being lost)."""
         ok = ctx.ready
-        return JSONResponse({"ready": ok, "paused": bool(ok and ctx.backend.stats().paused)},
+        return JSONResponse({"ready": ok, "paused": bool(ok and ctx.backend.stats().paused),
+                             "degraded": ctx.degraded()},
                             status_code=200 if ok else 503)
 
     @app.get("/metrics", tags=["ops"], response_class=PlainTextResponse,
@@ -139,6 +142,7 @@ def create_app(ctx: ServiceContext) -> FastAPI:
         return Response(ctx.metrics.render(), media_type=CONTENT_TYPE_LATEST)
 
     app.include_router(openai_router)
+    app.include_router(chat_router)
     app.include_router(sglang_router)
     app.include_router(admin_router)
     app.openapi = lambda: _openapi(app)  # type: ignore[method-assign]

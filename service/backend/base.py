@@ -3,8 +3,8 @@ cross it.
 
 `service/api/` (HTTP, gRPC, weight-push protocol), the rollout buffer and the CLI depend on this module only;
 the native engine (`service/engine/native.py`) and the vLLM backend (`service/vllm/`) implement it. Nothing here
-holds a live engine object: what crosses is plain data (`BackendInfo`, `StatsSnapshot`, events), futures, and
-named tensors for weight pushes.
+holds a live engine object: what crosses is plain data (`BackendInfo`, `StatsSnapshot`, events), futures, named
+tensors for weight pushes and, for a trainer in the same process, a read-only teacher and a drafter copy.
 
 Threads: every method may be called from any thread. Methods returning a `Future` queue the work for the
 backend's own engine thread and resolve it there; a caller that cancels the future (its client left) withdraws
@@ -139,6 +139,25 @@ class Staged:
     payload: Any = None
 
 
+@dataclass(frozen=True, slots=True, weakref_slot=True)
+class TeacherSnapshot:
+    """The target model serving `version`, lent read-only to a trainer in the same process (its teacher). While
+    this object lives the backend writes nothing into `module`: a push replaces the serving weights and does not
+    reuse lent ones as its staging buffer. Keep the snapshot, not only the module, for as long as it is read."""
+
+    version: str
+    module: Any  # torch.nn.Module
+
+
+@dataclass(frozen=True, slots=True)
+class DrafterCopy:
+    """A copy of the serving drafter's weights, the caller's to train (they share nothing with the engine)."""
+
+    kind: str  # "draft_model" | "eagle"
+    module: Any  # torch.nn.Module
+    version: str
+
+
 class RolloutBackend(abc.ABC):
     """A rollout engine behind the transport layer. Implementations: native (`service/engine/native.py`),
     vLLM (`service/vllm/`)."""
@@ -233,3 +252,21 @@ class RolloutBackend(abc.ABC):
     @abc.abstractmethod
     def discard(self, staged: Staged) -> None:
         """Release staged weights that will not be committed."""
+
+    # -- the in-process drafter trainer (optional) -----------------------------------------------------------
+    def teacher_snapshot(self) -> Future[TeacherSnapshot]:
+        """The serving target and its version, taken on the engine thread between two steps. Raises
+        PushUnsupported where the backend lends none (the sidecar loads its teacher from a folder instead)."""
+        raise PushUnsupported(f"the {type(self).__name__} lends no teacher to an in-process trainer")
+
+    def drafter_copy(self) -> Future[DrafterCopy | None]:
+        """A trainable copy of the serving drafter, taken on the engine thread between two steps; None when the
+        drafter has no weights. Raises PushUnsupported where the backend lends none. A trained copy goes back
+        through `stage_weights("drafter", ...)` and `commit_weights`, like any push."""
+        raise PushUnsupported(f"the {type(self).__name__} lends no drafter copy to an in-process trainer")
+
+    # -- process exit ----------------------------------------------------------------------------------------
+    def must_exit_hard(self) -> bool:
+        """After `stop`: True when a thread of the backend cannot be joined and the process must end without
+        finalizing (`os._exit`), e.g. a compile still running in the background. Default: False."""
+        return False

@@ -34,13 +34,21 @@ class BufferCollector(Collector):
         dropped = CounterMetricFamily(P + "buffer_dropped", "Records lost, by reason", labels=["reason"])
         dropped.add_metric(["spool_full"], s.get("dropped", 0))
         dropped.add_metric(["memory_evicted"], s.get("evicted", 0))
+        dropped.add_metric(["spool_corrupt"], s.get("corrupt", 0))
+        for key in sorted(k for k in s if k.startswith("lost_")):
+            dropped.add_metric([key.removeprefix("lost_")], s[key])
         yield dropped
         for name, doc, key in (("buffer_spooled", "Records written to the local spool", "spooled"),
                                ("buffer_replayed", "Spooled records replayed into Redis", "replayed"),
                                ("buffer_write_errors", "Failed Redis writes (retried)", "write_errors"),
-                               ("buffer_spool_corrupt", "Torn spool records found at start", "corrupt"),
+                               ("buffer_spool_corrupt", "Torn or corrupt stretches of the spool skipped (each lost a "
+                                "record or more)", "corrupt"),
                                ("buffer_spool_errors", "Failed spool writes or fsyncs (records may be lost)",
-                                "spool_errors")):
+                                "spool_errors"),
+                               ("buffer_writer_errors", "Unexpected failures of the buffer's writer (retried)",
+                                "writer_errors"),
+                               ("buffer_redis_data_lost", "Times Redis was found to have lost its data (marker "
+                                "key gone: FLUSHALL, a restart without persistence)", "redis_data_lost")):
             c = CounterMetricFamily(P + name, doc)
             c.add_metric([], s.get(key, 0))
             yield c
@@ -48,6 +56,8 @@ class BufferCollector(Collector):
         for name, doc, value in (("buffer_pending", "Records not yet in Redis (queue + spool)", pending),
                                  ("buffer_spool_bytes", "Bytes in the local spool", s.get("spool_bytes", 0)),
                                  ("buffer_redis_up", "1 while the last Redis write succeeded", s.get("redis_up", 1)),
+                                 ("buffer_spool_disk_full", "1 while the spool's file system has no room for "
+                                  "the records it must keep", s.get("spool_disk_full", 0)),
                                  ("buffer_memory_entries", "Entries in the in-process buffer",
                                   s.get("memory_entries", 0))):
             g = GaugeMetricFamily(P + name, doc)

@@ -7,6 +7,7 @@ drafter_version, num_prompt_tokens, num_output_tokens, finish_reason, finished_a
 
 from __future__ import annotations
 
+import math
 import time
 from collections.abc import Mapping
 from dataclasses import dataclass, field
@@ -18,7 +19,12 @@ PAYLOAD = "payload"
 
 
 class PayloadError(ValueError):
-    """A stream entry that is not a well-formed rollout."""
+    """A stream entry that is not a well-formed rollout. `reason` names the kind of fault with a short, fixed word
+    (a metric label): encoding, protobuf, missing, shape, token_range, non_finite, params."""
+
+    def __init__(self, message: str, reason: str = "malformed") -> None:
+        super().__init__(message)
+        self.reason = reason
 
 
 def _params(params: Any) -> Any:
@@ -108,27 +114,68 @@ class BufferedRollout:
         return len(self.output_token_ids)
 
 
-def _text(fields: Mapping[Any, Any], key: str) -> str:
+def _text(entry_id: str, fields: Mapping[Any, Any], key: str) -> str:
     value = fields.get(key, fields.get(key.encode(), b""))
-    return value.decode() if isinstance(value, bytes) else str(value)
+    if not isinstance(value, bytes):
+        return str(value)
+    try:
+        return value.decode()
+    except UnicodeDecodeError as exc:
+        raise PayloadError(f"entry {entry_id}: field {key!r} is not UTF-8: {exc}", "encoding") from exc
 
 
-def decode_entry(entry_id: str, fields: Mapping[Any, Any]) -> BufferedRollout:
-    """Decode a stream entry (bytes or str keys); raises PayloadError for anything malformed."""
+def _check_ids(entry_id: str, what: str, ids: Any, vocab_size: int | None) -> None:
+    bad = [t for t in ids if t < 0 or (vocab_size is not None and t >= vocab_size)]
+    if bad:
+        bound = f"[0, {vocab_size})" if vocab_size is not None else ">= 0"
+        raise PayloadError(f"entry {entry_id}: {len(bad)} {what} outside {bound}, e.g. {bad[:3]}", "token_range")
+
+
+def _check_params(entry_id: str, p: Any) -> None:
+    """The bounds the server puts on a request's sampling params (service/params.py), read back."""
+    reals = [(name, getattr(p, name)) for name in ("temperature", "top_p", "min_p") if p.HasField(name)]
+    problems = [f"{name}={v}" for name, v in reals if not math.isfinite(v)]
+    if p.HasField("temperature") and p.temperature < 0:
+        problems.append(f"temperature={p.temperature}")
+    if p.HasField("top_p") and not 0 < p.top_p <= 1:
+        problems.append(f"top_p={p.top_p}")
+    if p.HasField("top_k") and p.top_k < -1:
+        problems.append(f"top_k={p.top_k}")
+    if p.HasField("min_p") and not 0 <= p.min_p <= 1:
+        problems.append(f"min_p={p.min_p}")
+    if problems:
+        raise PayloadError(f"entry {entry_id}: sampling params out of range: {', '.join(problems)}", "params")
+
+
+def decode_entry(entry_id: str, fields: Mapping[Any, Any], vocab_size: int | None = None) -> BufferedRollout:
+    """Decode a stream entry (bytes or str keys); raises PayloadError, never anything else, for an entry that
+    is not a well-formed rollout: undecodable fields, arrays whose lengths disagree, token ids that are negative
+    or (given `vocab_size`) outside the vocabulary, logprobs that are NaN or infinite, sampling params outside
+    the bounds the server accepts."""
     raw = fields.get(PAYLOAD, fields.get(PAYLOAD.encode()))
     if not isinstance(raw, bytes | bytearray):
-        raise PayloadError(f"entry {entry_id} has no bytes payload field")
+        raise PayloadError(f"entry {entry_id} has no bytes payload field", "missing")
     try:
         msg = pb2.RolloutPayload.FromString(bytes(raw))
-    except Exception as exc:  # protobuf's DecodeError
-        raise PayloadError(f"entry {entry_id}: payload is not a RolloutPayload: {exc}") from exc
-    if not msg.rollout_id or _text(fields, "rollout_id") not in ("", msg.rollout_id):
-        raise PayloadError(f"entry {entry_id}: rollout id missing or inconsistent with the payload")
+    except Exception as exc:  # protobuf's DecodeError (invalid UTF-8 in a string field included)
+        raise PayloadError(f"entry {entry_id}: payload is not a RolloutPayload: {exc}", "protobuf") from exc
+    if not msg.rollout_id or _text(entry_id, fields, "rollout_id") not in ("", msg.rollout_id):
+        raise PayloadError(f"entry {entry_id}: rollout id missing or inconsistent with the payload", "missing")
     T = len(msg.output_token_ids)
     if len(msg.logprobs) != T:
-        raise PayloadError(f"entry {entry_id}: {len(msg.logprobs)} logprobs for {T} output tokens")
-    if msg.top_k and len(msg.top_token_ids) != T * msg.top_k:
-        raise PayloadError(f"entry {entry_id}: top-k arrays do not match {T} tokens x k={msg.top_k}")
+        raise PayloadError(f"entry {entry_id}: {len(msg.logprobs)} logprobs for {T} output tokens", "shape")
+    if msg.top_k < 0 or (msg.top_k and not len(msg.top_token_ids) == len(msg.top_logprobs) == T * msg.top_k):
+        raise PayloadError(f"entry {entry_id}: top-k arrays ({len(msg.top_token_ids)} ids, {len(msg.top_logprobs)} "
+                           f"logprobs) do not match {T} tokens x k={msg.top_k}", "shape")
+    _check_ids(entry_id, "prompt token ids", msg.prompt_token_ids, vocab_size)
+    _check_ids(entry_id, "output token ids", msg.output_token_ids, vocab_size)
+    _check_ids(entry_id, "top-k token ids", msg.top_token_ids, vocab_size)
+    if not all(math.isfinite(v) for v in msg.logprobs):  # a sampled token had a positive probability
+        raise PayloadError(f"entry {entry_id}: a sampled token's logprob is not finite", "non_finite")
+    if any(math.isnan(v) or v == math.inf for v in msg.top_logprobs):  # -inf: a token processing removed
+        raise PayloadError(f"entry {entry_id}: a top-k logprob is NaN or +inf", "non_finite")
+    if msg.HasField("params"):
+        _check_params(entry_id, msg.params)
     out = BufferedRollout(
         entry_id=entry_id, rollout_id=msg.rollout_id, group_id=msg.group_id, policy_version=msg.policy_version,
         drafter_version=msg.drafter_version, prompt_token_ids=list(msg.prompt_token_ids),
@@ -141,6 +188,6 @@ def decode_entry(entry_id: str, fields: Mapping[Any, Any]) -> BufferedRollout:
         p = msg.params
         out.temperature = p.temperature if p.HasField("temperature") else 1.0
         out.top_p = p.top_p if p.HasField("top_p") else 1.0
-        out.top_k = p.top_k if p.HasField("top_k") else 0
+        out.top_k = max(p.top_k, 0) if p.HasField("top_k") else 0  # -1 disables, like 0
         out.min_p = p.min_p if p.HasField("min_p") else 0.0
     return out

@@ -25,7 +25,8 @@ class BufferConfig:
     down or slow they are spooled to files under `spool_dir`, at most `spool_max_bytes`, and replayed in order
     when it is back. When the spool is full, `spool_full` decides: ``drop_oldest`` (default) deletes the
     oldest spool segment, ``drop_newest`` refuses the new record; either way the dropped records are counted
-    in ``specroll:buffer_dropped_total{reason="spool_full"}``. Without `redis_url` rollouts are kept in a
+    in ``specroll:buffer_dropped_total{reason="spool_full"}`` (records a failing disk loses: reason
+    ``disk_full`` or ``spool_error``; docs/buffer.md). Without `redis_url` rollouts are kept in a
     bounded in-process buffer (`memory_maxlen`) that the in-process drafter trainer reads.
     """
 
@@ -61,6 +62,12 @@ class BufferConfig:
     @property
     def rewards_prefix(self) -> str:
         return f"{self.stream}:reward:"
+
+    @property
+    def marker_key(self) -> str:
+        """A key the buffer keeps in Redis: when it disappears, Redis lost its data (FLUSHALL, a restart
+        without persistence), counted in ``specroll:buffer_redis_data_lost_total``."""
+        return f"{self.stream}:marker"
 
     def spool_path(self) -> Path:
         if self.spool_dir:

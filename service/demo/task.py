@@ -1,21 +1,11 @@
 """The demo task: running sums with worked steps, a verifiable reward and long-tailed response lengths.
 
-A problem is 2..26 small numbers labelled a, b, c, ... The worked solution adds them one per line, keeping
-the running total and carrying the numbers still to add, then answers:
-
-    Add: a7 b1 c5 d9
-    7+b1=8 | c5 d9
-    8+c5=13 | d9
-    13+d9=22
-    Answer: 22
-
-Every line needs only the line above it: the total is the last result, the next number is the first one
-still to add, the rest is copied. A labelled number is one token with the demo tokenizer
-(``service/demo/vocab.py``), so copying is matching unique tokens, and a small decoder learns the task in
-minutes; its mistakes are carries and copies. A problem with n numbers takes n + 1 lines and about
-n^2 / 2 + 8 n tokens, and n follows a power law, so a batch of responses has a long tail, like real reasoning
-traces. The reward is 1 when the last line is ``Answer: <the sum>``, else 0. Problems come
-from a seed (Python's Mersenne Twister): the same on every machine.
+A problem is 2..26 small numbers labelled a, b, c, ...; the worked solution adds them one per line, keeping the
+running total and carrying the numbers still to add, then answers (`Add: a7 b1` ... `Answer: 8`). Each line needs
+only the one above it, and a labelled number is one token with the demo tokenizer, so a small decoder learns the
+task in minutes. A problem with n numbers takes about n^2 / 2 + 8 n tokens and n follows a power law, so a batch
+of responses has a long tail. The reward is 1 when the last line is `Answer: <the sum>`, else 0. Problems come
+from a seed: the same on every machine.
 """
 
 from __future__ import annotations

@@ -1,43 +1,17 @@
-"""Compiling the CPU forwards while the engine already serves (`EngineConfig.compile_background`; `specroll serve`
-does it unless told `--compile-before-serving`).
+"""Compiling the CPU forwards while the engine already serves (`EngineConfig.compile_background`).
 
-Why: the compiled decode and verify forwards (service/engine/compiled.py) took 25 s to compile on a 2-core machine
-with inductor's caches warm and 150 s cold (the demo model, target and draft model, 8 variants), and a server that
-compiled them before it answered was not ready for that long: a restarted pod, or a trainer waiting on it, waited
-minutes for forwards that only make steps ~1.4x faster. Now the engine serves at once, eagerly; a thread compiles;
-at the first step boundary after it is done, the engine's forwards are the compiled ones.
+A server that compiled before answering was not ready for minutes; now it serves at once on eager forwards while a
+thread compiles, and switches between two steps once every model's forwards are compiled.
+- The thread compiles the same variants as start-up would, on scratch caches of the serving caches' shapes, so the
+  engine's first compiled step finds them compiled.
+- It keeps torch's thread count, and shortens the GIL's switch interval while it runs so eager steps are not
+  starved by the compiler's Python.
+- At the switch the adaptive strategy forgets step costs (not acceptance) and measures them again.
+- A compiler failure is logged and the engine stays eager. At shutdown nothing waits for the thread; the backend
+  says when the process must exit without finalizing.
+- fx's one plain trace per process runs before the thread starts, since it patches module calls process-wide.
 
-How:
-- The thread compiles what start-up would (`CachedModel.warm_up`: the same variants at the same sizes), on
-  scratch caches of the serving caches' shapes (`KVCache.scratch_like`), so no sequence's cache is written.
-  Same shapes and strides, so the same guards: the engine's first compiled step finds its variants compiled
-  (tests/engine/test_compiled.py checks that serving compiles nothing after the switch).
-- It keeps torch's thread count: inductor sizes each fused loop's parallelism by the compiling thread's count
-  (`parallel_num_threads`), and code compiled on a one-thread thread (service/cpu_threads.py) would serve every
-  loop on one thread. While it compiles, its OpenMP team and the C++ compiler slow the engine's steps.
-- Dynamo and inductor are Python: the thread holds the GIL most of the time, and every torch op of an eager step
-  lets the GIL go and waits to take it back, which CPython forces the holder to allow only after its switch
-  interval (5 ms). A request of 8 x 64 tokens (demo model + draft model, 2 cores, inductor's cache warm) took
-  7-26 s while compiling against 0.45-0.59 s alone. So while the thread runs the interval is 0.1 ms
-  (`SWITCH_INTERVAL_S`; process-wide: put back when the last compile ends): 1.8-3.5 s a request, and the
-  compile took 50-56 s instead of 44-46 s. Serving still shares two cores with the compile:
-  `--compile-before-serving` serves more in the first minutes, where answering at once does not matter.
-- Eager and compiled steps cost different seconds: at the switch the adaptive strategy forgets what steps cost
-  (`AdaptiveStrategy.forget_costs`) and measures them again; what it learnt of acceptance stands.
-- Steps run eagerly until every model's forwards are compiled (a target compiled and a draft model eager would
-  be priced by a cost model that saw neither). A failure of the compiler stack is logged and the engine stays
-  eager, as at start-up.
-- At shutdown (`stop`) the thread ends after the variant it is compiling. Nothing waits for it: a variant can
-  take half a minute to compile, and a server's shutdown flushes its rollouts first. A thread still inside
-  inductor when the interpreter finalizes is killed in C++ ("terminate called without an active exception":
-  the process aborts), so `specroll serve` exits without finalizing where one still runs (`still_compiling`),
-  once everything else is closed (service/app.py).
-- Tracing that would reach the serving thread: torch.fx's tracer patches `torch.nn.Module.__call__` for the whole
-  process while it traces, and a plain `fx.Tracer` resolves every module called meanwhile against its own root, so
-  an eager forward on the engine thread at that moment fails its step ("module is not installed as a submodule":
-  every request in flight failed, one CI run). Inductor runs such a trace once per process (a placeholder graph for
-  its loop-body interpreter); it is run before the thread starts (`_trace_once_up_front`), when nothing serves.
-  The traces of each compile are make_fx's, whose tracer calls a module it does not know straight through.
+docs/design-notes.md gives the reasons in full.
 """
 
 from __future__ import annotations

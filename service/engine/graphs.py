@@ -1,35 +1,16 @@
 """CUDA graphs of a cached model's decode and verify forwards, over padded shape buckets.
 
-On a GPU a small model's step is mostly kernel launches: a decode step of the demo model issues ~200 of them
-for a few microseconds of work each, and a speculative step runs the draft model k times more. A graph replays
-a captured forward with one launch. It needs fixed shapes and fixed addresses, so a step is padded up to a
-bucket:
-- batch: rows [0, B) are cache slots [0, B) (decode and verify always run the running sequences, compacted to
-  the first slots); padded rows b in [B, Bb) use slot b's scratch position, which no real row ever attends to;
-- query positions per row: 1 (decode) or k + 1 (verify), one graph per count, never padded;
-- keys: attention reads the cache up to a power-of-two bucket of the longest row (at most twice the keys an
-  eager step reads), masked per row by position. The mask, the RoPE lookup and the cache writes are computed
-  inside the graph from the static position buffer.
+On a GPU a small model's step is mostly kernel launches; a graph replays a captured forward with one launch. It
+needs fixed shapes and addresses, so a step is padded to a bucket: batch rows (padded rows write a scratch
+position), query positions per row (1 or k + 1, never padded) and a power-of-two bucket of keys. Mask, RoPE and
+cache writes are computed inside the graph from a static position buffer; the host copies only token ids and
+positions. Decode graphs and the strategy's verify depths are captured at start-up, the rest on first use (such a
+step is not fed to the strategy as a cost). Graphs of one model share a memory pool; those of the last two models
+are kept, so a pushed-into spare finds its graphs again. Prefill, catch-up and the EAGLE head run eagerly.
 
-Per step the host copies only the token ids and positions into static input buffers (one flat buffer each,
-shared by every graph), replays, and reads the first B rows of the graph's static output, which stays valid
-until the next replay of the same graph. The engine captures every decode graph and the verify graphs of the
-strategy's depths at start-up (`capture_all`, largest batch first, ~0.1-3.5 s for the demo model on an H100);
-anything else is captured the first time it is used, and such a step is not fed to the strategy as a cost
-measurement. All graphs of one model share one memory pool (`torch.cuda.graph_pool_handle`): they run one
-after another on one stream. A weight push installs another model object, whose graphs are captured anew as
-they are used; the graphs of the last two models are kept, so the pushed-into spare (weights loaded in place)
-finds its graphs again. Prefill and drafter catch-up (rows of different lengths) run eagerly, as does
-everything with `EngineConfig.enforce_eager` and steps beyond the largest bucket; the EAGLE head too. A CPU
-compiles the same forwards with torch.compile instead, unpadded (service/engine/compiled.py).
-
-Exactness: a graph computes the same forward as the eager step, over more (masked) keys; on the GPU both use
-SDPA, so results agree up to the rounding of a different attention tiling, like any kernel choice. The
-lossless acceptance rule needs only that drafting and verification read one consistent target distribution,
-which they do (tests/engine/test_cuda.py compares graphs with eager on the GPU).
-
-Without CUDA `capture=False` runs the very same static-buffer function eagerly: CPU tests check the bucketing,
-padding and buffer handling against the unpadded step that way.
+A graph computes the same forward as the eager step over more masked keys, so drafting and verification read one
+consistent target distribution: lossless. Without CUDA, `capture=False` runs the same static-buffer function eagerly,
+which CPU tests check against the unpadded step. docs/design-notes.md has the details.
 """
 
 from __future__ import annotations

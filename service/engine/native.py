@@ -7,7 +7,10 @@ caller's thread and swapped in by the engine thread between two steps.
 
 from __future__ import annotations
 
+import copy
 import logging
+import threading
+import weakref
 from collections.abc import Iterable
 from concurrent.futures import Future
 from typing import TYPE_CHECKING
@@ -20,12 +23,14 @@ from service.backend.base import (
     CAP_SEEDS,
     CAP_TOP_LOGPROBS,
     BackendInfo,
+    DrafterCopy,
     NotReady,
     PushUnsupported,
     RolloutBackend,
     Staged,
     StatsSnapshot,
     SwapResult,
+    TeacherSnapshot,
     WeightSpec,
     check_mode,
 )
@@ -58,11 +63,14 @@ class NativeBackend(RolloutBackend):
         self._stager: WeightStager | None = None
         self._info: BackendInfo | None = None
         self._roles: dict[str, WeightSpec] = {}
+        self._lent: weakref.WeakSet[TeacherSnapshot] = weakref.WeakSet()  # teacher snapshots alive
+        self._lent_lock = threading.Lock()
 
     def _load(self) -> LLMEngine:
         """Engine thread: build the engine and what never changes while it serves."""
         engine = LLMEngine(self.config)
         self._stager = WeightStager(engine, self._reuse)
+        self._stager.lent = self._is_lent
         self._roles = self._stager.roles()  # architectures never change: a push must match them
         tok = engine.tokenizer
         caps = {CAP_RAW_LOGPROBS, CAP_TOP_LOGPROBS, CAP_SEEDS}
@@ -103,11 +111,6 @@ class NativeBackend(RolloutBackend):
         if self.loop.ready.is_set() and not self.loop.alive:
             raise NotReady("the engine loop has stopped")
         return self.loop.engine  # raises NotReady while loading or after a failed load
-
-    @property
-    def engine(self) -> LLMEngine:
-        """The engine object, for the in-process drafter trainer (same process, read-only use)."""
-        return self._loaded()
 
     # -- what it serves --------------------------------------------------------------------------------------
     def info(self) -> BackendInfo:
@@ -192,3 +195,38 @@ class NativeBackend(RolloutBackend):
     def discard(self, staged: Staged) -> None:
         if self._stager is not None:
             self._stager.discard(staged)
+
+    # -- the in-process drafter trainer ------------------------------------------------------------------------
+    def teacher_snapshot(self) -> Future[TeacherSnapshot]:
+        self._loaded()
+
+        def take(engine: LLMEngine) -> TeacherSnapshot:
+            snap = TeacherSnapshot(str(engine.policy_version), engine.runner.model)
+            with self._lent_lock:
+                self._lent.add(snap)
+            return snap
+
+        return self.loop.call(take)
+
+    def _is_lent(self, module: object) -> bool:
+        with self._lent_lock:
+            return any(s.module is module for s in self._lent)
+
+    def drafter_copy(self) -> Future[DrafterCopy | None]:
+        self._loaded()
+
+        def take(engine: LLMEngine) -> DrafterCopy | None:
+            found = engine.drafter_weights()
+            if found is None:
+                return None
+            return DrafterCopy(found[0], copy.deepcopy(found[1]), str(engine.drafter_version))
+
+        return self.loop.call(take)
+
+    def must_exit_hard(self) -> bool:
+        from service.engine.background_compile import still_compiling
+
+        if not still_compiling():
+            return False
+        logger.info("exiting with the background compile unfinished")  # see background_compile.py
+        return True

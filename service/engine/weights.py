@@ -12,7 +12,7 @@ from __future__ import annotations
 import copy
 import logging
 import threading
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from typing import TYPE_CHECKING
 
 import torch
@@ -57,6 +57,10 @@ def _load_state(module: nn.Module, tensors: Iterable[tuple[str, torch.Tensor]]) 
     return total
 
 
+def _not_lent(module: nn.Module) -> bool:
+    return False
+
+
 class WeightStager:
     """Builds pushed weights for one engine. `stage` runs off the engine thread; `apply` on it."""
 
@@ -65,6 +69,7 @@ class WeightStager:
         self.reuse_buffers = reuse_buffers
         self._spare: dict[str, nn.Module] = {}
         self._lock = threading.Lock()
+        self.lent: Callable[[nn.Module], bool] = _not_lent  # read by a teacher snapshot: not a staging buffer
 
     def _serving(self, role: str) -> nn.Module:
         if role == "target":
@@ -95,6 +100,8 @@ class WeightStager:
         dtype, device = self.engine.dtype, self.engine.device
         with self._lock:
             spare = self._spare.pop(role, None)
+        if spare is not None and self.lent(spare):
+            spare = None  # an in-process trainer's teacher still reads these weights
         if spare is not None and (type(spare) is not type(serving) or getattr(spare, "config", None) != getattr(
                 serving, "config", None) or not _placed(spare, dtype, device)):
             spare = None

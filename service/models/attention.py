@@ -1,28 +1,14 @@
 """Attention of a step's new query rows over the static KV cache: three kernels, chosen per machine by timing.
 
-- `sdpa`: one `F.scaled_dot_product_attention` call with the additive mask in the model dtype. On CPU its flash
-  kernel reads the bf16 cache in place and accumulates in float32.
-- `bmm`: scores in float32 (one baddbmm with the scale and a float32 mask, a float32 softmax, one bmm with V);
-  bf16 caches are converted per layer. At tiny sizes (batch x keys <= `TINY_ROWS_X_KEYS`) it hands over to
-  SDPA, whose single call costs less than its dispatches (not in compiled code: no dispatches to save there).
-- `cpp`: our own CPU kernel (service/models/attention_cpp.py), float32 or bf16, head sizes a multiple of 16; it
-  takes each query's position instead of a mask, so no mask is built for a step that runs it, and each row stops
-  at its own keys; where it cannot be built here (no C++ compiler) it is left out.
+- `sdpa`: one `F.scaled_dot_product_attention` call with an additive mask in the model dtype.
+- `bmm`: float32 scores through baddbmm, a float32 softmax and a bmm with V; tiny sizes hand over to SDPA.
+- `cpp`: our CPU kernel (attention_cpp.py); it takes each query's position instead of a mask and each row stops at
+  its own keys. Left out where it cannot be built.
 
-Of the two library kernels neither wins everywhere, by a lot, and the winner depends on the number of query
-positions per row and on how many keys they attend to. Demo model, bf16, at batch 64 (bench/step_profile.py): decode
-took 3.5 ms with sdpa and 5.7 ms with bmm on an Intel Xeon with AMX (2 threads); on an AMD EPYC (AVX512-BF16, no
-AMX; 1 thread, 400 cached tokens) decode took 19.3 ms with sdpa and 11.1 ms with bmm, while a verify step of 5
-positions took 16.9 and 19.2 ms. The same EPYC, 2 threads, the attention of a verify step at batch 64 alone (both
-kernels interleaved, medians): over 128 keys bmm 0.37-0.43 ms against sdpa's 0.53-0.66 ms, over 512 keys bmm
-2.75-3.07 ms against 2.29-2.39 ms (compiled code ranks them alike). On that EPYC (1 thread, demo layout) the `cpp`
-kernel won all four timed shapes in bf16 (decode over 512 keys: sdpa 3.49 ms, bmm 1.22, cpp 0.47) and three in
-float32 (a verify over 128 keys: sdpa 0.78, cpp 0.71, under the margin). So `choose` times each on the model's own
-head layout, for each kind of step (decode, verify) over a short and a long cache (`TIMED_SHAPES`; `LONG_KEYS` parts
-them), the first time a layout is installed in a process, and from then on every cache-attached forward of that
-layout runs the faster kernel for its rows (one or more), kind of step and keys (`pick`; `CachedModel` records it in
-`AttnMeta.kernel`). CUDA always runs `sdpa`. The kernels compute the same attention, rounded differently: every
-exactness test runs on whichever this machine chose.
+Neither kernel wins everywhere, and the winner depends on query positions per row and keys, so `choose` times
+them per layout and kind of step, and the choice is remembered per machine (remembered.py). One-row steps run a
+library kernel. Every choice is tested against transformers by forcing it. docs/design-notes.md has the figures
+that motivated this.
 """
 
 from __future__ import annotations

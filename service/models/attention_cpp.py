@@ -1,48 +1,11 @@
 """The `cpp` attention kernel (service/models/attention.py): csrc/cache_attention.cpp, built here for this machine.
 
-Why a kernel of our own: on a CPU a decode or verify step's attention reads every row's cached keys and values
-once, and the two library kernels spend far more than that read. Demo model layout (4 KV heads x 32), batch 64,
-305 keys, one thread, AMD EPYC (AVX512-BF16), per layer: float32 verify of 5 positions sdpa 3.8 ms, bmm 3.9, this
-kernel 2.6; float32 decode sdpa 2.0, bmm 1.8, this kernel 1.4; bf16 verify sdpa 3.2, bmm 3.5, this kernel 2.2;
-bf16 decode sdpa 4.5, bmm 2.3, this kernel 1.1 (reading the K and V alone: 1.2 ms in float32, 1.9 in bf16, as a
-`sum`). It never builds a [B, Hkv, GQ, L] score tensor in memory, reads each cached key and value once per task,
-and sums 16 dot products at once instead of one horizontal sum per score. `attention.choose` still times it
-against the other two per layout and kind of step, so it runs only where it is faster.
-
-Where it loses: a call costs ~15 us a layer more than a library kernel's (the dispatcher into Python, ctypes, its
-arguments), so one-row steps never run it (`attention.ONE_ROW_KERNELS`). Whole compiled forwards of the demo model
-(1 thread, 300 cached tokens, two runs alternating with the library kernels alone): batch 64 decode 9.0-9.6 ->
-6.3-7.3 ms and verify 22.0-23.7 -> 17.0-17.2 ms in float32, 5.4-6.8 -> 4.1-6.8 and 16.1-17.3 -> 14.2-14.6 ms in
-bf16; batch 16 7-21% faster; batch 4 decode 3-12% slower (0.94-1.00 -> 0.97-1.12 ms), its verify within 5%.
-Each tile of keys widened once for all of a task's queries, not once per query: on an Intel Xeon with AMX (bf16, one
-thread, 64 rows, per layer, three runs alternating with the version before, sdpa timed alongside as the yardstick)
-a verify of 7 positions over 200 keys 2.25-2.27 -> 1.28-1.84 ms (sdpa 1.6-2.5 ms), of 5 over 512 keys 4.7-5.0 ->
-2.2-3.5 ms; decode unchanged. There it made the kernel the verify's choice, which sdpa had been (whole compiled
-batch-64 verify steps of 7 positions over 200 keys: 12.9-20.7 ms with sdpa in four runs, 10.6-14.8 ms with it in five,
-alternating; that machine's decode steps moved by 2x between runs, so no ratio from them). Against sdpa in the same
-process, two runs alternating: bf16 at 2 threads, a verify over 128 / 200 / 512 keys 0.89-0.90 / 1.19-1.43 / 1.02-1.09x
-sdpa's time before, 0.67-0.69 / 0.64-0.77 / 0.68-0.72x after; float32 at 1 thread 1.01-1.02 / 1.15-1.18 / 0.85-0.91x
-before, 0.70-0.73 / 0.81-1.23 / 0.52-0.67x after (nothing to widen there: the tile is copied once to a buffer).
-
-Positions, not a mask: the kernel takes each query's cache position ([B, Q] int64) and masks causally itself, so a
-step that runs it builds no [B, Hkv, G * Q, L] mask (the engine built one per step and each layer read it), and a
-(row, head) task stops at the keys its row's last query sees instead of running to the batch's longest row (the
-rest is that row's padding). In GRPO rollouts of the demo task (bench/e2e.py's workload) the rows of a 64-row step
-held 72-76% of the longest row's keys on average, 87-95% at 32 rows. Against the mask version, both libraries in
-one process, calls alternating, 64 rows of the demo layout, an Intel Xeon with AMX (medians of 300): rows of one
-length 0.96-1.0x its time (float32 and bf16, 1 and 2 threads, decode and verify over 200 and 512 keys); rows whose
-lengths spread +-25% around 75% of the longest 0.68-0.87x (the longer the cache, the more it saves). A vector's
-16 scores are stored with one store: a loop of lane stores there had made whole verify calls 5-15% slower.
-
-The build: plain C++ without torch headers, compiled with the C++ compiler inductor uses (-O3 -march=native
--fopenmp) in about two seconds, once per machine: the shared library is kept under $SPECROLL_CACHE/kernels (default
-~/.cache/specroll), named by a hash of its source, the compiler's version, the flags and this CPU's feature flags
-(a library built with -march=native on another CPU is never loaded). Where no compiler exists or the build fails,
-`available()` is False (logged once) and `attention.choose` leaves the kernel out. Its OpenMP loops run in the
-OpenMP runtime torch already loaded (`libgomp.so.1`), with torch's thread count.
-
-The op is `torch.ops.specroll.cache_attention` (`op`), opaque to torch.compile (a fake implementation gives its
-output's shape); the ctypes call releases the GIL.
+A decode or verify step's attention must read every row's cached keys and values once; the library kernels spend
+far more than that. This kernel never builds a score tensor in memory, reads each cached key and value once per
+task, widens each tile of bf16 keys to float32 once for all of a task's queries, and sums 16 dot products at once.
+A call costs more than a library kernel's, so one-row steps never run it, and `attention.choose` times it against
+the others per layout. It is built with the system C++ compiler at first use and cached by source hash; without a
+compiler it is left out. docs/design-notes.md has the measurements that shaped it.
 """
 
 from __future__ import annotations

@@ -1,32 +1,12 @@
 """Linear-layer weights laid out for the CPU's matmul kernels, for inference.
 
-Two kernels can run a linear layer on CPU: `F.linear` (MKL / oneDNN with a per-call reorder of the weight) and
-oneDNN's matmul on a copy of the weight prepacked once. Which is faster depends on the CPU and on the rows of
-the product (batch x positions), and not by a little. Float32, one core, all linear layers of a 12-layer
-768-wide model (weights too big for the caches, as when serving), ms:
-
-    rows                                   1      5     16     64    128    320
-    Intel Xeon:  F.linear, W^T stored    20.1   43.1   57.0   71.7     -      -
-                 oneDNN, W packed        23.5   25.5   37.8   81.3     -      -
-    AMD EPYC:    F.linear, W^T stored    16.6   31.1   44.5  121.2  220.7  529.9
-                 oneDNN, W packed        14.3   19.2   26.7   59.3  102.1  249.5
-
-A verify step of k + 1 positions is 5-50 rows in the long tail and hundreds at a full batch, so the wrong
-kernel makes verification cost twice what it should. Hence no fixed rule: the first time a model of a given
-layout is packed in a process, `calibrate` times both kernels on that model's own layers for one row count per
-class (1 | 2-48 | 49-256 | more rows) and each class runs the faster one from then on (`Linear.packed_for`).
-The choice is kept for the process (every engine on the model's layout serves with the same kernels).
-
-- float32: the weight itself is stored transposed (an [in, out] buffer seen as [out, in]: no copy; never
-  slower than row-major in the measurements above), plus a packed copy while the model's linear weights fit
-  `FLOAT32_COPY_BYTES` (the copy doubles them). The kernels accumulate in other orders: not bit-identical
-  (logprobs agree within 1e-5; every float32 exactness test of the engine runs on this layout).
-- bf16: packed only where the CPU has native bf16 (AVX512-BF16 or AMX), where the packed kernel is the one
-  `F.linear` runs, minus its reorder: bit-identical (tested). Elsewhere packed bf16 measured slower.
-
-Autograd never sees a packed weight: with gradients enabled a layer is a plain `nn.Linear`. `pack_linears`
-runs whenever a model is installed for serving (`CachedModel`, service/engine/cached_model.py); a model whose
-weights are changed in place must be packed again.
+Two kernels can run a linear layer on CPU: `F.linear`, and oneDNN's matmul on a weight prepacked once. Which is
+faster depends on the CPU and on the product's rows, by up to 2x. So the first time a model layout is packed in a
+process, `calibrate` times both on that model's own layers for one row count per class (1 | 2-48 | 49-256 |
+more), and each class runs the faster one from then on (`Linear.packed_for`). Float32 weights are stored transposed
+plus a packed copy while they fit `FLOAT32_COPY_BYTES`; bf16 weights keep their layout. The kernels accumulate in
+other orders, so results are not bit-identical (logprobs agree within 1e-5); drafting and verification read one
+consistent distribution. docs/design-notes.md has the figures.
 """
 
 from __future__ import annotations

@@ -2,7 +2,13 @@
 
 from __future__ import annotations
 
+import json
+import struct
+import zlib
+from pathlib import Path
+
 import pytest
+from fs_utils import fill
 
 from service.buffer.config import BufferConfig
 from service.buffer.spool import Spool
@@ -99,3 +105,111 @@ def test_default_spool_folder_is_under_the_cache_root(tmp_path, monkeypatch, env
     else:
         monkeypatch.setenv("SPECROLL_CACHE", env)
     assert BufferConfig(stream="specroll:rollouts").spool_path() == tmp_path / expected
+
+
+def _segment(folder) -> Path:
+    (seg,) = list(folder.glob("seg-*"))
+    return seg
+
+
+@pytest.mark.parametrize("where", ["body", "length", "magic", "header_crc"])
+def test_a_flipped_byte_loses_only_its_record(tmp_path, where):
+    """240 records in one segment, one byte flipped at 10% of it (in a body or in a record's header): the
+    other 239 come out, in order, and one damaged record is counted (it used to cut the rest of the segment)."""
+    data = records(240)
+    spool = Spool(tmp_path, max_bytes=1 << 20)
+    for r in data:
+        spool.append(r)
+    spool.close()
+    seg = _segment(tmp_path)
+    raw = bytearray(seg.read_bytes())
+    framed = len(raw) // 240
+    start = 24 * framed  # record 24 (10% in)
+    raw[start + {"body": 30, "length": 5, "magic": 1, "header_crc": 13}[where]] ^= 0x10
+    seg.write_bytes(bytes(raw))
+    reopened = Spool(tmp_path, max_bytes=1 << 20)
+    assert len(reopened) == 239 and reopened.corrupt == 1
+    assert drain(reopened) == data[:24] + data[25:]
+
+
+def test_a_zeroed_page_loses_only_the_records_it_touches(tmp_path):
+    """A 4 KiB stretch of zeros (a lost page) in the middle of a segment: the records it overlaps are lost,
+    every other one is read."""
+    data = records(400, size=64)
+    spool = Spool(tmp_path, max_bytes=1 << 20)
+    for r in data:
+        spool.append(r)
+    spool.close()
+    seg = _segment(tmp_path)
+    raw = bytearray(seg.read_bytes())
+    framed = len(raw) // 400
+    raw[8192 : 8192 + 4096] = bytes(4096)
+    seg.write_bytes(bytes(raw))
+    out = drain(Spool(tmp_path, max_bytes=1 << 20))
+    touched = {i for i in range(400) if i * framed < 8192 + 4096 and (i + 1) * framed > 8192}
+    assert out == [r for i, r in enumerate(data) if i not in touched]
+
+
+def test_a_segment_cut_short_keeps_every_whole_record_and_takes_appends(tmp_path):
+    spool = Spool(tmp_path, max_bytes=1 << 20)
+    for r in records(50):
+        spool.append(r)
+    spool.close()
+    seg = _segment(tmp_path)
+    framed = seg.stat().st_size // 50
+    seg.write_bytes(seg.read_bytes()[: 30 * framed + framed // 2])  # half of record 30 is gone
+    reopened = Spool(tmp_path, max_bytes=1 << 20)
+    assert reopened.corrupt == 1 and len(reopened) == 30
+    assert reopened.append(b"after")
+    assert drain(reopened) == [*records(30), b"after"]
+
+
+def test_old_format_segments_are_still_read(tmp_path):
+    """A spool written before the record magic (``<u32 length><u32 crc32>`` frames in ``seg-*.spool``)."""
+    old = records(5)
+    blob = b"".join(struct.pack("<II", len(r), zlib.crc32(r)) + r for r in old)
+    (tmp_path / "seg-001000000000.spool").write_bytes(blob)
+    framed = len(blob) // 5
+    (tmp_path / "HEAD").write_text(json.dumps({"seq": 1_000_000_000, "offset": framed}))  # one already read
+    spool = Spool(tmp_path, max_bytes=1 << 20)
+    assert len(spool) == 4
+    spool.append(b"new")
+    spool.prepend([b"older"])
+    assert drain(spool) == [b"older", *old[1:], b"new"]
+    assert not list(tmp_path.glob("seg-*"))
+
+
+def test_a_write_on_a_full_disk_leaves_no_torn_record_and_the_spool_recovers(tiny_fs):
+    """The file system fills up in the middle of a record: the record is cut back (never half in the
+    file), counted as lost for lack of space, and the spool writes again as soon as space is back."""
+    filler = fill(tiny_fs, leave=40 << 10)
+    spool = Spool(tiny_fs / "spool", max_bytes=1 << 20, segment_bytes=1 << 20)
+    data = records(2000, size=96)
+    kept = [r for r in data if spool.append(r)]
+    assert 0 < len(kept) < 2000 and spool.lost["disk_full"] == 2000 - len(kept)
+    assert spool.disk_full and spool.failing == "disk_full"
+    seg = _segment(tiny_fs / "spool")
+    assert seg.stat().st_size == spool.nbytes  # nothing torn after the last whole record
+    filler.unlink()
+    assert not spool.disk_full  # the file system has room again
+    assert spool.append(b"after") and spool.failing is None
+    spool.close()
+    reopened = Spool(tiny_fs / "spool", max_bytes=1 << 20)
+    assert reopened.corrupt == 0
+    assert drain(reopened) == [*kept, b"after"]
+
+
+def test_prepend_on_a_full_disk_changes_nothing(tiny_fs):
+    filler = fill(tiny_fs, leave=24 << 10)
+    spool = Spool(tiny_fs / "spool", max_bytes=1 << 20, segment_bytes=4096)
+    for r in records(8):
+        assert spool.append(r)
+    spool.commit(len(spool.peek(3)))
+    with pytest.raises(OSError):
+        spool.prepend(records(400, start=1000, size=96))  # far more than the room left
+    assert spool.disk_full and len(spool) == 5
+    filler.unlink()
+    spool.prepend(records(2, start=1000))
+    spool.close()
+    assert drain(Spool(tiny_fs / "spool", max_bytes=1 << 20, segment_bytes=4096)) == \
+        records(2, start=1000) + records(5, start=3)

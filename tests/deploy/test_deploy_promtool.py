@@ -12,7 +12,8 @@ from deploy_utils import DEPLOY, require_binary
 
 PROM = DEPLOY / "prometheus"
 OPERATOR_CARES = {"SpecrollEngineNotReady", "SpecrollDrafterAcceptanceCollapsed", "SpecrollBufferDropping",
-                  "SpecrollBufferSpooling", "SpecrollRedisDown", "SpecrollWeightPushFailures"}
+                  "SpecrollBufferSpooling", "SpecrollRedisDown", "SpecrollWeightPushFailures",
+                  "SpecrollSpoolDiskFull", "SpecrollRedisDataLost"}
 
 
 def _promtool(*args: str, cwd: Path = PROM) -> subprocess.CompletedProcess[str]:

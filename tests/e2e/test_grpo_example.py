@@ -52,8 +52,8 @@ def test_grpo_steps_push_weights_and_versions_advance(tiny_model: Path, monkeypa
         cfg = grpo.GRPOConfig(server=server.grpc_target, admin_token=ADMIN, steps=3, prompts_per_step=2,
                               group_size=8, max_tokens=48, min_terms=2, max_terms=4, lr=1e-2, seed=3)
         records = grpo.run(cfg)
-        served = server.server.backend.engine.runner.model
-        served_version = server.server.backend.engine.policy_version
+        snapshot = server.server.backend.teacher_snapshot().result(30)
+        served, served_version = snapshot.module, snapshot.version
     assert [r.policy_version for r in records] == ["0", "step-1", "step-2"]
     assert served_version == "step-3"
     assert all(r.samples == 16 and len(r.lengths) == 16 and r.trained_samples > 0 for r in records)

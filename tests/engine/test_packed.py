@@ -192,7 +192,7 @@ PROMPTS = [[5, 6, 7], [9, 8, 7, 6, 5, 4, 3, 2, 1, 11, 12], [300], list(range(40,
 
 def _serve(model, monkeypatch, pack: bool):
     with monkeypatch.context() as mp:
-        # Library attention kernels, the same for both engines. With the opaque `cpp` kernel (22f0392) for batched
+        # Library attention kernels, the same for both engines. With the opaque `cpp` kernel for batched
         # verify steps the two engines' logprobs differed by ~1e-5 (tokens equal) wherever this machine's timing
         # chose it: the linears feeding it are traced in one engine's compiled graph and opaque ops in the other's,
         # so inductor rounds around them differently (not pinned down further).

@@ -1,19 +1,23 @@
 """Without Redis the server keeps rollouts in memory and trains its own drafter in-process: a draft model
-(swapped through engine.swap_drafter) and an EAGLE head (swapped through EagleDrafter.swap_weights)."""
+(swapped through engine.swap_drafter) and an EAGLE head (swapped through EagleDrafter.swap_weights). The trainer
+reaches the engine through the backend interface only: a drafter copy, a lent teacher, the push path."""
 
 from __future__ import annotations
 
+import gc
 import logging
 import re
 import time
 
 import pytest
+import torch
 from helpers import make_checkpoint
 from service_utils import ADMIN, checkpoint_tensors, perturbed, start_server, write_checkpoint
 from trainer_utils import server_tokens_per_step
 
 from client import SpecrollClient
 from drafter_trainer.config import TrainerConfig
+from service.backend.base import PushUnsupported, RolloutBackend
 from service.buffer import BufferConfig
 
 logger = logging.getLogger(__name__)
@@ -63,3 +67,39 @@ def test_in_process_trainer_improves_the_served_drafter(kind, tmp_path):
         assert (tmp_path / "ckpt" / "served" / "model.safetensors").is_file()
     finally:
         srv.stop()
+
+
+def test_the_backend_lends_a_teacher_no_push_overwrites_and_a_drafter_copy_of_its_own(tmp_path):
+    target = make_checkpoint("qwen2", tied=True, seed=3)
+    drafter = write_checkpoint(target, perturbed(checkpoint_tensors(target), seed=5), tmp_path / "draft")
+    srv = start_server(target, engine_kw={"drafter": str(drafter)})
+    backend = srv.server.backend
+    try:
+        snap = backend.teacher_snapshot().result(30)
+        lent = {k: v.clone() for k, v in snap.module.state_dict().items()}
+        copied = backend.drafter_copy().result(30)
+        assert snap.version == "0" and copied.kind == "draft_model"
+        with torch.no_grad():
+            for p in copied.module.parameters():
+                p.add_(1.0)  # the caller's to train: the serving drafter does not move
+        again = backend.drafter_copy().result(30).module.state_dict()
+        assert all(not torch.equal(again[k], v) for k, v in copied.module.state_dict().items())
+        with SpecrollClient(srv.grpc_target, admin_token=ADMIN) as c:
+            for i in (1, 2, 3):  # the second push would load into the replaced (lent) weights if it reused them
+                c.push_weights(perturbed(checkpoint_tensors(target), seed=10 + i), f"v{i}")
+            assert all(torch.equal(snap.module.state_dict()[k], v) for k, v in lent.items())
+            newest = backend.teacher_snapshot().result(30)
+            assert newest.version == "v3" and newest.module is not snap.module
+            del snap, newest
+            gc.collect()
+            c.push_weights(perturbed(checkpoint_tensors(target), seed=20), "v4")  # spares reused again
+    finally:
+        srv.stop()
+
+
+def test_a_backend_lends_nothing_by_default():
+    other = object()  # the defaults read nothing of the backend they are called on
+    for name in ("teacher_snapshot", "drafter_copy"):
+        with pytest.raises(PushUnsupported, match="lends no"):
+            getattr(RolloutBackend, name)(other)
+    assert RolloutBackend.must_exit_hard(other) is False

@@ -1,5 +1,6 @@
-"""The sidecar as a real process: kill -9 mid-batch, a restart under another consumer name (XAUTOCLAIM),
-duplicates and a poison entry (dead-letter). Every rollout is taken in exactly once, none is lost."""
+"""The sidecar as a real process: kill -9 mid-batch, a restart under another consumer name (the lease the
+killed one held expires; XAUTOCLAIM), duplicates and a poison entry (dead-letter). Every rollout is taken in
+exactly once, none is lost."""
 
 from __future__ import annotations
 
@@ -39,7 +40,7 @@ def sidecar(srv, redis_url: str, stream: str, ckpt: Path, consumer: str, log: Pa
            "--redis-url", redis_url, "--stream", stream, "--consumer", consumer, "--checkpoint-dir", str(ckpt),
            "--gate", "always", "--read-count", "16", "--min-new", "8", "--steps-per-round", "24",
            "--claim-idle-ms", "1500", "--block-ms", "100", "--max-wait-s", "0.3", "--max-deliveries", "2",
-           "--info-interval-s", "0.2", "--min-heldout", "4"]
+           "--info-interval-s", "0.2", "--min-heldout", "4", "--lease-ttl-ms", "1500"]
     if metrics_port:
         cmd += ["--metrics-port", str(metrics_port)]
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(ROOT))
@@ -126,8 +127,9 @@ def test_kill9_mid_batch_restart_trains_every_rollout_exactly_once(redis_server,
         assert set(ledger.values()) <= {"train", "eval"} and "eval" in ledger.values()
         [(_, dead)] = r.xrange(f"{stream}:dead")
         assert dead[b"rollout_id"] == b"poison" and b"payload" in dead[b"dl_reason"]
-        assert int(dead[b"dl_deliveries"]) == 2
-        assert "specroll:trainer_entries_dead_lettered_total 1.0" in metrics
+        assert int(dead[b"dl_deliveries"]) == 1 and dead[b"dl_kind"] == b"protobuf"  # at once: no retry decodes it
+        assert 'specroll:trainer_entries_dead_lettered_total{reason="protobuf"} 1.0' in metrics
+        assert "specroll:trainer_lease_held 1.0" in metrics  # the killed one's lease expired; c2 took it
         assert "specroll:trainer_entries_duplicate_total" in metrics
         info = r.xinfo_groups(stream)[0]
         assert info["pending"] == 0 and info["lag"] == 0
