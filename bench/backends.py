@@ -80,11 +80,11 @@ def run_raw(spec: str, target: Path, draft: Path, k: int, prompts, lengths, per_
     from vllm.engine.arg_utils import AsyncEngineArgs
     from vllm.v1.engine.async_llm import AsyncLLM
 
-    from service.vllm.config import DrafterSpec
+    from service.drafter_spec import NO_DRAFTER, DrafterItem
     from service.vllm.engine import engine_args
 
     cfg = EngineConfig(model=str(target), max_model_len=max_len, max_num_seqs=len(lengths), kv_cache_memory_gb=0.5)
-    drafter = DrafterSpec("none") if spec == "off" else DrafterSpec("draft_model", str(draft))
+    drafter = NO_DRAFTER if spec == "off" else DrafterItem("draft_model", str(draft))
     table = [] if spec == "off" else [(1, len(lengths), k)]
     args = engine_args(cfg, VllmConfig(num_speculative_tokens=k, gpu_memory_utilization=0.3), drafter, table)
 

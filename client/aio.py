@@ -207,12 +207,14 @@ class AsyncSpecrollClient:
     # -- weights ------------------------------------------------------------------------------------
     async def push_weights(self, weights: Mapping[str, Any] | str | Path, version: str, *, role: str = "target",
                            mode: str = "wait", dtype: Any = None, chunk_bytes: int = wt.CHUNK_BYTES,
-                           hash_threads: int = 4) -> PushResult:
-        """Push a state_dict (Hugging Face names) or a safetensors folder; the server swaps atomically."""
+                           hash_threads: int = 4, cast: bool = False) -> PushResult:
+        """Push a state_dict (Hugging Face names) or a safetensors folder; the server swaps atomically. The
+        tensors must be in the served dtype, or `cast=True` asks the server to cast them (`dtype` casts here,
+        before sending)."""
         tensors = (wt.from_folder(weights) if isinstance(weights, str | Path)
                    else wt.from_state_dict(weights, dtype))
         await asyncio.to_thread(wt.hash_all, tensors, hash_threads)
-        manifest = wt.manifest(tensors, role, version, mode)
+        manifest = wt.manifest(tensors, role, version, mode, cast)
 
         async def call() -> Any:
             head = pb2.PushWeightsRequest(manifest=manifest)
@@ -231,8 +233,9 @@ class AsyncSpecrollClient:
         return self._push_channel.stream_unary("/specroll.v1.Rollout/PushWeights", request_serializer=wt.serialize_push,
                                                response_deserializer=pb2.WeightsReply.FromString)
 
-    async def load_weights(self, path: str, version: str, *, role: str = "target", mode: str = "wait") -> PushResult:
-        req = pb2.LoadWeightsRequest(role=role, version=version, path=str(path), mode=mode)
+    async def load_weights(self, path: str, version: str, *, role: str = "target", mode: str = "wait",
+                           cast: bool = False) -> PushResult:
+        req = pb2.LoadWeightsRequest(role=role, version=version, path=str(path), mode=mode, cast=cast)
         return _push_result(await self._retry(lambda: self._stub.LoadWeights(req, metadata=self._admin,
                                                                              timeout=self.timeout_s)))
 

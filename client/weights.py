@@ -97,13 +97,13 @@ def hash_all(tensors: list[TensorBytes], threads: int = 4) -> None:
             t.sha256 = digest
 
 
-def manifest(tensors: list[TensorBytes], role: str, version: str, mode: str) -> Any:
+def manifest(tensors: list[TensorBytes], role: str, version: str, mode: str, cast: bool = False) -> Any:
     dtypes = sorted({t.dtype for t in tensors})
     if len(dtypes) != 1:
         raise ValueError(f"a push has one checkpoint dtype; these tensors have {dtypes} (pass dtype= to cast)")
     specs = [pb2.TensorSpec(name=t.name, dtype=t.dtype, shape=list(t.shape), nbytes=len(t.data), sha256=t.sha256)
              for t in tensors]
-    return pb2.WeightManifest(role=role, version=version, dtype=dtypes[0], tensors=specs, mode=mode)
+    return pb2.WeightManifest(role=role, version=version, dtype=dtypes[0], tensors=specs, mode=mode, cast=cast)
 
 
 def iter_chunks(tensors: list[TensorBytes], chunk_bytes: int = CHUNK_BYTES) -> Iterator[RawChunk]:
@@ -149,3 +149,135 @@ def serialize_push(msg: Any) -> bytes:
     size = sum(len(p) for p in msg.parts)
     head = b"\x08" + _varint(msg.offset) + b"\x12" + _varint(size)
     return b"".join([b"\x12", _varint(len(head) + size), head, *msg.parts])
+
+
+# -- the trainer's half of a push over a process group (SGLang's /init_weights_update_group protocol) ----------
+class GroupPushError(RuntimeError):
+    """The server refused a push over the group, or the group failed; the message is the server's."""
+
+
+def _post(url: str, payload: Mapping[str, Any], token: str | None, timeout_s: float) -> dict[str, Any]:
+    import urllib.error
+    import urllib.request
+
+    headers = {"content-type": "application/json", **({"authorization": f"Bearer {token}"} if token else {})}
+    req = urllib.request.Request(url, data=json.dumps(payload).encode(), headers=headers, method="POST")
+    try:
+        with urllib.request.urlopen(req, timeout=timeout_s) as resp:
+            return dict(json.loads(resp.read()))
+    except urllib.error.HTTPError as exc:
+        body = exc.read().decode(errors="replace")
+        try:
+            message = json.loads(body)["error"]["message"]
+        except (ValueError, KeyError, TypeError):
+            message = body
+        raise GroupPushError(f"{url}: HTTP {exc.code}: {message}") from None
+
+
+class _Call:
+    """An HTTP call running on its own thread while this one broadcasts."""
+
+    def __init__(self, url: str, payload: Mapping[str, Any], token: str | None, timeout_s: float) -> None:
+        import threading
+
+        self.result: dict[str, Any] | None = None
+        self.error: BaseException | None = None
+        self._thread = threading.Thread(target=self._run, args=(url, payload, token, timeout_s), daemon=True)
+        self._thread.start()
+
+    def _run(self, url: str, payload: Mapping[str, Any], token: str | None, timeout_s: float) -> None:
+        try:
+            self.result = _post(url, payload, token, timeout_s)
+        except BaseException as exc:
+            self.error = exc
+
+    def wait(self) -> dict[str, Any]:
+        self._thread.join()
+        if self.error is not None:
+            raise self.error
+        assert self.result is not None
+        return self.result
+
+
+def _free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("", 0))
+        return int(s.getsockname()[1])
+
+
+class WeightGroup:
+    """A private process group with one server (rank 1), this process being rank 0: `push` broadcasts a state
+    dict in buckets, each announced by an `/update_weights_from_distributed` call. Build it with `join`."""
+
+    def __init__(self, http_url: str, pg: Any, group_name: str, token: str | None, timeout_s: float) -> None:
+        self.http_url, self.pg, self.group_name, self.token, self.timeout_s = http_url, pg, group_name, token, timeout_s
+
+    @classmethod
+    def join(cls, http_url: str, *, admin_token: str | None = None, group_name: str = "specroll-weights",
+             backend: str = "gloo", master_address: str = "127.0.0.1", master_port: int | None = None,
+             timeout_s: float = 120.0) -> WeightGroup:
+        import datetime
+
+        from torch.distributed.distributed_c10d import (
+            Backend,
+            PrefixStore,
+            _new_process_group_helper,
+            _world,
+            rendezvous,
+        )
+
+        port = master_port or _free_port()
+        call = _Call(f"{http_url}/init_weights_update_group",
+                     {"master_address": master_address, "master_port": port, "rank_offset": 1, "world_size": 2,
+                      "group_name": group_name, "backend": backend, "timeout_s": timeout_s}, admin_token, timeout_s)
+        timeout = datetime.timedelta(seconds=timeout_s)
+        store, _, _ = next(rendezvous(f"tcp://{master_address}:{port}", 0, 2, timeout=timeout))
+        store.set_timeout(timeout)
+        pg, _ = _new_process_group_helper(2, 0, [], Backend(backend), PrefixStore(group_name, store),
+                                          group_name=group_name, backend_options=None, timeout=timeout)
+        _world.pg_group_ranks[pg] = {0: 0, 1: 1}
+        call.wait()
+        return cls(http_url, pg, group_name, admin_token, timeout_s)
+
+    def push(self, state: Mapping[str, Any], version: str, *, mode: str = "wait", cast: bool = False,
+             bucket_bytes: int = 256 * 2**20) -> dict[str, Any]:
+        """Broadcast `state` (Hugging Face names) as `version`; returns the server's reply to the last bucket (the
+        swap). The server checks the whole manifest first: a refused push broadcasts nothing."""
+        import torch.distributed as dist
+
+        tensors = [(n, t.detach().contiguous()) for n, t in state.items()]
+        names = [n for n, _ in tensors]
+        dtypes = [str(t.dtype).removeprefix("torch.") for _, t in tensors]
+        shapes = [list(t.shape) for _, t in tensors]
+        _post(f"{self.http_url}/weights/check", {"names": names, "dtypes": dtypes, "shapes": shapes, "cast": cast},
+              self.token, self.timeout_s)
+        buckets: list[list[tuple[str, Any]]] = [[]]
+        size = 0
+        for name, t in tensors:
+            nbytes = t.numel() * t.element_size()
+            if buckets[-1] and size + nbytes > bucket_bytes:
+                buckets.append([])
+                size = 0
+            buckets[-1].append((name, t))
+            size += nbytes
+        reply: dict[str, Any] = {}
+        for bucket in buckets:
+            call = _Call(f"{self.http_url}/update_weights_from_distributed", {
+                "names": [n for n, _ in bucket], "dtypes": [str(t.dtype).removeprefix("torch.") for _, t in bucket],
+                "shapes": [list(t.shape) for _, t in bucket], "group_name": self.group_name,
+                "weight_version": version, "mode": mode, "cast": cast}, self.token, self.timeout_s)
+            for _, t in bucket:
+                dist.broadcast(t, 0, group=self.pg)
+            reply = call.wait()
+        return reply
+
+    def close(self) -> None:
+        import torch.distributed as dist
+
+        try:
+            _post(f"{self.http_url}/destroy_weights_update_group", {"group_name": self.group_name}, self.token,
+                  self.timeout_s)
+        finally:
+            dist.destroy_process_group(self.pg)

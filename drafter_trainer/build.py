@@ -10,6 +10,7 @@ import torch
 
 from drafter_trainer.students import DraftStudent, EagleStudent, Student
 from service.config import ModelConfig
+from service.drafter_spec import DrafterSpec
 from service.engine.drafters.eagle import init_head, load_head
 from service.models.loader import load_model
 
@@ -23,20 +24,22 @@ class NothingToTrain(ValueError):
     """The server runs no drafter with weights (none, or only the suffix drafter)."""
 
 
-def parse_drafter(spec: str) -> tuple[str, str | None]:
-    """("draft", DIR) or ("eagle", DIR | None) from a server's --drafter value (the first trainable item)."""
-    for item in (x.strip() for x in (spec or "").split(",")):
-        if item == "eagle" or item.startswith("eagle:"):
-            return "eagle", item.partition(":")[2] or None
-        if item and item not in ("none", "suffix") and (Path(item) / "config.json").is_file():
-            return "draft", item
-    raise NothingToTrain(f"drafter {spec!r} has no weights to train (give a draft-model folder or eagle[:DIR])")
+def trainable(spec: DrafterSpec) -> tuple[str, str | None]:
+    """("draft", DIR) or ("eagle", DIR | None): the first drafter of a server's setting that has weights to train
+    (a draft-model folder this process can read, or an EAGLE head)."""
+    for item in spec.items:
+        if item.method == "eagle":
+            return "eagle", item.path
+        if item.method == "draft_model" and item.path and (Path(item.path) / "config.json").is_file():
+            return "draft", item.path
+    raise NothingToTrain(f"drafter {str(spec)!r} has no weights to train (give a draft-model folder or eagle[:DIR])")
 
 
-def build_student(spec: str, target_cfg: ModelConfig | None, vocab: int, max_positions: int, device: torch.device,
-                  seed: int = 0) -> Student:
-    """A student initialised the way the server initialised its drafter from the same --drafter value."""
-    kind, path = parse_drafter(spec)
+def build_student(spec: DrafterSpec | str, target_cfg: ModelConfig | None, vocab: int, max_positions: int,
+                  device: torch.device, seed: int = 0) -> Student:
+    """A student initialised the way the server initialised its drafter from the same --drafter value (the
+    server's, from GetServerInfo, or the trainer's own --drafter)."""
+    kind, path = trainable(DrafterSpec.parse(spec) if isinstance(spec, str) else spec)
     if kind == "draft":
         assert path is not None
         return DraftStudent(load_model(path, torch.float32, device), Path(path), vocab, max_positions, device)
@@ -51,7 +54,7 @@ def student_from_copy(found: DrafterCopy, spec: str, vocab: int, max_positions: 
     server's --drafter value (whether an EAGLE head was initialised rather than loaded, where a draft model's
     folder is)."""
     device = next(found.module.parameters()).device
-    spec_kind, path = parse_drafter(spec)
+    spec_kind, path = trainable(DrafterSpec.parse(spec))
     if found.kind == "eagle":  # `--drafter eagle` without a folder: the engine initialised the head
         return EagleStudent(found.module, vocab, max_positions, device, fresh=path is None)
     source = Path(path) if spec_kind == "draft" and path else None

@@ -52,7 +52,8 @@ class GrpcServer:
         from client.errors import FailedPrecondition
 
         try:
-            self.client.push_weights(student.push_tensors(module), version, role="drafter")
+            # The student trains in float32: the server casts to its drafter's dtype, asked for explicitly.
+            self.client.push_weights(student.push_tensors(module), version, role="drafter", cast=True)
         except FailedPrecondition as exc:  # the server's drafter has no weights (e.g. suffix only)
             raise PushRefused(str(exc)) from exc
 
@@ -71,7 +72,7 @@ class LocalServer:
 
     def push(self, student: Student, module: nn.Module, version: str) -> None:
         try:
-            staged = self.backend.stage_weights("drafter", student.push_tensors(module).items())
+            staged = self.backend.stage_weights("drafter", student.push_tensors(module).items(), cast=True)
         except PushUnsupported as exc:
             raise PushRefused(str(exc)) from exc
         self.backend.commit_weights(staged, version, "keep").result(self.timeout_s)

@@ -55,6 +55,7 @@ class ServerConfig:
     backend: str = "native"  # native | vllm
     vllm: Any = None  # service.vllm.config.VllmConfig for --backend vllm (None: defaults)
     admission: AdmissionLimits = field(default_factory=AdmissionLimits)  # the bounded queue of work
+    control_auth: str = "token"  # token: control calls need the admin token; none: open (trusted networks only)
 
 
 class _Uvicorn(uvicorn.Server):
@@ -94,8 +95,13 @@ class SpecrollServer:
         self.metrics.ready_fn = lambda: self.backend.ready
         self.metrics.stats_fn = self._stats
         pushes = PushService(self.backend, self.metrics, config.limits.max_upload_bytes, config.load_root)
-        self.ctx = ServiceContext(self.backend, pushes, self.metrics, Auth(config.admin_token, config.api_token),
+        self.ctx = ServiceContext(self.backend, pushes, self.metrics, Auth(config.admin_token, config.api_token,
+                                                                          config.control_auth),
                                   config.limits, config.served_model_name or "")
+        if self.ctx.auth.control_open:
+            logger.warning("control calls (pause, resume, abort, weight loads) need no token (--control-auth none): "
+                           "anyone who reaches this server can change its weights; limit who reaches it (a "
+                           "NetworkPolicy, a private network)")
         self.grpc_port = config.grpc_port
         self.http_port = config.http_port
         self._stop: asyncio.Event | None = None

@@ -8,6 +8,7 @@ import os
 import sys
 import time
 from pathlib import Path
+from typing import Any
 
 logger = logging.getLogger("specroll")
 
@@ -20,7 +21,9 @@ def _engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", default=_env("model"), help="Hugging Face model folder (default: embedded model)")
     p.add_argument("--dtype", default=_env("dtype", "float32"), choices=["float32", "bfloat16", "float16"])
     p.add_argument("--device", default=_env("device", "cpu"))
-    p.add_argument("--max-model-len", type=int, default=int(_env("max_model_len", "1024")))
+    p.add_argument("--max-model-len", type=int, default=int(_env("max_model_len", "0")) or None,
+                   help="longest prompt + output (default: the checkpoint's context length, capped by what the KV "
+                        "cache holds; the reason is logged)")
     p.add_argument("--max-num-seqs", type=int, default=int(_env("max_num_seqs", "64")))
     p.add_argument("--kv-cache-gb", type=float, default=float(_env("kv_cache_gb", "2.0")))
     p.add_argument("--seed", type=int, default=int(_env("seed", "0")))
@@ -45,15 +48,16 @@ def _model_dir(args: argparse.Namespace) -> str:
     return str(ensure_default_model())
 
 
-def _engine_config(args: argparse.Namespace):
+def _engine_config(args: argparse.Namespace, **settings: Any):
     from service.config import EngineConfig
+    from service.drafter_spec import DrafterSpec
 
     return EngineConfig(
         model=_model_dir(args), dtype=args.dtype, device=args.device, max_model_len=args.max_model_len,
         max_num_seqs=args.max_num_seqs, kv_cache_memory_gb=args.kv_cache_gb, seed=args.seed,
-        max_num_batched_tokens=max(8192, args.max_model_len), spec=args.spec, spec_k=args.spec_k,
-        num_threads=args.threads, drafter=getattr(args, "drafter", "none"), enforce_eager=args.enforce_eager,
-        strategy_trace=args.strategy_trace,
+        max_num_batched_tokens=max(8192, args.max_model_len or 0), spec=args.spec, spec_k=args.spec_k,
+        num_threads=args.threads, drafter=DrafterSpec.parse(getattr(args, "drafter", "none")),
+        enforce_eager=args.enforce_eager, strategy_trace=args.strategy_trace, **settings,
     )
 
 
@@ -113,9 +117,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
     from service.buffer.config import buffer_config_from_args
     from service.vllm.config import vllm_config_from_args
 
-    engine_config = _engine_config(args)
-    engine_config.drafter = args.drafter
-    engine_config.compile_background = not args.compile_before_serving
+    engine_config = _engine_config(args, compile_background=not args.compile_before_serving)
     if args.max_upload_gb <= 0:
         raise ValueError(f"--max-upload-gb must be > 0, got {args.max_upload_gb}")
     limits = Limits(max_tokens=args.max_tokens_per_request, max_n=args.max_n,
@@ -131,6 +133,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
         admission=AdmissionLimits(args.max_waiting_seqs, args.max_pending_tokens, args.retry_after),
         backend=args.backend,
         vllm=vllm_config_from_args(args) if args.backend == "vllm" else None,
+        control_auth=args.control_auth,
     )
     return run_server(engine_config, config)
 
@@ -157,13 +160,18 @@ def _serve_args(p: argparse.ArgumentParser) -> None:
                    help="bearer token for weight, pause/resume/abort and reward calls (they are refused without)")
     p.add_argument("--admin-token-file", default=_env("admin_token_file"),
                    help="file holding the admin token (preferred: a flag's value is visible in the process table)")
+    p.add_argument("--control-auth", default=_env("control_auth", "token"), choices=["token", "none"],
+                   help="token: control calls (pause, resume, abort, weight loads) need the admin token; none: they "
+                        "need no token, for RL frameworks that send none, on a trusted network only (a warning is "
+                        "logged and /server_info says so)")
     p.add_argument("--api-token", default=_env("api_token"), help="bearer token for generation (default: open)")
     p.add_argument("--api-token-file", default=_env("api_token_file"), help="file holding the API token")
     p.add_argument("--redis-url", default=_env("redis_url"), help="Redis for the rollout buffer")
     p.add_argument("--served-model-name", default=_env("served_model_name"))
     p.add_argument("--load-root", default=_env("load_root"), help="only load weights from folders under this one")
-    p.add_argument("--max-tokens-per-request", type=int, default=int(_env("max_tokens_per_request", "4096")),
-                   help="largest max_tokens a request may ask for, per sample")
+    p.add_argument("--max-tokens-per-request", type=int, default=int(_env("max_tokens_per_request", "0")) or None,
+                   help="largest max_tokens a request may ask for, per sample (default: max_model_len, less the "
+                        "prompt)")
     p.add_argument("--max-n", type=int, default=int(_env("max_n", "64")))
     p.add_argument("--max-request-mb", type=int, default=int(_env("max_request_mb", "16")))
     p.add_argument("--max-upload-gb", type=float, default=float(_env("max_upload_gb", "64") or 64),

@@ -3,10 +3,20 @@
 from __future__ import annotations
 
 import json
+import logging
 import os
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
+
+from service.drafter_spec import DrafterSpec
+
+logger = logging.getLogger(__name__)
+
+# Where Hugging Face configs give the context length, most specific first (text_config: multimodal wrappers).
+CONTEXT_KEYS = ("max_position_embeddings", "max_sequence_length", "seq_length", "n_positions", "max_seq_len",
+                "model_max_length")
+DEFAULT_CONTEXT = 4096  # a config that names none of them
 
 
 def default_cache_root() -> Path:
@@ -25,6 +35,28 @@ DTYPES = ("float32", "bfloat16", "float16")
 
 class ConfigError(ValueError):
     """A model folder or an engine setting that cannot be used; the message says which and why."""
+
+
+def read_config(path: str | os.PathLike[str]) -> dict[str, Any]:
+    """A model folder's config.json (eos from generation_config.json when config.json has none)."""
+    cfg_path = Path(path) / "config.json"
+    if not cfg_path.is_file():
+        raise ConfigError(f"no config.json in model folder {str(path)!r}")
+    cfg: dict[str, Any] = json.loads(cfg_path.read_text())
+    gen_path = Path(path) / "generation_config.json"
+    if gen_path.is_file() and cfg.get("eos_token_id") is None:
+        cfg["eos_token_id"] = json.loads(gen_path.read_text()).get("eos_token_id")
+    return cfg
+
+
+def context_length(cfg: dict[str, Any]) -> int:
+    """The context length a Hugging Face config declares (its text model's, for a multimodal wrapper)."""
+    for source in (cfg, cfg.get("text_config") or {}):
+        for key in CONTEXT_KEYS:
+            value = source.get(key)
+            if isinstance(value, int) and not isinstance(value, bool) and value > 0:
+                return value
+    return DEFAULT_CONTEXT
 
 
 @dataclass(slots=True)
@@ -100,7 +132,7 @@ class ModelConfig:
             rms_norm_eps=float(cfg.get("rms_norm_eps", 1e-6)),
             rope_theta=float(rope_theta if rope_theta is not None else 10000.0),
             rope_scaling=rope_scaling,
-            max_position_embeddings=int(cfg.get("max_position_embeddings", 4096)),
+            max_position_embeddings=context_length(cfg),
             tie_word_embeddings=bool(cfg.get("tie_word_embeddings", family != "llama")),
             attention_bias=bool(cfg.get("attention_bias", family == "qwen2")),
             qk_norm=family == "qwen3",
@@ -110,17 +142,11 @@ class ModelConfig:
 
     @classmethod
     def from_dir(cls, path: str | os.PathLike[str]) -> ModelConfig:
-        cfg_path = Path(path) / "config.json"
-        if not cfg_path.is_file():
-            raise ConfigError(f"no config.json in model folder {str(path)!r}")
-        cfg = json.loads(cfg_path.read_text())
-        gen_path = Path(path) / "generation_config.json"
-        if gen_path.is_file() and cfg.get("eos_token_id") is None:
-            cfg["eos_token_id"] = json.loads(gen_path.read_text()).get("eos_token_id")
-        return cls.from_dict(cfg)
+        return cls.from_dict(read_config(path))
 
     @property
     def layer_macs(self) -> int:
+
         """Multiply-adds of one token through one decoder layer's linear layers (attention's own work aside)."""
         q, kv = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
         return self.hidden_size * (2 * q + 2 * kv) + 3 * self.hidden_size * self.intermediate_size
@@ -144,14 +170,14 @@ class EngineConfig:
     dtype: str = "float32"
     device: str = "cpu"
     max_num_seqs: int = 64
-    max_model_len: int = 1024
+    max_model_len: int | None = None  # None: the checkpoint's context length, capped by the KV cache
     max_num_batched_tokens: int = 8192
     kv_cache_memory_gb: float = 2.0
     seed: int = 0
     num_threads: int | None = None
-    # Speculative decoding: drafters as a comma-separated list of "suffix" and draft-model folders
-    # ("none" for plain decoding); spec "adaptive" picks (drafter, k) per step, "fixed" pins spec_k.
-    drafter: str = "none"
+    # Speculative decoding: the drafters (service/drafter_spec.py; a --drafter string is parsed on construction,
+    # "none" for plain decoding); spec "adaptive" picks (drafter, k) per step, "fixed" pins spec_k.
+    drafter: DrafterSpec = field(default_factory=DrafterSpec)
     spec: str = "adaptive"
     spec_k: int = 4
     # Run decode and verify forwards eagerly: no CUDA graphs on a GPU (service/engine/graphs.py), no torch.compile
@@ -166,13 +192,15 @@ class EngineConfig:
     extra: dict[str, Any] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
+        if isinstance(self.drafter, str):
+            self.drafter = DrafterSpec.parse(self.drafter)
         if self.dtype not in DTYPES:
             raise ConfigError(f"dtype must be one of {DTYPES}, got {self.dtype!r}")
         if self.max_num_seqs < 1:
             raise ConfigError(f"max_num_seqs must be >= 1, got {self.max_num_seqs}")
-        if self.max_model_len < 2:
+        if self.max_model_len is not None and self.max_model_len < 2:
             raise ConfigError(f"max_model_len must be >= 2, got {self.max_model_len}")
-        if self.max_num_batched_tokens < self.max_model_len:
+        if self.max_model_len is not None and self.max_num_batched_tokens < self.max_model_len:
             raise ConfigError(
                 f"max_num_batched_tokens ({self.max_num_batched_tokens}) must be >= "
                 f"max_model_len ({self.max_model_len}) so any prompt fits one prefill"
@@ -185,3 +213,23 @@ class EngineConfig:
             raise ConfigError(f"spec_k must be in [0, 15], got {self.spec_k}")
         if not (self.device == "cpu" or self.device.startswith("cuda")):
             raise ConfigError(f"device must be 'cpu' or 'cuda[:N]', got {self.device!r}")
+
+    def resolve_max_model_len(self, context: int, cache_holds: int | None, cache: str) -> int:
+        """Set max_model_len, when not given, from the checkpoint's `context` length, capped by what the KV cache
+        holds for one sequence (`cache_holds` tokens of `cache`); a given one stays (the flag overrides). Logs the
+        value and why; the prefill budget grows to take a whole-context prompt."""
+        if self.max_model_len is not None:
+            logger.info("max_model_len %d (set; the checkpoint's context length is %d)", self.max_model_len, context)
+        elif cache_holds is not None and cache_holds < context:
+            if cache_holds < 2:
+                raise ConfigError(f"the KV cache ({cache}) holds {max(cache_holds, 0)} tokens of a sequence: raise it "
+                                  "or set --max-model-len")
+            self.max_model_len = cache_holds
+            logger.warning("max_model_len %d: the checkpoint's context length %d does not fit the KV cache (%s "
+                           "holds %d tokens of one sequence); raise the cache or set --max-model-len",
+                           cache_holds, context, cache, cache_holds)
+        else:
+            self.max_model_len = context
+            logger.info("max_model_len %d: the checkpoint's context length", context)
+        self.max_num_batched_tokens = max(self.max_num_batched_tokens, self.max_model_len)
+        return self.max_model_len

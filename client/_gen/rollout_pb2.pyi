@@ -190,18 +190,20 @@ class TensorSpec(_message.Message):
     def __init__(self, name: _Optional[str] = ..., dtype: _Optional[str] = ..., shape: _Optional[_Iterable[int]] = ..., nbytes: _Optional[int] = ..., sha256: _Optional[str] = ...) -> None: ...
 
 class WeightManifest(_message.Message):
-    __slots__ = ("role", "version", "dtype", "tensors", "mode")
+    __slots__ = ("role", "version", "dtype", "tensors", "mode", "cast")
     ROLE_FIELD_NUMBER: _ClassVar[int]
     VERSION_FIELD_NUMBER: _ClassVar[int]
     DTYPE_FIELD_NUMBER: _ClassVar[int]
     TENSORS_FIELD_NUMBER: _ClassVar[int]
     MODE_FIELD_NUMBER: _ClassVar[int]
+    CAST_FIELD_NUMBER: _ClassVar[int]
     role: str
     version: str
     dtype: str
     tensors: _containers.RepeatedCompositeFieldContainer[TensorSpec]
     mode: str
-    def __init__(self, role: _Optional[str] = ..., version: _Optional[str] = ..., dtype: _Optional[str] = ..., tensors: _Optional[_Iterable[_Union[TensorSpec, _Mapping]]] = ..., mode: _Optional[str] = ...) -> None: ...
+    cast: bool
+    def __init__(self, role: _Optional[str] = ..., version: _Optional[str] = ..., dtype: _Optional[str] = ..., tensors: _Optional[_Iterable[_Union[TensorSpec, _Mapping]]] = ..., mode: _Optional[str] = ..., cast: _Optional[bool] = ...) -> None: ...
 
 class WeightChunk(_message.Message):
     __slots__ = ("offset", "data")
@@ -220,16 +222,18 @@ class PushWeightsRequest(_message.Message):
     def __init__(self, manifest: _Optional[_Union[WeightManifest, _Mapping]] = ..., chunk: _Optional[_Union[WeightChunk, _Mapping]] = ...) -> None: ...
 
 class LoadWeightsRequest(_message.Message):
-    __slots__ = ("role", "version", "path", "mode")
+    __slots__ = ("role", "version", "path", "mode", "cast")
     ROLE_FIELD_NUMBER: _ClassVar[int]
     VERSION_FIELD_NUMBER: _ClassVar[int]
     PATH_FIELD_NUMBER: _ClassVar[int]
     MODE_FIELD_NUMBER: _ClassVar[int]
+    CAST_FIELD_NUMBER: _ClassVar[int]
     role: str
     version: str
     path: str
     mode: str
-    def __init__(self, role: _Optional[str] = ..., version: _Optional[str] = ..., path: _Optional[str] = ..., mode: _Optional[str] = ...) -> None: ...
+    cast: bool
+    def __init__(self, role: _Optional[str] = ..., version: _Optional[str] = ..., path: _Optional[str] = ..., mode: _Optional[str] = ..., cast: _Optional[bool] = ...) -> None: ...
 
 class WeightsReply(_message.Message):
     __slots__ = ("role", "version", "bytes", "seconds", "swap_seconds", "wait_seconds", "aborted")

@@ -32,7 +32,7 @@ class ServiceError(RuntimeError):
 
 @dataclass(slots=True)
 class Limits:
-    max_tokens: int = 4096  # new tokens per sample
+    max_tokens: int | None = None  # new tokens per sample (None: what max_model_len leaves after the prompt)
     max_n: int = 64
     max_prompts: int = 256  # prompts per HTTP request
     max_stop: int = 16
@@ -53,7 +53,7 @@ def make_params(limits: Limits, **kw: Any) -> SamplingParams:
         raise InvalidRequest(str(exc)) from exc
     if params.n > limits.max_n:
         raise InvalidRequest(f"n={params.n} exceeds the server limit of {limits.max_n}")
-    if params.max_tokens > limits.max_tokens:
+    if limits.max_tokens is not None and params.max_tokens > limits.max_tokens:
         raise InvalidRequest(f"max_tokens={params.max_tokens} exceeds the server limit of {limits.max_tokens}")
     return params
 

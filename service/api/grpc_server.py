@@ -36,7 +36,7 @@ def _auth(context: grpc.aio.ServicerContext) -> str | None:
 def _manifest(m: Any) -> Manifest:
     tensors = [TensorEntry(t.name, t.dtype, tuple(int(d) for d in t.shape), int(t.nbytes), t.sha256)
                for t in m.tensors]
-    return Manifest(m.role or "target", m.version, m.dtype, tensors, m.mode or "wait")
+    return Manifest(m.role or "target", m.version, m.dtype, tensors, m.mode or "wait", m.cast)
 
 
 def _weights_reply(r: PushResult) -> Any:
@@ -145,7 +145,7 @@ class RolloutServicer(pb2_grpc.RolloutServicer):  # type: ignore[misc]
     async def LoadWeights(self, request: Any, context: grpc.aio.ServicerContext) -> Any:
         async def work() -> Any:
             r = await self.ctx.pushes.load_path(request.role or "target", request.version, request.path,
-                                                 request.mode or "wait")
+                                                 request.mode or "wait", request.cast)
             return _weights_reply(r)
         return await self._admin(context, work)
 

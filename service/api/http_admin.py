@@ -1,7 +1,8 @@
 """Weight and control endpoints (admin token), rewards, server info and weight versions.
 
-Uploads are raw safetensors bodies, streamed to a temporary file and read with ``safetensors.torch.load_file``
-(the body is never held whole in memory); nothing is ever unpickled.
+Uploads are raw safetensors bodies, streamed to a temporary file, their header checked against the body, then
+read with ``safetensors.torch.load_file`` (the body is never held whole in memory); nothing is ever unpickled.
+What the tensors must be is the one weight validation every path runs (service/backend/weight_check.py).
 """
 
 from __future__ import annotations
@@ -11,14 +12,25 @@ import hashlib
 import tempfile
 from dataclasses import asdict
 from pathlib import Path
-from typing import Annotated, Any, BinaryIO
+from typing import Annotated, Any, BinaryIO, Literal
 
 from fastapi import APIRouter, Query, Request
-from pydantic import BaseModel, ConfigDict
+from pydantic import BaseModel, ConfigDict, ValidationError
 
+from service.api.compat import (
+    VLLM_PAUSE,
+    next_version,
+    pause_mode,
+    reset_prefix_cache,
+    sglang_server_info,
+    vllm_config,
+)
+from service.api.compat import pause as compat_pause
 from service.api.deps import UPLOAD_PATH, AdminCtx, ApiCtx
 from service.api.disconnect import unless_disconnected
+from service.api.generation import InvalidRequest
 from service.api.push_protocol import PushError, PushResult
+from service.safetensors_io import CheckpointError, read_header
 
 router = APIRouter(tags=["admin"])
 
@@ -29,10 +41,12 @@ class LoadRequest(BaseModel):
     version: str
     role: str = "target"
     mode: str = "wait"
+    cast: bool = False  # cast the folder's dtype to the served one (never done unasked)
 
 
 class PauseRequest(BaseModel):
-    mode: str = "wait"
+    mode: str | None = None
+    clear_cache: bool = False
 
 
 class AbortRequest(BaseModel):
@@ -46,10 +60,16 @@ class RewardsRequest(BaseModel):
 
 
 class DiskUpdateRequest(BaseModel):
+    """SGLang's payload (AReaL sends model_path and abort_all_requests only)."""
+
     model_config = ConfigDict(extra="ignore")
     model_path: str
-    weight_version: str
-    mode: str = "wait"
+    weight_version: str | None = None  # None: the next number after the serving version
+    mode: str | None = None
+    abort_all_requests: bool = False  # SGLang: abort running requests first (mode abort)
+    flush_cache: bool = True
+    load_format: str | None = None
+    cast: bool = False  # ours: cast the folder's dtype to the served one (never done unasked)
 
 
 def _reply(result: PushResult) -> dict[str, Any]:
@@ -62,6 +82,10 @@ SPOOL_BYTES = 8 * 2**20  # body bytes gathered in memory before they are hashed 
 def _load_file(path: Path) -> dict[str, Any]:
     from safetensors.torch import load_file
 
+    try:
+        read_header(path)  # the header checked against the body first (safetensors takes a name given twice)
+    except CheckpointError as exc:
+        raise PushError(f"the body is not a valid safetensors file: {exc}") from exc
     try:
         return load_file(str(path))
     except Exception as exc:  # malformed header or data
@@ -87,26 +111,13 @@ async def _receive_to_file(request: Request, path: Path) -> tuple[int, str]:
     return size, digest.hexdigest()
 
 
-def _check_upload(tensors: dict[str, Any]) -> None:
-    """What a well-formed upload is beyond its safetensors framing (which `load` checks: the header must cover
-    the body exactly): one dtype for every tensor (never silently cast) and finite values only."""
-    import torch
-
-    dtypes = sorted({str(t.dtype).removeprefix("torch.") for t in tensors.values()})
-    if len(dtypes) > 1:
-        raise PushError(f"the upload mixes dtypes {dtypes}: send every tensor in one dtype")
-    for name, t in tensors.items():
-        if t.is_floating_point() and not bool(torch.isfinite(t).all()):
-            raise PushError(f"tensor {name!r} holds NaN or infinite values: the body is corrupt or the weights "
-                            "diverged")
-
-
 @router.post(UPLOAD_PATH, openapi_extra={"requestBody": {"required": True, "description": "a safetensors file",
                                                          "content": {"application/octet-stream": {
                                                              "schema": {"type": "string", "format": "binary"}}}}})
 async def upload_weights(request: Request, ctx: AdminCtx, version: Annotated[str, Query()],
                          role: str = "target", mode: str = "wait", dtype: str | None = None,
                          sha256: Annotated[str | None, Query(description="hex sha256 of the body")] = None,
+                         cast: Annotated[bool, Query(description="cast to the served dtype")] = False,
                          ) -> dict[str, Any]:
     """Push weights as a safetensors body (Hugging Face tensor names, the complete set for the role)."""
     with tempfile.TemporaryDirectory(prefix="specroll-upload-") as tmp:
@@ -117,23 +128,30 @@ async def upload_weights(request: Request, ctx: AdminCtx, version: Annotated[str
         if sha256 is not None and digest != sha256.lower():
             raise PushError(f"checksum mismatch: the body hashes to {digest}, the request says {sha256}")
         tensors = await asyncio.to_thread(_load_file, path)
-    await asyncio.to_thread(_check_upload, tensors)
-    return _reply(await unless_disconnected(request, ctx.pushes.push_tensors(role, version, tensors, mode, dtype)))
+    return _reply(await unless_disconnected(request, ctx.pushes.push_tensors(role, version, tensors, mode, dtype,
+                                                                             cast)))
 
 
 @router.post("/weights/load")
 async def load_weights(req: LoadRequest, ctx: AdminCtx, request: Request) -> dict[str, Any]:
     """Load weights from a safetensors folder the server can read."""
     return _reply(await unless_disconnected(request, ctx.pushes.load_path(req.role, req.version, req.path,
-                                                                           req.mode)))
+                                                                           req.mode, req.cast)))
 
 
 @router.post("/update_weights_from_disk")
 async def update_from_disk(req: DiskUpdateRequest, ctx: AdminCtx, request: Request) -> dict[str, Any]:
-    """SGLang-style alias of /weights/load for the target."""
-    result = await unless_disconnected(
-        request, ctx.pushes.load_path("target", req.weight_version, req.model_path, req.mode))
-    return {"success": True, "message": "weights updated", **_reply(result)}
+    """SGLang's update from a folder the server can read: /weights/load for the target. abort_all_requests
+    aborts running requests first (mode abort); without it they finish first (wait) unless a mode is given."""
+    if req.load_format not in (None, "auto", "safetensors"):
+        raise InvalidRequest(f"load_format={req.load_format!r} is not supported: safetensors folders only")
+    mode = req.mode or ("abort" if req.abort_all_requests else "wait")
+    version = req.weight_version or next_version(ctx.backend.stats().policy_version)
+    result = await unless_disconnected(request, ctx.pushes.load_path("target", version, req.model_path, mode,
+                                                                      req.cast))
+    if req.flush_cache:
+        await reset_prefix_cache(ctx)
+    return {"success": True, "message": "weights updated", "num_paused_requests": 0, **_reply(result)}
 
 
 @router.get("/weights/version")
@@ -150,17 +168,29 @@ async def get_weight_version(ctx: ApiCtx) -> dict[str, str]:
 
 
 @router.post("/pause")
-async def pause(req: PauseRequest, ctx: AdminCtx, request: Request) -> dict[str, Any]:
-    """Pause generation: abort (end running requests), wait (let them finish; returns once idle), keep.
+async def pause(ctx: AdminCtx, request: Request, mode: Annotated[str | None, Query()] = None,
+                clear_cache: Annotated[bool | None, Query()] = None) -> dict[str, Any]:
+    """Pause generation: abort (end running requests), wait (let them finish; returns once idle), keep (they
+    stay, and go on where they were on resume). The mode comes in a JSON body or, as vLLM's /pause takes it, the
+    query (`?mode=keep&clear_cache=false`, no body). clear_cache then drops cached KV (not with keep).
     A wait whose client disconnects first is withdrawn: the server is not left paused."""
-    aborted = await unless_disconnected(request, ctx.pause(req.mode))
-    return {"paused": True, "aborted": aborted}
+    body = await request.body()
+    try:
+        req = PauseRequest.model_validate_json(body) if body.strip() else PauseRequest()
+    except ValidationError as exc:
+        raise InvalidRequest(f"invalid pause body: {exc.errors()[0].get('msg', 'invalid')}") from exc
+    if mode is not None and req.mode is not None and mode != req.mode:
+        raise InvalidRequest(f"mode is {mode!r} in the query and {req.mode!r} in the body: give one")
+    backend_mode = pause_mode(mode or req.mode, VLLM_PAUSE, "wait")
+    clear = bool(req.clear_cache if clear_cache is None else clear_cache)
+    aborted = await unless_disconnected(request, compat_pause(ctx, backend_mode, clear))
+    return {"paused": True, "status": "paused", "aborted": aborted}
 
 
 @router.post("/resume")
 async def resume(ctx: AdminCtx) -> dict[str, Any]:
     await ctx.resume()
-    return {"paused": False}
+    return {"paused": False, "status": "resumed"}
 
 
 @router.post("/abort")
@@ -174,7 +204,15 @@ async def rewards(req: RewardsRequest, ctx: AdminCtx) -> dict[str, int]:
 
 
 @router.get("/server_info")
-async def server_info(ctx: ApiCtx, request: Request) -> dict[str, Any]:
-    # speculative_sampling: HTTP only (the gRPC message has no such field; sampled requests are refused with it)
-    return ctx.info(admin=ctx.auth.is_admin(request.headers.get("authorization"))) | {
-        "speculative_sampling": ctx.model().speculative_sampling}
+@router.get("/get_server_info")
+async def server_info(ctx: ApiCtx, request: Request, config_format: Literal["text", "json"] | None = None,
+                      ) -> dict[str, Any]:
+    """specroll's state, with the fields SGLang's /get_server_info has that slime reads and, for vLLM clients
+    (TRL reads `config_format=json`), a `vllm_config` with the fields they read. `speculative_sampling` (HTTP
+    only: the gRPC message has no such field) says whether sampled requests are served under speculation."""
+    info = {**sglang_server_info(ctx), **ctx.info(admin=ctx.auth.is_admin(request.headers.get("authorization"))),
+            "control_auth": ctx.auth.control_auth,  # none: control calls need no token (a trusted network)
+            "speculative_sampling": ctx.model().speculative_sampling}
+    config = vllm_config(ctx)
+    info["vllm_config"] = str(config) if config_format == "text" else config
+    return info

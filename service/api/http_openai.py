@@ -1,9 +1,11 @@
 """POST /v1/completions, compatible with OpenAI's API (and its official Python client).
 
 Extensions (send them with the client's ``extra_body``): top_k, min_p, stop_token_ids, ignore_eos, group_id,
-request_id, metadata. Every choice also carries ``token_ids``, ``rollout_id`` and ``version_spans``; the
-response carries ``prompt_token_ids``. Logprobs are those of the distribution each token was drawn from
-(after temperature, top-k, top-p, min-p).
+request_id, metadata. Every choice also carries ``token_ids``, ``prompt_token_ids``, ``rollout_id`` and
+``version_spans``; the response carries ``prompt_token_ids``. vLLM's fields: ``return_tokens_as_token_ids``
+names tokens "token_id:N" in logprobs; at ``logprobs=0`` each top_logprobs entry holds the sampled token (vLLM's
+convention); vLLM sampling fields with no effect here are accepted at their neutral value (`compat.py`).
+Logprobs are those of the distribution each token was drawn from (after temperature, top-k, top-p, min-p).
 """
 
 from __future__ import annotations
@@ -17,6 +19,7 @@ from fastapi import APIRouter, Request
 from fastapi.responses import StreamingResponse
 from pydantic import BaseModel, ConfigDict, Field
 
+from service.api.compat import VLLM_NEUTRAL, check_neutral
 from service.api.context import ServiceContext
 from service.api.deps import ApiCtx
 from service.api.disconnect import unless_disconnected
@@ -30,13 +33,14 @@ from service.api.generation import (
     make_stop,
     run_all,
 )
+from service.api.http_vllm import token_name
 from service.api.sse import sse, stream_updates
 
 router = APIRouter(tags=["openai"])
 
 
 class CompletionRequest(BaseModel):
-    model_config = ConfigDict(extra="ignore")
+    model_config = ConfigDict(extra="allow")  # vLLM's extra fields are checked against compat's neutral values
 
     model: str | None = None
     prompt: str | list[str] | list[int] | list[list[int]]
@@ -63,14 +67,17 @@ class CompletionRequest(BaseModel):
     group_id: str | None = None
     request_id: str | None = None
     metadata: dict[str, str] | None = None
+    return_token_ids: bool | None = None  # vLLM: token ids per choice (always sent here)
+    return_tokens_as_token_ids: bool = False  # vLLM: logprobs name tokens "token_id:N"
 
 
 def _unsupported(req: CompletionRequest) -> None:
     for ok, what in ((not req.echo, "echo"), (req.best_of in (None, req.n), "best_of != n"),
-                     (req.presence_penalty == 0 and req.frequency_penalty == 0, "presence/frequency penalties"),
                      (not req.logit_bias, "logit_bias"), (req.suffix is None, "suffix")):
         if not ok:
             raise InvalidRequest(f"{what} is not supported by this server")
+    check_neutral({"presence_penalty": req.presence_penalty, "frequency_penalty": req.frequency_penalty,
+                   **(req.model_extra or {})}, VLLM_NEUTRAL, "")
 
 
 def _prompts(ctx: ServiceContext, prompt: Any) -> list[list[int]]:
@@ -89,23 +96,29 @@ def _prompts(ctx: ServiceContext, prompt: Any) -> list[list[int]]:
 
 
 def _logprobs(gen: Generation, ids: list[int], lps: list[float], tops: list[dict[int, float]],
-              offset: int, want: int | None) -> dict[str, Any] | None:
+              offset: int, want: int | None, as_ids: bool = False) -> dict[str, Any] | None:
     if want is None:
         return None
-    tokens = [gen.decode([t]) for t in ids]
+    text = [gen.decode([t]) for t in ids]
     offsets, pos = [], offset
-    for t in tokens:
+    for t in text:
         offsets.append(pos)
         pos += len(t)
-    top = [{gen.decode([k]): v for k, v in d.items()} for d in tops] if want else None
+    name = token_name if as_ids else (lambda t: gen.decode([t]))
+    tokens = [name(t) for t in ids] if as_ids else text
+    if want:
+        top = [{name(k): v for k, v in d.items()} for d in tops]
+    else:  # vLLM's convention at logprobs=0: the sampled token alone
+        top = [{name(t): lp} for t, lp in zip(ids, lps, strict=True)]
     return {"tokens": tokens, "token_logprobs": lps, "top_logprobs": top, "text_offset": offsets}
 
 
-def _choice(gen: Generation, s: Sample, index: int, want: int | None) -> dict[str, Any]:
+def _choice(gen: Generation, s: Sample, index: int, req: CompletionRequest) -> dict[str, Any]:
     return {
         "index": index, "text": s.text, "finish_reason": s.finish_reason,
-        "logprobs": _logprobs(gen, s.token_ids, s.logprobs, s.top_logprobs, 0, want),
-        "token_ids": s.token_ids, "rollout_id": s.rollout_id,
+        "logprobs": _logprobs(gen, s.token_ids, s.logprobs, s.top_logprobs, 0, req.logprobs,
+                              req.return_tokens_as_token_ids),
+        "token_ids": s.token_ids, "prompt_token_ids": gen.prompt, "rollout_id": s.rollout_id,
         "version_spans": [asdict(v) for v in s.version_spans],
     }
 
@@ -136,8 +149,7 @@ async def completions(req: CompletionRequest, ctx: ApiCtx, request: Request) -> 
     if req.stream:
         return await _stream(gens, head, req)
     results = await unless_disconnected(request, run_all(gens))  # a client that left: aborted
-    choices = [_choice(g, s, j * req.n + s.index, req.logprobs) for j, (g, r) in enumerate(zip(gens, results,
-                                                                                                strict=True))
+    choices = [_choice(g, s, j * req.n + s.index, req) for j, (g, r) in enumerate(zip(gens, results, strict=True))
                for s in r]
     completion = sum(len(s.token_ids) for r in results for s in r)
     prompt_tokens = sum(len(p) * req.n for p in prompts)
@@ -151,7 +163,8 @@ async def _stream(gens: list[Generation], head: dict[str, Any], req: CompletionR
 
     def render(j: int, upd: Update) -> bytes:
         gen = gens[j]
-        lp = _logprobs(gen, upd.token_ids, upd.logprobs, upd.top_logprobs, offsets[j][upd.index], req.logprobs)
+        lp = _logprobs(gen, upd.token_ids, upd.logprobs, upd.top_logprobs, offsets[j][upd.index], req.logprobs,
+                       req.return_tokens_as_token_ids)
         offsets[j][upd.index] += len(upd.text)
         choice = {"index": j * req.n + upd.index, "text": upd.text, "logprobs": lp,
                   "finish_reason": upd.finish_reason, "token_ids": upd.token_ids,

@@ -19,8 +19,10 @@ from service.api.deps import UPLOAD_PATH
 from service.api.errors import HANDLED, retry_after, status_of
 from service.api.http_admin import router as admin_router
 from service.api.http_chat import router as chat_router
+from service.api.http_collective import router as collective_router
 from service.api.http_openai import router as openai_router
 from service.api.http_sglang import router as sglang_router
+from service.api.http_vllm import router as vllm_router
 
 logger = logging.getLogger(__name__)
 
@@ -145,6 +147,8 @@ def create_app(ctx: ServiceContext) -> FastAPI:
     app.include_router(chat_router)
     app.include_router(sglang_router)
     app.include_router(admin_router)
+    app.include_router(collective_router)
+    app.include_router(vllm_router)
     app.openapi = lambda: _openapi(app)  # type: ignore[method-assign]
     app.add_middleware(BodyLimit, limit=ctx.limits.max_request_bytes,  # type: ignore[arg-type]
                        upload_limit=ctx.limits.max_upload_bytes)

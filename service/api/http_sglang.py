@@ -1,9 +1,11 @@
-"""POST /generate, compatible with SGLang's native API for trainers already written against it.
+"""SGLang's native API for trainers written against it (slime, AReaL): /generate and the RL control calls.
 
-One prompt with n=1 returns one object; a batch or n>1 returns a list (prompt-major, then sample). Each has
-``text``, ``output_ids`` and ``meta_info`` (finish_reason {type: stop|length|abort}, weight_version,
+/generate: one prompt with n=1 returns one object; a batch or n>1 returns a list (prompt-major, then sample).
+Each has ``text``, ``output_ids`` and ``meta_info`` (finish_reason {type: stop|length|abort}, weight_version,
 version_spans, output_token_logprobs as [logprob, token_id, null] when return_logprob). Streams send
 cumulative text and output_ids per sample (with ``index``), then ``data: [DONE]``.
+Control: /abort_request, /pause_generation, /continue_generation, /flush_cache, /health_generate, /v1/loads,
+/get_model_info; their modes and fields map onto the backend through `service/api/compat.py`.
 """
 
 from __future__ import annotations
@@ -14,11 +16,22 @@ from dataclasses import asdict
 from typing import Any
 
 from fastapi import APIRouter, Request
-from fastapi.responses import StreamingResponse
+from fastapi.responses import JSONResponse, StreamingResponse
 from pydantic import BaseModel, ConfigDict
 
+from service.api.compat import (
+    SGLANG_IGNORED,
+    SGLANG_NEUTRAL,
+    SGLANG_PAUSE,
+    check_known,
+    check_neutral,
+    loads,
+    pause_mode,
+    reset_prefix_cache,
+)
+from service.api.compat import pause as compat_pause
 from service.api.context import ServiceContext
-from service.api.deps import ApiCtx
+from service.api.deps import AdminCtx, ApiCtx
 from service.api.disconnect import unless_disconnected
 from service.api.generation import (
     Generation,
@@ -31,13 +44,12 @@ from service.api.generation import (
     run_all,
 )
 from service.api.sse import sse, stream_updates
+from service.params import SamplingParams
 
 router = APIRouter(tags=["sglang"])
 
-_IGNORED = {"skip_special_tokens", "spaces_between_special_tokens", "no_stop_trim"}
-_NEUTRAL = {"repetition_penalty": 1.0, "frequency_penalty": 0.0, "presence_penalty": 0.0, "min_new_tokens": 0}
-_KNOWN = {"temperature", "top_p", "top_k", "min_p", "max_new_tokens", "stop_token_ids", "n", "sampling_seed",
-          "stop", "ignore_eos"}
+_KNOWN = frozenset({"temperature", "top_p", "top_k", "min_p", "max_new_tokens", "stop_token_ids", "n",
+                    "sampling_seed", "stop", "ignore_eos"}) | SGLANG_IGNORED | set(SGLANG_NEUTRAL)
 
 
 class GenerateRequest(BaseModel):
@@ -56,12 +68,10 @@ class GenerateRequest(BaseModel):
 def _params(ctx: ServiceContext, sp: Any) -> tuple[Any, list[str]]:
     if not isinstance(sp, dict):
         raise InvalidRequest(f"sampling_params must be an object, got {sp!r}")
-    for key, value in sp.items():
-        if key in _KNOWN or key in _IGNORED:
-            continue
-        if key in _NEUTRAL and value in (None, _NEUTRAL[key]):
-            continue
-        raise InvalidRequest(f"sampling_params.{key} is not supported by this server")
+    check_known(sp, _KNOWN, "sampling_params.")
+    check_neutral(sp, SGLANG_NEUTRAL, "sampling_params.")
+    if not isinstance(sp.get("custom_params") or {}, dict):
+        raise InvalidRequest(f"sampling_params.custom_params must be an object, got {sp['custom_params']!r}")
     stop = make_stop(sp.get("stop"), ctx.limits)
     params = make_params(ctx.limits, n=sp.get("n"), temperature=sp.get("temperature"), top_p=sp.get("top_p"),
                          top_k=sp.get("top_k"), min_p=sp.get("min_p"), seed=sp.get("sampling_seed"),
@@ -147,3 +157,77 @@ async def _stream(gens: list[Generation], logprob: bool, started: float, single:
         return sse(_item(gens[j], s, logprob, started, None if single else offsets[j] + upd.index))
 
     return await stream_updates(gens, render)
+
+
+class AbortRequestBody(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+
+    rid: str = ""
+    abort_all: bool = False
+    finished_reason: str | None = None
+
+
+class PauseGenerationBody(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+
+    mode: str | None = None  # abort (SGLang's default) | retract | in_place
+
+
+@router.post("/abort_request")
+async def abort_request(req: AbortRequestBody, ctx: AdminCtx) -> dict[str, Any]:
+    """End one request (rid) or all (abort_all); their samples finish with reason abort and partial outputs."""
+    if not req.abort_all and not req.rid:
+        raise InvalidRequest("give rid, or abort_all=true")
+    return {"aborted": await ctx.abort(req.rid or None, req.abort_all)}
+
+
+@router.post("/pause_generation")
+async def pause_generation(req: PauseGenerationBody, ctx: AdminCtx, request: Request) -> dict[str, Any]:
+    """abort: end running requests (partial outputs); in_place: keep them and their KV; retract: the same as
+    in_place here (they go on where they were on resume, with the outputs a requeue would give)."""
+    mode = pause_mode(req.mode, SGLANG_PAUSE, "abort")
+    aborted = await unless_disconnected(request, compat_pause(ctx, mode))
+    return {"paused": True, "aborted": aborted}
+
+
+@router.post("/continue_generation")
+async def continue_generation(ctx: AdminCtx) -> dict[str, Any]:
+    await ctx.resume()
+    return {"paused": False}
+
+
+@router.api_route("/flush_cache", methods=["GET", "POST"])
+async def flush_cache(ctx: AdminCtx) -> dict[str, Any]:
+    """Drop KV cached across requests (nothing on the native backend, which keeps none)."""
+    return {"success": await reset_prefix_cache(ctx)}
+
+
+@router.get("/health_generate")
+async def health_generate(ctx: ApiCtx, request: Request) -> JSONResponse:
+    """200 once the engine generates: at once while it runs requests or is paused (it is serving), else after
+    one greedy token. The probe's rollout carries metadata probe=health_generate."""
+    info = ctx.model()
+    stats = ctx.backend.stats()
+    if stats.paused or stats.num_running:
+        return JSONResponse({"status": "ok"})
+    prompt = [info.eos_token_id if info.eos_token_id is not None else 0]
+    gen = Generation(ctx.backend, None, prompt, SamplingParams(max_tokens=1, temperature=0.0, ignore_eos=True),
+                     f"health-{uuid.uuid4().hex}", metadata={"probe": "health_generate"}, text=False, whole=True)
+    [samples] = await unless_disconnected(request, run_all([gen]))
+    ok = bool(samples and samples[0].token_ids)
+    return JSONResponse({"status": "ok" if ok else "error"}, status_code=200 if ok else 503)
+
+
+@router.get("/v1/loads")
+async def v1_loads(ctx: ApiCtx) -> dict[str, Any]:
+    """Running and waiting requests (slime polls this after abort_all until it reads zero)."""
+    return loads(ctx)
+
+
+@router.get("/get_model_info")
+async def get_model_info(ctx: ApiCtx) -> dict[str, Any]:
+    info = ctx.model()
+    return {"model_path": ctx.name(), "tokenizer_path": ctx.name(), "is_generation": True,
+            "preferred_sampling_params": None, "weight_version": ctx.backend.stats().policy_version,
+            "has_image_understanding": False, "has_audio_understanding": False, "model_type": None,
+            "architectures": None, "max_model_len": info.max_model_len}

@@ -2,7 +2,8 @@
 
 A push is a manifest (role, version, checkpoint dtype, tensors with Hugging Face names, shapes, byte sizes
 and sha256) followed by the tensors' raw bytes in manifest order, in chunks of at most 4 MiB. Everything
-that can be checked is checked before the first byte is accepted; each tensor's checksum is verified as
+that can be checked is checked before the first byte is accepted (the one weight validation's `declared`
+half, service/backend/weight_check.py, plus sizes and checksums' form); each tensor's checksum is verified as
 soon as its bytes are complete, and the new weights are built beside the serving ones by a worker thread
 while the bytes still arrive. Nothing is swapped unless the whole push was good.
 """
@@ -23,13 +24,14 @@ import numpy as np
 import torch
 
 from service.backend.base import ROLES, PushError, PushUnsupported, WeightSpec
+from service.backend.weight_check import DTYPES, Declared, WeightCheck, dtype_name
 
 T = TypeVar("T")
 MAX_CHUNK_BYTES = 4 * 2**20
-DTYPES: dict[str, torch.dtype] = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 _VERSION = re.compile(r"^[A-Za-z0-9._:+@/-]{1,128}$")
 _HEX64 = re.compile(r"^[0-9a-f]{64}$")
-_SAFETENSORS_DTYPES = {"F32": "float32", "BF16": "bfloat16", "F16": "float16"}
+__all__ = ["DTYPES", "ChunkReceiver", "Manifest", "PushError", "PushResult", "TensorEntry", "dtype_name",
+           "validate_manifest"]
 
 
 @dataclass(slots=True)
@@ -48,6 +50,7 @@ class Manifest:
     dtype: str
     tensors: list[TensorEntry]
     mode: str = "wait"
+    cast: bool = False  # the pusher asks for its dtype to be cast to the serving one
 
     @property
     def total_bytes(self) -> int:
@@ -72,14 +75,6 @@ def check_role_version(role: str, version: str) -> None:
         raise PushError(f"version must be 1-128 characters of [A-Za-z0-9._:+@/-], got {version!r}")
 
 
-def dtype_name(name: str) -> str:
-    """Normalise a dtype spelling (float32, torch.bfloat16, BF16) or raise PushError."""
-    key = _SAFETENSORS_DTYPES.get(name, name.removeprefix("torch."))
-    if key not in DTYPES:
-        raise PushError(f"dtype {name!r} cannot be cast to model weights; use one of {list(DTYPES)}")
-    return key
-
-
 def validate_manifest(m: Manifest, spec: WeightSpec, max_bytes: int) -> None:
     """Check a manifest completely before any byte is accepted; `spec` is what the role's weights must be."""
     check_role_version(m.role, m.version)
@@ -87,15 +82,14 @@ def validate_manifest(m: Manifest, spec: WeightSpec, max_bytes: int) -> None:
         raise PushError("the manifest lists no tensors")
     declared = dtype_name(m.dtype)
     itemsize = torch.empty((), dtype=DTYPES[declared]).element_size()
-    seen: set[str] = set()
     for t in m.tensors:
-        if t.name in seen:
-            raise PushError(f"tensor {t.name!r} is listed twice")
-        seen.add(t.name)
         if t.dtype != declared and dtype_name(t.dtype) != declared:
             raise PushError(f"tensor {t.name!r} has dtype {t.dtype}, but the manifest declares {declared}")
-        if any(d < 0 for d in t.shape):
-            raise PushError(f"tensor {t.name!r} has a negative dimension: {list(t.shape)}")
+    try:
+        WeightCheck(spec, m.cast).declared(Declared(t.name, t.dtype, t.shape) for t in m.tensors)
+    except PushError as exc:
+        raise PushError(f"{m.role} push: {exc}") from exc
+    for t in m.tensors:
         expected = math.prod(t.shape) * itemsize
         if t.nbytes != expected:
             raise PushError(f"tensor {t.name!r}: nbytes {t.nbytes} != {expected} for shape {list(t.shape)} "
@@ -104,10 +98,6 @@ def validate_manifest(m: Manifest, spec: WeightSpec, max_bytes: int) -> None:
             raise PushError(f"tensor {t.name!r}: sha256 must be 64 hex digits, got {t.sha256!r}")
     if m.total_bytes > max_bytes:
         raise PushError(f"push of {m.total_bytes} bytes exceeds the server limit of {max_bytes} bytes")
-    try:
-        spec.check({t.name: t.shape for t in m.tensors})
-    except PushError as exc:
-        raise PushError(f"{m.role} push: {exc}") from exc
 
 
 _END, _CANCEL = object(), object()

@@ -39,8 +39,9 @@ from service.backend.base import (
     WeightSpec,
     check_mode,
 )
+from service.backend.weight_check import Declared, WeightCheck
 from service.config import ConfigError
-from service.safetensors_io import iter_safetensors, safetensors_files
+from service.safetensors_io import index_map, iter_safetensors, read_header, safetensors_files
 
 if TYPE_CHECKING:
     from service.backend.metrics import Metrics
@@ -67,6 +68,9 @@ class PushService:
         self.load_root = Path(load_root).resolve() if load_root else None
         self._locks: dict[str, asyncio.Lock] = {}
         self._parked: tuple[Staged, str] | None = None  # a drafter waiting for the next target push
+        from service.api.collective import WeightGroups  # it builds on this service
+
+        self.groups = WeightGroups(self)  # pushes over process groups (SGLang's update_weights_from_distributed)
 
     def role_spec(self, role: str) -> WeightSpec:
         spec = self.backend.weight_roles().get(role)
@@ -74,9 +78,20 @@ class PushService:
             raise PushUnsupported(self.backend.unsupported(role) or f"this server takes no {role} weights")
         return spec
 
-    def _stage(self, role: str, tensors: Iterable[tuple[str, torch.Tensor]]) -> Staged:
-        """Runs off the event loop: the backend copies the tensors beside the serving weights."""
-        return self.backend.stage_weights(role, tensors)
+    def _stage(self, role: str, tensors: Iterable[tuple[str, torch.Tensor]], cast: bool) -> Staged:
+        """Runs off the event loop: the backend checks each tensor (the one weight validation's `stream` half)
+        and copies it beside the serving weights."""
+        return self.backend.stage_weights(role, tensors, cast=cast)
+
+    stage_sync = _stage
+
+    def role_lock(self, role: str) -> asyncio.Lock:
+        """One push per role at a time (a push over a process group holds it from its first bucket to its swap)."""
+        return self._locks.setdefault(role, asyncio.Lock())
+
+    def check(self, role: str, tensors: list[Declared], cast: bool = False) -> None:
+        """What a push would be refused for, before it sends anything (`/weights/check`)."""
+        WeightCheck(self.role_spec(role), cast).declared(tensors)
 
     def _park(self, staged: Staged, version: str, start: float) -> PushResult:
         if self._parked is not None:
@@ -108,8 +123,10 @@ class PushService:
         return PushResult(staged.role, version, staged.nbytes, time.perf_counter() - start, swap.swap_seconds,
                           swap.wait_seconds, swap.aborted)
 
+    apply = _apply
+
     async def _locked(self, role: str, start: float, work: Any) -> PushResult:
-        lock = self._locks.setdefault(role, asyncio.Lock())
+        lock = self.role_lock(role)
         try:
             async with lock:
                 result: PushResult = await work
@@ -117,11 +134,15 @@ class PushService:
             if self.metrics is not None:
                 self.metrics.weight_push(role, ok=False)
             raise
+        self.record(result)
+        return result
+
+    def record(self, result: PushResult) -> None:
+        role = result.role
         if self.metrics is not None:
             self.metrics.weight_push(role, True, result.seconds, result.nbytes, result.swap_seconds)
         logger.info("%s weights %s applied: %d bytes in %.3f s (swap %.1f ms, waited %.2f s)", role,
                     result.version, result.nbytes, result.seconds, result.swap_seconds * 1e3, result.wait_seconds)
-        return result
 
     # -- entry points -----------------------------------------------------------------------------------
     async def push_stream(self, manifest: Manifest, chunks: AsyncIterator[tuple[int, Any]]) -> PushResult:
@@ -133,7 +154,8 @@ class PushService:
         return await self._locked(manifest.role, start, self._receive(manifest, chunks, start))
 
     async def _receive(self, manifest: Manifest, chunks: AsyncIterator[tuple[int, Any]], start: float) -> PushResult:
-        receiver: ChunkReceiver[Staged] = ChunkReceiver(manifest, lambda ts: self._stage(manifest.role, ts))
+        receiver: ChunkReceiver[Staged] = ChunkReceiver(
+            manifest, lambda ts: self._stage(manifest.role, ts, manifest.cast))
         try:
             async for offset, data in chunks:
                 await receiver.afeed(offset, data)
@@ -148,7 +170,7 @@ class PushService:
         return await self._apply(staged, manifest.version, manifest.mode, start)
 
     async def push_tensors(self, role: str, version: str, tensors: dict[str, torch.Tensor], mode: str = "wait",
-                           dtype: str | None = None) -> PushResult:
+                           dtype: str | None = None, cast: bool = False) -> PushResult:
         """An upload of whole tensors (a safetensors body)."""
         start = time.perf_counter()
         check_role_version(role, version)
@@ -165,18 +187,19 @@ class PushService:
         if nbytes > self.max_push_bytes:
             raise PushError(f"upload of {nbytes} bytes exceeds the server limit of {self.max_push_bytes} bytes")
         try:
-            spec.check({n: tuple(t.shape) for n, t in tensors.items()})
+            WeightCheck(spec, cast).declared(Declared(n, str(t.dtype), tuple(t.shape)) for n, t in tensors.items())
         except PushError as exc:
             raise PushError(f"{role} upload: {exc}") from exc
 
         async def work() -> PushResult:
-            staged = await asyncio.to_thread(self._stage, role, tensors.items())
+            staged = await asyncio.to_thread(self._stage, role, tensors.items(), cast)
             staged.nbytes = nbytes
             return await self._apply(staged, version, mode, start)
 
         return await self._locked(role, start, work())
 
-    async def load_path(self, role: str, version: str, path: str, mode: str = "wait") -> PushResult:
+    async def load_path(self, role: str, version: str, path: str, mode: str = "wait",
+                        cast: bool = False) -> PushResult:
         """Load safetensors weights from a folder the server can read."""
         start = time.perf_counter()
         check_role_version(role, version)
@@ -185,7 +208,7 @@ class PushService:
         self.role_spec(role)
 
         async def work() -> PushResult:
-            staged = await asyncio.to_thread(self._read_folder, role, folder)
+            staged = await asyncio.to_thread(self._read_folder, role, folder, cast)
             return await self._apply(staged, version, mode, start)
 
         return await self._locked(role, start, work())
@@ -200,27 +223,53 @@ class PushService:
             raise PushError(f"no such folder on the server: {path!r}")
         return folder
 
-    def _read_folder(self, role: str, folder: Path) -> Staged:
-        from safetensors import safe_open
-
+    def _files(self, folder: Path) -> list[tuple[str, Path]]:
+        """The folder's safetensors files (the name the folder gives each, its resolved path): each a regular file
+        inside the load root (a shard that is a symlink to a file elsewhere is refused like a folder elsewhere)."""
         try:
             files = safetensors_files(folder)
         except ConfigError as exc:
             raise PushError(str(exc)) from exc
-        shapes: dict[str, tuple[int, ...]] = {}
+        resolved = []
         for f in files:
-            with safe_open(str(f), framework="pt") as sf:
-                for name in sf.keys():  # noqa: SIM118 - safe_open has no __iter__
-                    sl = sf.get_slice(name)
-                    shapes[name] = tuple(sl.get_shape())
-                    try:
-                        dtype_name(sl.get_dtype())
-                    except PushError as exc:
-                        raise PushError(f"tensor {name!r} in {f.name}: {exc}") from exc
+            real = f.resolve()
+            if self.load_root is not None and not real.is_relative_to(self.load_root):
+                raise PermissionError(f"{f.name} in {str(folder)!r} resolves to a file outside the folder the "
+                                      "server may load from")
+            if not real.is_file():
+                raise PushError(f"{f.name} in {str(folder)!r} is not a regular file")
+            resolved.append((f.name, real))
+        return resolved
+
+    def _declared(self, folder: Path, files: list[tuple[str, Path]]) -> list[Declared]:
+        """Every tensor the folder's headers announce (headers checked against their files), and the index's map
+        checked against them."""
         try:
-            self.role_spec(role).check(shapes)
+            weight_map = index_map(folder)
+            out = [Declared(name, dtype, shape, label) for label, real in files
+                   for name, (dtype, shape) in read_header(real).items()]
+        except ConfigError as exc:
+            raise PushError(str(exc)) from exc
+        if weight_map is not None:
+            found = {d.name for d in out}
+            for d in out:
+                mapped = weight_map.get(d.name)
+                if mapped is not None and Path(mapped).name != d.where:
+                    raise PushError(f"tensor {d.name!r} is in {d.where}, but the index maps it to {mapped}")
+            absent = sorted(set(weight_map) - found)
+            if absent:
+                raise PushError(f"the index names tensors no file holds: {absent[:8]}")
+        return out
+
+    def _read_folder(self, role: str, folder: Path, cast: bool) -> Staged:
+        files = self._files(folder)
+        try:
+            WeightCheck(self.role_spec(role), cast).declared(self._declared(folder, files))
         except PushError as exc:
             raise PushError(f"{role} folder {str(folder)!r}: {exc}") from exc
-        staged = self._stage(role, iter_safetensors(files))
-        staged.nbytes = sum(f.stat().st_size for f in files)
+        try:
+            staged = self._stage(role, iter_safetensors([real for _, real in files]), cast)
+        except ConfigError as exc:  # a file changed or tore after its header was checked
+            raise PushError(f"{role} folder {str(folder)!r}: {exc}") from exc
+        staged.nbytes = sum(real.stat().st_size for _, real in files)
         return staged

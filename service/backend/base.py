@@ -67,13 +67,15 @@ def check_mode(mode: str | None) -> str:
 
 @dataclass(frozen=True, slots=True)
 class WeightSpec:
-    """What a push to one role must match: every tensor of `shapes` (Hugging Face names), nothing unknown.
-    `tolerated` may be present and is ignored (a tied checkpoint's lm_head)."""
+    """What a push to one role must match: every tensor of `shapes` (Hugging Face names), nothing unknown, in
+    `dtype` (the serving one; a push in another dtype must ask for a cast). `tolerated` may be present and is
+    ignored (a tied checkpoint's lm_head)."""
 
     role: str
     architecture: str
     shapes: Mapping[str, tuple[int, ...]]
     tolerated: Mapping[str, tuple[int, ...]] = field(default_factory=dict)
+    dtype: str = ""
 
     def check(self, shapes: Mapping[str, tuple[int, ...]], *, partial: bool = False) -> None:
         """Raise PushError naming unknown, missing or misshaped tensors."""
@@ -95,8 +97,15 @@ class BackendInfo:
     drafter: str  # the --drafter setting, "none" without speculation
     num_slots: int  # sequences the running batch can hold
     capabilities: frozenset[str] = frozenset()
+    parallel: tuple[int, int, int] = (1, 1, 1)  # tensor, pipeline, data parallel sizes
     # sampled requests under speculation: "exact" (served), "refused: <why>", or "no speculation"
     speculative_sampling: str = "exact"
+
+    @property
+    def world_size(self) -> int:
+        """Workers behind this server (tensor x pipeline x data parallel)."""
+        tp, pp, dp = self.parallel
+        return tp * pp * dp
 
 
 @dataclass(frozen=True, slots=True)
@@ -227,6 +236,14 @@ class RolloutBackend(abc.ABC):
     @abc.abstractmethod
     def resume(self) -> Future[None]: ...
 
+    def reset_prefix_cache(self) -> Future[bool]:
+        """Drop KV cached across requests (prefix caching); True once dropped. A backend that caches nothing
+        across requests has nothing to drop. Outputs do not change either way: cached KV is always of the
+        serving weights (a push resets it)."""
+        done: Future[bool] = Future()
+        done.set_result(True)
+        return done
+
     # -- weights ---------------------------------------------------------------------------------------------
     @abc.abstractmethod
     def weight_roles(self) -> dict[str, WeightSpec]:
@@ -236,10 +253,22 @@ class RolloutBackend(abc.ABC):
     def unsupported(self, role: str) -> str:
         """Why `role` cannot be pushed to on this server ("" if it can)."""
 
+    def stage_weights(self, role: str, tensors: Iterable[tuple[str, torch.Tensor]], *, cast: bool = False
+                      ) -> Staged:
+        """Copy tensors beside the serving weights, each passing the one weight validation
+        (`service/backend/weight_check.py`) before the backend sees it; `cast`: the push asked for its dtype to be
+        cast to the serving one. Blocks; never on the engine thread or an event loop. Raises PushError if they do
+        not fit; the serving weights are untouched."""
+        from service.backend.weight_check import WeightCheck  # it builds on this module's types
+
+        spec = self.weight_roles().get(role)
+        if spec is None:
+            raise PushUnsupported(self.unsupported(role) or f"no weights to push for role {role!r}")
+        return self.stage_checked(role, WeightCheck(spec, cast).stream(tensors))
+
     @abc.abstractmethod
-    def stage_weights(self, role: str, tensors: Iterable[tuple[str, torch.Tensor]]) -> Staged:
-        """Copy checked tensors (in the role's WeightSpec) beside the serving weights. Blocks; never on the engine
-        thread or an event loop. Raises PushError if they do not fit; the serving weights are untouched."""
+    def stage_checked(self, role: str, tensors: Iterable[tuple[str, torch.Tensor]]) -> Staged:
+        """`stage_weights` after the validation: the backend's own copy of each tensor (as it streams in)."""
 
     @abc.abstractmethod
     def commit_weights(self, staged: Staged, version: str, mode: str,

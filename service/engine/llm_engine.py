@@ -53,9 +53,17 @@ class LLMEngine:
         if self.tokenizer is not None and self.tokenizer.eos_token_id is not None:
             eos.add(self.tokenizer.eos_token_id)
         self.eos_token_ids = tuple(sorted(eos))
-        max_positions = config.max_model_len + SPEC_HEADROOM + 1
         budget = config.kv_cache_memory_gb * 2**30
+        token_bytes = self.model_config.kv_bytes_per_token * torch.empty((), dtype=self.dtype).element_size()
+        config.resolve_max_model_len(self.model_config.max_position_embeddings,
+                                     int(budget // token_bytes) - SPEC_HEADROOM - 1,
+                                     f"{config.kv_cache_memory_gb:g} GiB")
+        max_positions = config.max_model_len + SPEC_HEADROOM + 1
         num_slots = min(config.max_num_seqs, slots_for_budget(self.model_config, max_positions, self.dtype, budget))
+        if 0 < num_slots < config.max_num_seqs:
+            logger.warning("the KV cache (%g GiB) holds %d of --max-num-seqs %d sequences of max_model_len %d: raise "
+                           "--kv-cache-gb or lower --max-model-len for a larger batch", config.kv_cache_memory_gb,
+                           num_slots, config.max_num_seqs, config.max_model_len)
         self.cache = KVCache(self.model_config, num_slots, max_positions, self.dtype, self.device)
         self.scheduler = Scheduler(num_slots, config.max_num_batched_tokens)
         self.runner = ModelRunner(model, self.cache, self.device, compiled=not config.enforce_eager)
@@ -64,9 +72,9 @@ class LLMEngine:
         self._aborted: list[Sequence] = []
         self.failures: dict[str, str] = {}  # request id -> error, for requests that failed on their own
         self.policy_version = str(config.extra.get("policy_version", "0"))
-        config.drafter = expand_auto(config.drafter, self.model_path)
-        self.drafters: dict[str, Drafter] = build_drafters(config.drafter, self.model_path, self.runner.target,
-                                                           num_slots, config.seed)
+        self.drafter_spec = expand_auto(config.drafter, self.model_path)  # the caller's config stays as it is
+        self.drafters: dict[str, Drafter] = build_drafters(self.drafter_spec, self.runner.target, num_slots,
+                                                           config.seed)
         self._last_step_end: float | None = None
         self._between_steps = Ewma()
         self.runner.drafters = list(self.drafters.values())
@@ -82,7 +90,6 @@ class LLMEngine:
             how = "captured" if self.runner.target.graphs is not None else "compiled"
             logger.info("%s %d decode / verify forwards in %.1f s", how, n, time.perf_counter() - t0)
         self.last_strategy = PLAIN.name  # the label of the last step's choice (metrics, rollout records)
-        self.paused = False  # step() does nothing while paused (weight pushes, admin pause)
         self.stats = EngineStats()
         self.driver.trace = open_trace(config.strategy_trace)  # last: nothing after it can fail and leave it open
 
@@ -127,15 +134,6 @@ class LLMEngine:
         for rid in ids:
             self.abort(rid)
         return ids
-
-    @property
-    def hold_admission(self) -> bool:
-        """While True, no waiting request starts (running ones continue): the 'wait' mode of a push."""
-        return self.scheduler.hold_admission
-
-    @hold_admission.setter
-    def hold_admission(self, value: bool) -> None:
-        self.scheduler.hold_admission = value
 
     def swap_target(self, model: CausalLM, version: str) -> None:
         """Serve `model` from the next step on. Call between steps; running sequences keep their KV."""
@@ -185,10 +183,8 @@ class LLMEngine:
 
     def _step(self, start: float) -> list[StepOutput]:
         self.take_compiled()
-        outputs = self._drain_aborted()
-        if self.paused:
-            return outputs
-        batch = self.scheduler.schedule()
+        outputs = self.finish_aborted()
+        batch = self.scheduler.schedule()  # idle while paused
         if batch.kind == "idle":
             self.runner.apply_copies(batch.moves)
             return outputs
@@ -284,7 +280,8 @@ class LLMEngine:
         failures, self.failures = self.failures, {}
         return failures
 
-    def _drain_aborted(self) -> list[StepOutput]:
+    def finish_aborted(self) -> list[StepOutput]:
+        """The final outputs of the sequences aborted since the last step (no model step runs)."""
         aborted, self._aborted = self._aborted, []
         for seq in aborted:
             for d in self.runner.drafters:
@@ -306,8 +303,8 @@ class LLMEngine:
         s = self.stats
         return StatsSnapshot(
             policy_version=str(self.policy_version), drafter_version=self.drafter_version,
-            num_running=self.num_running, num_waiting=self.num_waiting, paused=self.paused,
-            admission_held=self.hold_admission, compiling=self.compiling is not None, strategy=self.last_strategy,
+            num_running=self.num_running, num_waiting=self.num_waiting, paused=self.scheduler.pause.paused,
+            admission_held=self.scheduler.pause.held, compiling=self.compiling is not None, strategy=self.last_strategy,
             mean_accepted_length=s.mean_accepted_length, num_steps=s.num_steps, prompt_tokens=s.prompt_tokens,
             generation_tokens=s.generation_tokens, spec_drafts=s.spec_drafts, spec_draft_tokens=s.spec_draft_tokens,
             spec_accepted_tokens=s.spec_accepted_tokens, accepted_per_position=tuple(s.accepted_per_position))

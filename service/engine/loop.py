@@ -1,29 +1,45 @@
 """The engine loop: the only thread that touches the engine.
 
-API layers submit requests and commands; commands run between two engine steps, in order. Multi-step
-operations (a "wait" push, a "wait" pause) hold admission and finish once no sequence is running.
+Other threads post typed messages (service/engine/inbox.py); between two steps the loop takes them, in order, and
+dispatches each by its type. Pauses and weight commits that wait hold admission and finish once no sequence
+is running (service/engine/holds.py).
 """
 
 from __future__ import annotations
 
+import copy
 import logging
 import threading
 from collections import deque
 from collections.abc import Callable
 from concurrent.futures import Future
-from typing import TYPE_CHECKING, TypeVar
+from typing import TYPE_CHECKING, Any, TypeVar
 
 from service.backend.admission import Admission
-from service.backend.base import NotReady, StatsSnapshot, SwapResult
+from service.backend.base import DrafterCopy, NotReady, Staged, StatsSnapshot, SwapResult, TeacherSnapshot
 from service.backend.events import Failed, GenRequest, RequestHandle
 from service.backend.hooks import Hooks
 from service.engine.dispatch import Dispatcher
-from service.engine.holds import Holds, settle
+from service.engine.holds import Holds
+from service.engine.inbox import (
+    Abort,
+    AbortAll,
+    AddRequests,
+    CommitWeights,
+    CopyDrafter,
+    LendTeacher,
+    Message,
+    Pause,
+    Resume,
+    Shutdown,
+    settle,
+)
 from service.params import SamplingError
 
 if TYPE_CHECKING:
     from service.backend.metrics import Metrics
     from service.engine.llm_engine import LLMEngine
+    from service.engine.weights import WeightStager
 
 logger = logging.getLogger(__name__)
 
@@ -34,7 +50,7 @@ IDLE_WAIT_S = 0.5
 
 
 class EngineLoop:
-    def __init__(self, engine_factory: Callable[[], LLMEngine], metrics: Metrics | None = None,
+    def __init__(self, engine_factory: Callable[[], tuple[LLMEngine, WeightStager]], metrics: Metrics | None = None,
                  hooks: Hooks | None = None, admission: Admission | None = None) -> None:
         self._factory = engine_factory
         self.metrics = metrics
@@ -43,15 +59,16 @@ class EngineLoop:
         if metrics is not None and self.hooks.on_rollout_lost is None:
             self.hooks.on_rollout_lost = metrics.rollout_unrecorded
         self._engine: LLMEngine | None = None
+        self._stager: WeightStager | None = None
         self.snapshot: StatsSnapshot | None = None  # replaced (never mutated) by the engine thread
         self.error: BaseException | None = None
         self.ready = threading.Event()
         self.loaded_or_failed = threading.Event()
         self._cond = threading.Condition()
-        self._commands: deque[Callable[[LLMEngine], None]] = deque()
+        self._inbox: deque[Message] = deque()
         self._disp = Dispatcher(metrics, self.hooks)
-        self.holds = Holds(self._post, self._publish, metrics)
-        self._stopping = False
+        self.holds = Holds(self._publish, metrics)
+        self._closed = False  # Shutdown is posted: nothing more is taken
         self._thread = threading.Thread(target=self._run, name="specroll-engine", daemon=True)
 
     # -- lifecycle --------------------------------------------------------------------------------
@@ -61,8 +78,10 @@ class EngineLoop:
 
     def stop(self, timeout: float = 30.0) -> None:
         with self._cond:
-            self._stopping = True
-            self._cond.notify()
+            if not self._closed:
+                self._closed = True
+                self._inbox.append(Shutdown())
+                self._cond.notify()
         if self._thread.is_alive():
             self._thread.join(timeout)
         self.hooks.stop()
@@ -78,24 +97,7 @@ class EngineLoop:
             raise NotReady(f"model failed to load: {self.error}" if self.error else "model is still loading")
         return self._engine
 
-    # -- API (any thread) ------------------------------------------------------------------------
-    def call(self, fn: Callable[[LLMEngine], T]) -> Future[T]:
-        """Run `fn(engine)` on the engine thread between two steps."""
-        fut: Future[T] = Future()
-
-        def run(engine: LLMEngine) -> None:
-            if fut.set_running_or_notify_cancel():
-                try:
-                    settle(fut, fn(engine))
-                except Exception as exc:  # handed to its caller only
-                    settle(fut, exc=exc)
-
-        self._post(run)
-        return fut
-
-    def submit(self, req: GenRequest, handle: RequestHandle) -> None:
-        self.submit_all([(req, handle)])
-
+    # -- API (any thread): build a message, post it --------------------------------------------------
     def submit_all(self, items: list[tuple[GenRequest, RequestHandle]]) -> None:
         """Admit every request or none (raises Overloaded), then queue them for the engine."""
         tickets = self.admission.admit([(r.params.n, len(r.prompt_token_ids) + r.params.max_tokens)
@@ -103,39 +105,40 @@ class EngineLoop:
         for (_, handle), ticket in zip(items, tickets, strict=True):
             handle.ticket = ticket
         try:
-            for req, handle in items:
-                self._post(lambda engine, req=req, handle=handle: self._add(engine, req, handle))
+            self.post(AddRequests(items))
         except NotReady:
             for ticket in tickets:
                 ticket.release()
             raise
 
     def abort(self, request_id: str, reason: str = "client") -> Future[bool]:
-        return self.call(lambda engine: self._abort(engine, request_id, reason))
+        return self.post(Abort(request_id, reason)).future
 
     def abort_all(self, reason: str = "admin") -> Future[list[str]]:
-        return self.call(lambda engine: self._abort_all(engine, reason))
+        return self.post(AbortAll(reason)).future
 
     def pause(self, mode: str) -> Future[list[str]]:
-        return self.holds.pause(mode)
+        return self.post(Pause(mode)).future
 
     def resume(self) -> Future[None]:
-        return self.holds.resume()
+        return self.post(Resume()).future
 
-    def swap(self, apply: Callable[[LLMEngine], None], version: str, mode: str) -> Future[SwapResult]:
-        return self.holds.swap(apply, version, mode)
+    def commit(self, staged: Staged, version: str, mode: str,
+               drafter: tuple[Staged, str] | None = None) -> Future[SwapResult]:
+        return self.post(CommitWeights(staged, version, mode, drafter)).future
+
+    def post(self, msg: T) -> T:
+        with self._cond:
+            if self._closed:
+                raise NotReady("the server is shutting down")
+            self._inbox.append(msg)  # type: ignore[arg-type]
+            self._cond.notify()
+        return msg
 
     # -- engine thread ----------------------------------------------------------------------------
-    def _post(self, fn: Callable[[LLMEngine], None]) -> None:
-        with self._cond:
-            if self._stopping:
-                raise NotReady("the server is shutting down")
-            self._commands.append(fn)
-            self._cond.notify()
-
     def _run(self) -> None:
         try:
-            self._engine = self._factory()
+            self._engine, self._stager = self._factory()
         except BaseException as exc:
             logger.exception("engine failed to load")
             self.error = exc
@@ -148,28 +151,49 @@ class EngineLoop:
         self.loaded_or_failed.set()
         while True:
             with self._cond:
-                commands, self._commands = self._commands, deque()
-                stopping = self._stopping
-            for fn in commands:
+                inbox, self._inbox = self._inbox, deque()
+            for msg in inbox:
+                if isinstance(msg, Shutdown):
+                    self._shutdown(engine)
+                    return
                 try:
-                    fn(engine)
+                    self._handle(engine, msg)
                 except Exception:
-                    logger.exception("engine command failed")
-            if stopping:
-                self._shutdown(engine)
-                return
+                    logger.exception("engine message %s failed", type(msg).__name__)
             try:
-                self.holds.progress(engine)
+                self.holds.progress(engine, self._stager)
             except Exception:
                 logger.exception("finishing waiting pushes and pauses failed")
+            paused = engine.scheduler.pause.paused
             if engine.has_unfinished():
                 produced = self._step(engine)
-                if not produced and (engine.paused or engine.num_running == 0):
-                    self._wait(0.02 if not engine.paused else IDLE_WAIT_S)
+                if not produced and (paused or engine.num_running == 0):
+                    self._wait(0.02 if not paused else IDLE_WAIT_S)
             else:
                 engine.take_compiled()  # an idle server switches too (its gauge would say compiling)
                 self._publish(engine)
                 self._wait(IDLE_WAIT_S)
+
+    def _handle(self, engine: LLMEngine, msg: Message) -> None:
+        assert self._stager is not None  # set with the engine
+        match msg:
+            case AddRequests(items=items):
+                for req, handle in items:
+                    self._add(engine, req, handle)
+            case Abort(request_id=rid, reason=reason, future=fut):
+                _answer(fut, self._abort, engine, rid, reason)
+            case AbortAll(reason=reason, future=fut):
+                _answer(fut, self._abort_all, engine, reason)
+            case Pause():
+                self.holds.pause(engine, msg)
+            case Resume():
+                self.holds.resume(engine, msg)
+            case CommitWeights():
+                self.holds.commit(engine, self._stager, msg)
+            case LendTeacher(future=fut):
+                _answer(fut, _teacher, engine)
+            case CopyDrafter(future=fut):
+                _answer(fut, _drafter_copy, engine)
 
     def _publish(self, engine: LLMEngine) -> None:
         """One consistent copy of the engine's state for other threads (metrics, server info, the trainer)."""
@@ -180,7 +204,7 @@ class EngineLoop:
 
     def _wait(self, timeout: float) -> None:
         with self._cond:
-            if not self._commands and not self._stopping:
+            if not self._inbox:
                 self._cond.wait(timeout)
 
     def _step(self, engine: LLMEngine) -> bool:
@@ -235,15 +259,33 @@ class EngineLoop:
             logger.exception("could not clear the engine after a failed step")
 
     def _shutdown(self, engine: LLMEngine) -> None:
-        """Abort what is in flight so every stream gets its final record, then fail pending commands."""
+        """Abort what is in flight so every stream gets its final record, then fail what still waits."""
         if self._disp.tracked:
             self._abort_all(engine, "shutdown")
             try:
-                was_paused, engine.paused = engine.paused, True
-                self._disp.dispatch(engine, engine.step())
-                engine.paused = was_paused
+                self._disp.dispatch(engine, engine.finish_aborted())
             except Exception:
                 logger.exception("could not drain aborted requests at shutdown")
         self._disp.fail_all("the server is shutting down")
         self.holds.shutdown()
         engine.close()
+
+
+def _teacher(engine: LLMEngine) -> TeacherSnapshot:
+    return TeacherSnapshot(str(engine.policy_version), engine.runner.model)
+
+
+def _drafter_copy(engine: LLMEngine) -> DrafterCopy | None:
+    found = engine.drafter_weights()
+    if found is None:
+        return None
+    return DrafterCopy(found[0], copy.deepcopy(found[1]), str(engine.drafter_version))
+
+
+def _answer(fut: Future[T], fn: Callable[..., T], *args: Any) -> None:
+    """Run `fn(*args)` for a caller's future, unless the caller withdrew it; an error goes to the caller."""
+    if fut.set_running_or_notify_cancel():
+        try:
+            settle(fut, fn(*args))
+        except Exception as exc:  # handed to its caller only
+            settle(fut, exc=exc)

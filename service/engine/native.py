@@ -1,13 +1,13 @@
 """The native PyTorch engine behind the RolloutBackend interface.
 
 The engine thread (`EngineLoop`) owns the `LLMEngine`; everything here either queues work for it or reads what
-it published (the stats snapshot, the info fixed at load). Pushed weights are staged by `WeightStager` on the
-caller's thread and swapped in by the engine thread between two steps.
+it published (the stats snapshot, the info fixed at load): each call builds one typed message
+(service/engine/inbox.py) and posts it. Pushed weights are staged by `WeightStager` on the caller's thread and
+swapped in by the engine thread between two steps.
 """
 
 from __future__ import annotations
 
-import copy
 import logging
 import threading
 import weakref
@@ -32,10 +32,10 @@ from service.backend.base import (
     SwapResult,
     TeacherSnapshot,
     WeightSpec,
-    check_mode,
 )
 from service.backend.hooks import Hooks
 from service.config import EngineConfig
+from service.engine.inbox import CopyDrafter, LendTeacher
 from service.engine.llm_engine import LLMEngine
 from service.engine.loop import EngineLoop
 from service.engine.weights import WeightStager
@@ -66,8 +66,8 @@ class NativeBackend(RolloutBackend):
         self._lent: weakref.WeakSet[TeacherSnapshot] = weakref.WeakSet()  # teacher snapshots alive
         self._lent_lock = threading.Lock()
 
-    def _load(self) -> LLMEngine:
-        """Engine thread: build the engine and what never changes while it serves."""
+    def _load(self) -> tuple[LLMEngine, WeightStager]:
+        """Engine thread: build the engine, its weight stager and what never changes while it serves."""
         engine = LLMEngine(self.config)
         self._stager = WeightStager(engine, self._reuse)
         self._stager.lent = self._is_lent
@@ -81,9 +81,9 @@ class NativeBackend(RolloutBackend):
         self._info = BackendInfo(
             backend="native", model_path=engine.model_path, vocab_size=engine.model_config.vocab_size,
             max_model_len=engine.config.max_model_len, dtype=str(engine.config.dtype),
-            eos_token_id=None if tok is None else tok.eos_token_id, drafter=str(engine.config.drafter),
+            eos_token_id=None if tok is None else tok.eos_token_id, drafter=str(engine.drafter_spec),
             num_slots=engine.scheduler.num_slots, capabilities=frozenset(caps))
-        return engine
+        return engine, self._stager
 
     # -- lifecycle -----------------------------------------------------------------------------------------
     def start(self) -> None:
@@ -163,29 +163,21 @@ class NativeBackend(RolloutBackend):
             raise PushUnsupported(self._stager.unsupported(role) or f"no weights to push for role {role!r}")
         return self._stager
 
-    def stage_weights(self, role: str, tensors: Iterable[tuple[str, torch.Tensor]]) -> Staged:
+    def stage_checked(self, role: str, tensors: Iterable[tuple[str, torch.Tensor]]) -> Staged:
         return self._stager_for(role).stage(role, tensors)
 
     def commit_weights(self, staged: Staged, version: str, mode: str,
                        drafter: tuple[Staged, str] | None = None) -> Future[SwapResult]:
-        """A target swap follows `mode`; a drafter swap never holds generation back (it cannot change what is
-        sampled, only how fast), so it applies between the next two steps. A paired drafter swaps in the same
-        pause between two steps as its target."""
+        """The engine thread serves the staged weights between two steps (service/engine/holds.py); withdrawn
+        or failed, the staged buffers are spared for the next push."""
         stager = self._stager_for(staged.role)
-        mode = check_mode(mode) if staged.role == "target" else "keep"
         if drafter is not None:
             self._stager_for(drafter[0].role)
-
-        def apply(engine: object) -> None:
-            stager.apply(staged, version)
-            if drafter is not None:
-                stager.apply(*drafter)
-
-        fut = self.loop.swap(apply, version, mode)
+        fut = self.loop.commit(staged, version, mode, drafter)
 
         def release_if_unused(f: Future[SwapResult]) -> None:
             if f.cancelled() or f.exception() is not None:
-                for s in (staged, drafter[0] if drafter else None):  # withdrawn or failed: spare buffers now
+                for s in (staged, drafter[0] if drafter else None):
                     if s is not None and s.payload is not None:
                         stager.discard(s)
 
@@ -199,14 +191,15 @@ class NativeBackend(RolloutBackend):
     # -- the in-process drafter trainer ------------------------------------------------------------------------
     def teacher_snapshot(self) -> Future[TeacherSnapshot]:
         self._loaded()
+        msg = LendTeacher()
 
-        def take(engine: LLMEngine) -> TeacherSnapshot:
-            snap = TeacherSnapshot(str(engine.policy_version), engine.runner.model)
-            with self._lent_lock:
-                self._lent.add(snap)
-            return snap
+        def keep_lent(f: Future[TeacherSnapshot]) -> None:  # on the engine thread, as it answers: before any swap
+            if not f.cancelled() and f.exception() is None:
+                with self._lent_lock:
+                    self._lent.add(f.result())
 
-        return self.loop.call(take)
+        msg.future.add_done_callback(keep_lent)
+        return self.loop.post(msg).future
 
     def _is_lent(self, module: object) -> bool:
         with self._lent_lock:
@@ -214,14 +207,7 @@ class NativeBackend(RolloutBackend):
 
     def drafter_copy(self) -> Future[DrafterCopy | None]:
         self._loaded()
-
-        def take(engine: LLMEngine) -> DrafterCopy | None:
-            found = engine.drafter_weights()
-            if found is None:
-                return None
-            return DrafterCopy(found[0], copy.deepcopy(found[1]), str(engine.drafter_version))
-
-        return self.loop.call(take)
+        return self.loop.post(CopyDrafter()).future
 
     def must_exit_hard(self) -> bool:
         from service.engine.background_compile import still_compiling

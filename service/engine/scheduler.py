@@ -40,6 +40,16 @@ class SchedulerOutput:
     slot_lo: int = 0
 
 
+@dataclass(slots=True)
+class PauseState:
+    """Whether generation is paused (no batch is scheduled; aborted sequences still finish) and whether admission
+    is held (running sequences go on, no waiting request starts: a wait-mode pause or push drains the batch).
+    The engine thread's holds (service/engine/holds.py) set it; the scheduler follows it."""
+
+    paused: bool = False
+    held: bool = False
+
+
 class Scheduler:
     def __init__(self, num_slots: int, max_num_batched_tokens: int) -> None:
         if num_slots < 1:
@@ -51,7 +61,7 @@ class Scheduler:
         # (src, dst, sequence): the copy length is read at schedule time, after the step that moved the
         # sequence has finished updating its cached length.
         self._pending_moves: list[tuple[int, int, Sequence]] = []
-        self.hold_admission = False
+        self.pause = PauseState()
 
     # -- queue management -------------------------------------------------------------------------
     def add(self, request: Request) -> None:
@@ -67,9 +77,11 @@ class Scheduler:
         return bool(self.waiting or self.running)
 
     def schedule(self) -> SchedulerOutput:
+        if self.pause.paused:  # compaction waits too: the moves' lengths are read when a batch runs again
+            return SchedulerOutput("idle")
         moves = [SlotCopy(src, dst, seq.num_cached) for src, dst, seq in self._pending_moves]
         self._pending_moves = []
-        admitted = [] if self.hold_admission else self._admit()
+        admitted = [] if self.pause.held else self._admit()
         if admitted:
             return self._prefill(admitted, moves)
         if self.running:

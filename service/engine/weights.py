@@ -36,11 +36,14 @@ def _placed(module: nn.Module, dtype: torch.dtype, device: torch.device) -> bool
 
 def spec_of(role: str, module: nn.Module) -> WeightSpec:
     """What a push must hold to replace `module`: a checkpoint by Hugging Face names, or a head's state dict."""
+    p = next(module.parameters(), None)
+    dtype = str(p.dtype).removeprefix("torch.") if p is not None else ""
     if isinstance(module, CausalLM):
         cfg = module.config
         tolerated = {"lm_head.weight": (cfg.vocab_size, cfg.hidden_size)} if cfg.tie_word_embeddings else {}
-        return WeightSpec(role, cfg.architecture, checkpoint_shapes(cfg), tolerated)
-    return WeightSpec(role, type(module).__name__, {n: tuple(t.shape) for n, t in module.state_dict().items()})
+        return WeightSpec(role, cfg.architecture, checkpoint_shapes(cfg), tolerated, dtype)
+    return WeightSpec(role, type(module).__name__, {n: tuple(t.shape) for n, t in module.state_dict().items()},
+                      dtype=dtype)
 
 
 @torch.no_grad()
@@ -83,7 +86,8 @@ class WeightStager:
 
     def unsupported(self, role: str) -> str:
         if role == "drafter" and self.engine.drafter_weights() is None:
-            return (f"the server runs drafter {self.engine.config.drafter!r}, which has no draft model or head to push "
+            drafter = str(self.engine.drafter_spec)
+            return (f"the server runs drafter {drafter!r}, which has no draft model or head to push "
                     "weights into (start it with --drafter <draft model folder> or eagle:<head folder>)")
         return ""
 

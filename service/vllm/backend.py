@@ -32,7 +32,7 @@ from service.backend.hooks import Hooks
 from service.config import EngineConfig, ModelConfig
 from service.params import SamplingError, check_fits
 from service.tokenizer import Tokenizer
-from service.vllm.config import VllmConfig, parse_drafter
+from service.vllm.config import VllmConfig, vllm_drafter
 from service.vllm.engine import build_engine, spec_table_for, wants_profile
 from service.vllm.profile import profiled_table
 from service.vllm.pushes import WeightPushes
@@ -67,15 +67,15 @@ class VllmBackend(WeightPushes, RolloutBackend):
             self.hooks.on_rollout_lost = metrics.rollout_unrecorded
         self.model_dir = Path(config.model).resolve()
         self.model_config = ModelConfig.from_dir(self.model_dir)
-        self.drafter = parse_drafter(config.drafter, self.model_dir)  # a bad --drafter fails here, at start
+        self.drafter = vllm_drafter(config.drafter, self.model_dir)  # a bad --drafter fails here, at start
         self.table = spec_table_for(self.drafter, config, self.vcfg)
         self.versions = Versions(str(config.extra.get("policy_version", "0")),
                                  "none" if self.drafter.method == "none" else f"{self.drafter.method}@0")
         self._tokenizer = Tokenizer.from_dir(self.model_dir)
         self._cpu = str(config.device).startswith("cpu")
         self._files = WeightFiles(self.model_dir)
-        self._roles = {"target": target_spec(self.model_config)}
-        if self.table and (spec := drafter_spec(self.drafter)) is not None:
+        self._roles = {"target": target_spec(self.model_config, str(config.dtype))}
+        if self.table and (spec := drafter_spec(self.drafter, str(config.dtype))) is not None:
             self._roles["drafter"] = spec
         self._engine: Any = None
         self._vllm: Any = None
@@ -119,6 +119,8 @@ class VllmBackend(WeightPushes, RolloutBackend):
             online = depth.to_json()
         self._vllm, self._engine = build_engine(self.config, self.vcfg, self.drafter, self.table,
                                                 [step_logger(self._on_step, self.drafter.method)], online)
+        # The context vLLM settled on (its auto-fit when --max-model-len is unset: the checkpoint's, cut to the cache)
+        self.config.max_model_len = int(self._engine.model_config.max_model_len)
         if self.table:
             await self._check_sampling()
         await self._warm_up()
@@ -132,7 +134,8 @@ class VllmBackend(WeightPushes, RolloutBackend):
             backend="vllm", model_path=self.model_dir, vocab_size=self.model_config.vocab_size,
             max_model_len=self.config.max_model_len, dtype=str(self.config.dtype), eos_token_id=eos,
             drafter=self.drafter.as_flag(),
-            num_slots=self.config.max_num_seqs, capabilities=frozenset(caps), speculative_sampling=sampling)
+            num_slots=self.config.max_num_seqs, capabilities=frozenset(caps), speculative_sampling=sampling,
+            parallel=(self.vcfg.tensor_parallel_size, self.vcfg.pipeline_parallel_size, self.vcfg.data_parallel_size))
         self.admission.slots = self.config.max_num_seqs
         self._ready.set()
         self._loaded.set()
@@ -306,6 +309,12 @@ class VllmBackend(WeightPushes, RolloutBackend):
 
     def resume(self) -> Future[None]:
         return self._call(self._resume())
+
+    def reset_prefix_cache(self) -> Future[bool]:
+        return self._call(self._reset_prefix_cache())
+
+    async def _reset_prefix_cache(self) -> bool:
+        return bool(await self._engine.reset_prefix_cache())
 
     async def _resume(self) -> None:
         await self._engine.resume_generation()

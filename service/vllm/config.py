@@ -13,10 +13,11 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from service.drafter_spec import HEADS, MODEL_FREE, NO_DRAFTER, DrafterItem, DrafterSpec
+
 # Speculative settings never allowed: they change what is sampled (forced acceptance, relaxed checks).
 LOSSY = {"rejection_sample_method": ("synthetic", "fly"), "synthetic_acceptance_rates": None,
          "synthetic_acceptance_length": None}
-MODEL_FREE = ("ngram", "suffix")
 
 
 class VllmConfigError(ValueError):
@@ -60,6 +61,15 @@ class VllmConfig:
             self.spec_table = check_table(self.spec_table, self.num_speculative_tokens)
 
 
+AUTO_FIT = -1  # vLLM's max_model_len that means: the checkpoint's context length, cut to what the KV cache holds
+
+
+def engine_max_model_len(max_model_len: int | None) -> int:
+    """vLLM's max_model_len for specroll's: a set value as is; unset, vLLM's auto-fit (it derives the context length
+    from the checkpoint, caps it by the KV cache and logs why)."""
+    return AUTO_FIT if max_model_len is None else max_model_len
+
+
 def check_table(table: list[Any], max_k: int) -> list[tuple[int, int, int]]:
     out: list[tuple[int, int, int]] = []
     for row in table:
@@ -75,55 +85,36 @@ def check_table(table: list[Any], max_k: int) -> list[tuple[int, int, int]]:
     return out
 
 
-@dataclass(frozen=True, slots=True)
-class DrafterSpec:
-    """One `--drafter` item as a vLLM speculative method."""
-
-    method: str  # "none" | ngram | suffix | draft_model | eagle | eagle3 | mtp
-    path: str | None = None
-
-    @property
-    def has_weights(self) -> bool:
-        return self.method not in ("none", *MODEL_FREE)
-
-    def as_flag(self) -> str:
-        """The `--drafter` value that names this drafter (what GetServerInfo reports; the sidecar parses it)."""
-        if self.path is None:
-            return self.method
-        return self.path if self.method == "draft_model" else f"{self.method}:{self.path}"
-
-
-def parse_drafter(spec: str | None, model_dir: Path) -> DrafterSpec:
+def vllm_drafter(spec: DrafterSpec, model_dir: Path) -> DrafterItem:
     """`--drafter` on the vLLM backend: none | ngram | suffix | mtp | eagle:DIR | eagle3:DIR | a draft-model
-    folder. "auto" is ngram (model-free: sibling rollouts of a GRPO group repeat each other), plus nothing else:
-    vLLM runs one speculative method per engine."""
-    items = [x.strip() for x in (spec or "none").split(",") if x.strip()]
-    items = ["ngram" if x == "auto" else x for x in items]
-    items = [x for x in dict.fromkeys(items) if x != "none"]
+    folder (relative: to the model folder if it is there). "auto" is ngram (model-free: sibling rollouts of a
+    GRPO group repeat each other), plus nothing else: vLLM runs one speculative method per engine."""
+    items = spec.expand_auto(DrafterItem("ngram")).items
     if not items:
-        return DrafterSpec("none")
+        return NO_DRAFTER
     if len(items) > 1:
-        raise VllmConfigError(f"the vLLM backend runs one drafter per engine; got {items} (the native backend "
-                              "chooses among several per step)")
+        raise VllmConfigError(f"the vLLM backend runs one drafter per engine; got {[i.as_flag() for i in items]} "
+                              "(the native backend chooses among several per step)")
     item = items[0]
-    if item in (*MODEL_FREE, "mtp"):
-        return DrafterSpec(item)
-    method, sep, path = item.partition(":")
-    if sep and method in ("eagle", "eagle3"):
-        if not (Path(path) / "config.json").is_file():
-            raise VllmConfigError(f"--drafter {item}: no EAGLE head folder with config.json at {path!r}")
-        return DrafterSpec(method, str(Path(path).resolve()))
-    if method in ("eagle", "eagle3"):
-        raise VllmConfigError(f"--drafter {item}: vLLM needs a trained head folder, {method}:DIR")
-    folder = Path(item) if Path(item).is_absolute() else (model_dir / item if (model_dir / item).is_dir()
-                                                           else Path(item))
-    if not (folder / "config.json").is_file():
-        raise VllmConfigError(f"--drafter {item!r} is none, auto, ngram, suffix, mtp, eagle:DIR, eagle3:DIR or a "
+    if item.method in (*MODEL_FREE, "mtp"):
+        return item
+    if item.method in HEADS:
+        if item.path is None:
+            raise VllmConfigError(f"--drafter {item.method}: vLLM needs a trained head folder, {item.method}:DIR")
+        if not (Path(item.path) / "config.json").is_file():
+            raise VllmConfigError(f"--drafter {item.as_flag()}: no EAGLE head folder with config.json at "
+                                  f"{item.path!r}")
+        return DrafterItem(item.method, str(Path(item.path).resolve()))
+    flag = item.as_flag()
+    folder = Path(flag) if Path(flag).is_absolute() else (model_dir / flag if (model_dir / flag).is_dir()
+                                                           else Path(flag))
+    if item.method != "draft_model" or not (folder / "config.json").is_file():
+        raise VllmConfigError(f"--drafter {flag!r} is none, auto, ngram, suffix, mtp, eagle:DIR, eagle3:DIR or a "
                               "draft-model folder with config.json")
-    return DrafterSpec("draft_model", str(folder.resolve()))
+    return DrafterItem("draft_model", str(folder.resolve()))
 
 
-def speculative_config(drafter: DrafterSpec, cfg: VllmConfig, table: list[tuple[int, int, int]] | None,
+def speculative_config(drafter: DrafterItem, cfg: VllmConfig, table: list[tuple[int, int, int]] | None,
                        ) -> dict[str, Any] | None:
     """vLLM's speculative_config for this drafter and per-batch-size table (None: no speculation)."""
     if drafter.method == "none":

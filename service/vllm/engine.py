@@ -18,7 +18,8 @@ from pathlib import Path
 from typing import Any
 
 from service.config import EngineConfig
-from service.vllm.config import DrafterSpec, VllmConfig, check_table, speculative_config
+from service.drafter_spec import DrafterItem
+from service.vllm.config import VllmConfig, check_table, engine_max_model_len, speculative_config
 from service.vllm.sampling import MAX_TOP_LOGPROBS
 
 logger = logging.getLogger(__name__)
@@ -36,7 +37,7 @@ def default_table(max_num_seqs: int, max_k: int) -> list[tuple[int, int, int]]:
     return rows
 
 
-def spec_table_for(drafter: DrafterSpec, config: EngineConfig, vcfg: VllmConfig) -> list[tuple[int, int, int]]:
+def spec_table_for(drafter: DrafterItem, config: EngineConfig, vcfg: VllmConfig) -> list[tuple[int, int, int]]:
     """The per-batch-size k table the engine is built with ([] without speculation; the heuristic table where a
     start-up profile will replace it, see `wants_profile`)."""
     if drafter.method == "none" or config.spec == "off":
@@ -48,18 +49,19 @@ def spec_table_for(drafter: DrafterSpec, config: EngineConfig, vcfg: VllmConfig)
     return default_table(config.max_num_seqs, vcfg.num_speculative_tokens)
 
 
-def wants_profile(drafter: DrafterSpec, config: EngineConfig, vcfg: VllmConfig) -> bool:
+def wants_profile(drafter: DrafterItem, config: EngineConfig, vcfg: VllmConfig) -> bool:
     return drafter.method != "none" and config.spec == "adaptive" and vcfg.spec_table is None
 
 
-def engine_args(config: EngineConfig, vcfg: VllmConfig, drafter: DrafterSpec,
+def engine_args(config: EngineConfig, vcfg: VllmConfig, drafter: DrafterItem,
                 table: list[tuple[int, int, int]], online: dict[str, Any] | None = None) -> dict[str, Any]:
     """AsyncEngineArgs' keywords. `online` (an `OnlineDepth` as JSON) puts specroll's scheduler in vLLM's
     engine core: it re-chooses the table's k per batch size from live acceptance (`service/vllm/online.py`)."""
     spec = speculative_config(drafter, vcfg, table) if table else None
     args: dict[str, Any] = {
         "model": str(config.model), "tokenizer": str(config.model), "dtype": config.dtype,
-        "max_model_len": config.max_model_len, "max_num_seqs": config.max_num_seqs, "seed": config.seed,
+        "max_model_len": engine_max_model_len(config.max_model_len), "max_num_seqs": config.max_num_seqs,
+        "seed": config.seed,
         "logprobs_mode": "processed_logprobs", "max_logprobs": MAX_TOP_LOGPROBS,
         "tensor_parallel_size": vcfg.tensor_parallel_size, "pipeline_parallel_size": vcfg.pipeline_parallel_size,
         "data_parallel_size": vcfg.data_parallel_size, "enforce_eager": vcfg.enforce_eager,
@@ -85,7 +87,7 @@ def engine_args(config: EngineConfig, vcfg: VllmConfig, drafter: DrafterSpec,
     return args
 
 
-def build_engine(config: EngineConfig, vcfg: VllmConfig, drafter: DrafterSpec,
+def build_engine(config: EngineConfig, vcfg: VllmConfig, drafter: DrafterItem,
                  table: list[tuple[int, int, int]], stat_loggers: list[Any] | None = None,
                  online: dict[str, Any] | None = None) -> tuple[Any, Any]:
     """(the vllm module, a started AsyncLLM). Call on the event loop that will drive it."""

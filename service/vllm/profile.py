@@ -36,7 +36,8 @@ from pathlib import Path
 from typing import Any
 
 from service.config import EngineConfig, default_cache_root
-from service.vllm.config import DrafterSpec, VllmConfig
+from service.drafter_spec import DrafterItem
+from service.vllm.config import VllmConfig
 from service.vllm.engine import build_engine
 from service.vllm.online import CostModel, OnlineDepth, best_depths, rows_of, tokens_per_step
 from service.vllm.stats import vllm_counters
@@ -129,7 +130,7 @@ def online_depth(profile: Profile, ks: list[int], max_num_seqs: int) -> OnlineDe
     return OnlineDepth(profile.cost_model(), ks, max_num_seqs, profile.acceptance)
 
 
-def cache_path(config: EngineConfig, vcfg: VllmConfig, drafter: DrafterSpec, vllm_version: str) -> Path:
+def cache_path(config: EngineConfig, vcfg: VllmConfig, drafter: DrafterItem, vllm_version: str) -> Path:
     key = {"model": _fingerprint(Path(str(config.model))), "drafter": [drafter.method, drafter.path and
            _fingerprint(Path(drafter.path))], "k": vcfg.num_speculative_tokens, "max_num_seqs": config.max_num_seqs,
            "dtype": str(config.dtype), "device": str(config.device), "vllm": vllm_version,
@@ -198,7 +199,7 @@ def save(path: Path, profile: Profile) -> None:
         logger.warning("could not cache the speculation profile at %s: %s", path, exc)
 
 
-async def profiled_table(config: EngineConfig, vcfg: VllmConfig, drafter: DrafterSpec,
+async def profiled_table(config: EngineConfig, vcfg: VllmConfig, drafter: DrafterItem,
                          vocab_size: int) -> tuple[list[tuple[int, int, int]], OnlineDepth]:
     """The serving engine's first table and its online depth, from the cached profile, else from one measured
     now."""

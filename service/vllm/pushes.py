@@ -17,7 +17,7 @@ from typing import TYPE_CHECKING, Any
 
 from service.backend.base import PushError, PushUnsupported, Staged, SwapResult, WeightSpec, check_mode
 from service.config import EngineConfig
-from service.vllm.config import DrafterSpec
+from service.drafter_spec import DrafterItem
 from service.vllm.requests import Versions
 from service.vllm.weights import WeightFiles, drafter_unsupported
 
@@ -32,7 +32,7 @@ class WeightPushes:
     (run a coroutine on the engine's loop), `_pause` and `_resume`."""
 
     config: EngineConfig
-    drafter: DrafterSpec
+    drafter: DrafterItem
     table: Any
     versions: Versions
     _roles: dict[str, WeightSpec]
@@ -51,7 +51,8 @@ class WeightPushes:
             return drafter_unsupported(self.drafter)
         return ""
 
-    def stage_weights(self, role: str, tensors: Iterable[tuple[str, torch.Tensor]]) -> Staged:
+    def stage_checked(self, role: str, tensors: Iterable[tuple[str, torch.Tensor]]) -> Staged:
+        """Runs after the one validation (`RolloutBackend.stage_weights`): nothing unchecked reaches a worker."""
         if role not in self._roles:
             raise PushUnsupported(self.unsupported(role) or f"no weights to push for role {role!r}")
         folder, nbytes = self._files.stage(tensors, self.config.dtype)

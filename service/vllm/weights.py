@@ -20,27 +20,27 @@ from safetensors.torch import save_file
 
 from service.backend.base import PushError, WeightSpec
 from service.config import ModelConfig
+from service.drafter_spec import DrafterItem
 from service.models.loader import checkpoint_shapes
-from service.vllm.config import DrafterSpec
 
 logger = logging.getLogger(__name__)
 
 
-def target_spec(cfg: ModelConfig) -> WeightSpec:
+def target_spec(cfg: ModelConfig, dtype: str) -> WeightSpec:
     tolerated = {"lm_head.weight": (cfg.vocab_size, cfg.hidden_size)} if cfg.tie_word_embeddings else {}
-    return WeightSpec("target", cfg.architecture, checkpoint_shapes(cfg), tolerated)
+    return WeightSpec("target", cfg.architecture, checkpoint_shapes(cfg), tolerated, dtype)
 
 
-def drafter_spec(drafter: DrafterSpec) -> WeightSpec | None:
+def drafter_spec(drafter: DrafterItem, dtype: str) -> WeightSpec | None:
     """What a drafter push must hold: the draft model's checkpoint (Hugging Face names). None where the backend
     cannot replace the drafter's weights in place."""
     if drafter.method != "draft_model" or drafter.path is None:
         return None
-    spec = target_spec(ModelConfig.from_dir(Path(drafter.path)))
-    return WeightSpec("drafter", spec.architecture, spec.shapes, spec.tolerated)
+    spec = target_spec(ModelConfig.from_dir(Path(drafter.path)), dtype)
+    return WeightSpec("drafter", spec.architecture, spec.shapes, spec.tolerated, dtype)
 
 
-def drafter_unsupported(drafter: DrafterSpec) -> str:
+def drafter_unsupported(drafter: DrafterItem) -> str:
     if not drafter.has_weights:
         return (f"the server runs drafter {drafter.method!r}, which has no weights to push into (vLLM backend: "
                 "--drafter <draft model folder> | eagle:DIR | eagle3:DIR | mtp)")

@@ -2,7 +2,7 @@
 
 Every operation of the server's own `/openapi.json` gets schema-conforming and schema-violating cases (seeded,
 a few per operation) sent with the admin token, so admin endpoints run too. The server's limits keep the cases
-cheap (a few tokens per sample). A case that pauses the server is followed by a resume so later cases run.
+cheap (a few tokens per sample). A case that pauses the server (/pause, /pause_generation) is followed by a resume so later cases run.
 """
 
 from __future__ import annotations
@@ -68,7 +68,7 @@ def _fuzz_operation(op: schemathesis.APIOperation, base_url: str, session: reque
             log.server_errors.append(f"{op.method.upper()} {op.path}: {type(exc).__name__} {exc} for {case!r}")
             return
         finally:
-            if op.path == "/pause":
+            if op.path in ("/pause", "/pause_generation"):
                 session.post(f"{base_url}/resume", headers=auth(), timeout=REQUEST_TIMEOUT_S)
         log.cases += 1
         log.by_status[response.status_code] = log.by_status.get(response.status_code, 0) + 1
@@ -118,7 +118,7 @@ ANY_VALUE = st.one_of(
     st.text(max_size=8), st.lists(st.integers(-5, 600), max_size=6), st.lists(st.text(max_size=3), max_size=3),
     st.dictionaries(st.text(max_size=3), st.integers(), max_size=2))
 SGLANG_KEYS = ("temperature", "top_p", "top_k", "min_p", "max_new_tokens", "stop_token_ids", "n", "sampling_seed",
-               "stop", "ignore_eos")
+               "stop", "ignore_eos", "custom_params")
 OPENAI_KEYS = ("max_tokens", "temperature", "top_p", "n", "seed", "stop", "logprobs", "top_k", "min_p",
                "stop_token_ids", "ignore_eos")
 

@@ -15,6 +15,7 @@ from service.config import EngineConfig
 from service.demo.build import SIZE_ENV, VOCAB_SIZE, demo_size
 from service.demo.default_model import default_drafters, ensure_default_model, model_name
 from service.demo.task import problems
+from service.drafter_spec import DrafterSpec
 from service.engine.drafters import expand_auto
 from service.engine.llm_engine import LLMEngine
 from service.models.loader import load_model
@@ -76,9 +77,12 @@ def test_engine_serves_it_with_every_drafter(demo: Path) -> None:
     prompt = Tokenizer.from_dir(demo).encode(problems(1, 3)[0].prompt)  # type: ignore[union-attr]
     params = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)
     outs = []
-    assert expand_auto("auto", demo) == f"suffix,{demo / 'draft'}"
-    assert expand_auto("suffix,auto", demo) == f"suffix,{demo / 'draft'}"
-    assert expand_auto("auto", demo / "draft") == "suffix" and expand_auto("none", demo) == "none"
+    def auto(flag: str, folder: Path) -> str:  # the native engine's reading of a --drafter setting, as a flag
+        return str(expand_auto(DrafterSpec.parse(flag), folder))
+
+    assert auto("auto", demo) == f"suffix,{demo / 'draft'}"
+    assert auto("suffix,auto", demo) == f"suffix,{demo / 'draft'}"
+    assert auto("auto", demo / "draft") == "suffix" and auto("none", demo) == "none"
     for drafter, spec in (("none", "off"), (f"{d['suffix']},{d['draft']},{d['eagle']}", "adaptive"),
                           ("auto", "adaptive"),
                           (d["eagle"], "fixed"), (d["draft"], "fixed")):

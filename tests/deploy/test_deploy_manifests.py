@@ -89,6 +89,26 @@ def test_names_wire_up() -> None:
                     assert host in services and services[host]["spec"]["ports"][0]["port"] == 6379
 
 
+def test_network_policy_limits_who_reaches_specroll() -> None:
+    """The pods --control-auth none opens are reachable only from the pods the policy names, on the server's
+    ports; the router it lets in is a pod of the kustomization whose discovery selects the specroll pods."""
+    objects = render_kustomization()
+    pods = _pod_specs(objects)
+    [policy] = _by_kind(objects, "NetworkPolicy").values()
+    selected = [n for n, t in pods.items()
+                if policy["spec"]["podSelector"]["matchLabels"].items() <= t["metadata"]["labels"].items()]
+    assert selected == ["specroll"] and policy["spec"]["policyTypes"] == ["Ingress"]
+    [rule] = policy["spec"]["ingress"]
+    assert rule["from"] and all("podSelector" in peer and "namespaceSelector" not in peer for peer in rule["from"])
+    server_ports = {p["containerPort"] for p in pods["specroll"]["spec"]["containers"][0]["ports"]}
+    assert {p["port"] for p in rule["ports"]} == server_ports
+    allowed = [peer["podSelector"]["matchLabels"] for peer in rule["from"]]
+    router = pods["sglang-router"]
+    assert any(sel.items() <= router["metadata"]["labels"].items() for sel in allowed)
+    args = " ".join(router["spec"]["containers"][0]["args"])
+    assert "--selector app.kubernetes.io/name=specroll" in args and "--service-discovery-port 8000" in args
+
+
 def test_sidecar_has_probes_metrics_port_and_checkpoint_volume() -> None:
     objects = render_kustomization()
     template = _pod_specs(objects)["specroll-drafter-trainer"]
@@ -186,3 +206,15 @@ def test_cuda_dockerfile_runs_like_the_cpu_image() -> None:
     cpu, cuda = REPO / "Dockerfile", DEPLOY / "docker" / "Dockerfile.cuda"
     assert _dockerfile_tail(cuda) == _dockerfile_tail(cpu)
     assert "torch==2.13.0" in cuda.read_text() and "ARG BASE=nvidia/cuda" in cuda.read_text()
+
+
+def test_compose_fleet_routes_to_its_replicas() -> None:
+    """The fleet override's router names every specroll replica (base file's and its own) by service and port."""
+    fleet = yaml.safe_load((DEPLOY / "docker-compose.fleet.yml").read_text())["services"]
+    services = {**_compose()["services"], **fleet}
+    command = " ".join(fleet["router"]["command"])
+    workers = command.split("--worker-urls", 1)[1].split()
+    replicas = sorted(n for n in services if n.startswith("specroll") and n != "specroll-drafter-trainer"
+                      and "drafter" not in n)
+    assert sorted(w.removeprefix("http://").split(":")[0] for w in workers) == replicas
+    assert all(w.endswith(":8000") for w in workers)

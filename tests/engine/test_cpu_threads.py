@@ -83,7 +83,7 @@ def test_a_converting_load_gives_the_server_no_second_team(tmp_path):
         with SpecrollClient(srv.grpc_target, admin_token=ADMIN) as c:
             c.generate_one([1, 2, 3], max_tokens=4, temperature=0.0)
             before = runtime_threads()  # the engine's team
-            assert c.load_weights(str(bf16), "bf16").version == "bf16"
+            assert c.load_weights(str(bf16), "bf16", cast=True).version == "bf16"
             assert c.load_weights(str(f32), "f32").version == "f32"
             assert runtime_threads() - before == set()
             assert len(c.generate_one([1, 2, 3], max_tokens=4, temperature=0.0).samples[0].token_ids) == 4
@@ -126,7 +126,7 @@ def test_a_casting_push_from_the_blocking_client_gives_its_loop_thread_no_team()
             c.generate_one([1, 2, 3], max_tokens=4, temperature=0.0)
             torch.randn(512, 1024).to(torch.bfloat16)  # the caller's own team, made before counting
             before = runtime_threads()
-            assert c.push_weights(weights, "bf16", dtype="bfloat16").version == "bf16"
+            assert c.push_weights(weights, "bf16", dtype="bfloat16", cast=True).version == "bf16"
             assert runtime_threads() - before == set()
             assert c.server_info().policy_version == "bf16"
     finally:

@@ -126,6 +126,27 @@ def test_a_repeated_prompt_adds_nothing_to_the_prefill_budget():
     assert len(batch.requests) == 12 and len(batch.prompts) == 2 and len(sched.waiting) == 1
 
 
+def test_the_schedulers_pause_state_holds_admission_or_freezes_the_batch():
+    """Held: running sequences decode, no waiting request starts. Paused: no batch at all, and the compaction a
+    finished sequence left waits (its copy length is read when a batch runs again)."""
+    sched = Scheduler(num_slots=4, max_num_batched_tokens=512)
+    for i in range(3):
+        sched.add(request(str(i), [5 + i] * 4))
+    assert sched.schedule().kind == "prefill"
+    sched.add(request("late", [9] * 4))
+    sched.pause.held = True
+    batch = sched.schedule()
+    assert batch.kind == "decode" and len(batch.seqs) == 3 and len(sched.waiting) == 1
+    first = batch.seqs[0]
+    first.num_cached = 4
+    sched.release(first)  # the last running sequence moves into slot 0
+    sched.pause.paused = True
+    assert sched.schedule().kind == "idle" and sched.schedule().moves == []
+    sched.pause.paused = sched.pause.held = False
+    batch = sched.schedule()
+    assert batch.kind == "prefill" and [(m.src, m.dst) for m in batch.moves] == [(2, 0)]
+
+
 def test_shared_prefill_rows_give_what_each_request_gets_alone(engine):
     group, other = rand_prompts(2, seed=11, lo=8)
     prompts = [group, other, group, group, other]

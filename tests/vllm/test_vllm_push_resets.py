@@ -16,7 +16,7 @@ from vllm_utils import check_cut_at_push, hf_greedy, hf_of
 
 from client import SpecrollClient
 from service.api.generation import Limits
-from service.vllm.config import VllmConfig, parse_drafter
+from service.vllm.config import VllmConfig, vllm_drafter
 from service.vllm.profile import Profile, cache_path, candidate_ks, save
 from service.vllm.stats import vllm_counters
 
@@ -47,7 +47,7 @@ def server(vllm_model, tmp_path_factory):
         import vllm
 
         config = engine_config(vllm_model, **engine_kw)
-        save(cache_path(config, vcfg, parse_drafter(config.drafter, Path(vllm_model)), vllm.__version__), PROFILE)
+        save(cache_path(config, vcfg, vllm_drafter(config.drafter, Path(vllm_model)), vllm.__version__), PROFILE)
         srv = start_server(vllm_model, engine_kw=engine_kw, backend="vllm", limits=Limits(max_tokens=LEN),
                            vllm=vcfg)
     yield srv

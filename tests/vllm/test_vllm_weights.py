@@ -71,6 +71,32 @@ def test_refused_pushes_leave_the_old_weights_serving(server, vllm_model):
         assert greedy(anon) == before
 
 
+def test_the_one_weight_validation_runs_before_vllm_is_touched(server, vllm_model, tmp_path):
+    """NaN weights, a dtype other than the served one without a cast, a header that lies: refused on the gRPC and
+    the folder path alike (issue 49), the old weights serving on; asked for, a cast is done."""
+    srv, _ = server
+    base = checkpoint_tensors(vllm_model)
+    nan = {k: v.clone() for k, v in base.items()}
+    nan["model.norm.weight"][1] = float("nan")
+    half = {k: v.half() for k, v in base.items()}
+    lying = write_checkpoint(vllm_model, base, tmp_path / "lying") / "model.safetensors"
+    lying.write_bytes(lying.read_bytes()[:-32])
+    with SpecrollClient(srv.grpc_target, admin_token=ADMIN) as c:
+        before, version = greedy(c), c.server_info().policy_version
+        with pytest.raises(InvalidArgument, match="NaN or infinite"):
+            c.push_weights(nan, "nan")
+        with pytest.raises(InvalidArgument, match="ask for a cast explicitly"):
+            c.push_weights(half, "f16")
+        with pytest.raises(InvalidArgument, match="NaN or infinite"):
+            c.load_weights(str(write_checkpoint(vllm_model, nan, tmp_path / "nan")), "nan-folder")
+        with pytest.raises(InvalidArgument, match="past the"):
+            c.load_weights(str(lying.parent), "lying-folder")
+        assert greedy(c) == before and c.server_info().policy_version == version
+        assert c.push_weights(half, "f16-cast", cast=True).version == "f16-cast"
+        assert c.push_weights(base, "back").version == "back"
+        assert greedy(c) == before
+
+
 def _stream_in_background(srv, results: list, started: threading.Event, n: int = 64) -> threading.Thread:
     def run() -> None:
         with SpecrollClient(srv.grpc_target) as c:

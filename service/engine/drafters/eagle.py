@@ -165,9 +165,9 @@ class EagleDrafter(Drafter):
                              torch.stack(draft_probs, 1), [k] * B, caught_up=caught_up)
 
 
-def build_eagle(spec: str, target: CachedModel, num_slots: int, device: torch.device, seed: int) -> EagleDrafter:
-    """'eagle' (fresh head) or 'eagle:DIR' (head weights from DIR/model.safetensors)."""
-    _, _, path = spec.partition(":")
+def build_eagle(path: str | None, target: CachedModel, num_slots: int, device: torch.device,
+                seed: int) -> EagleDrafter:
+    """A fresh head (no path: `--drafter eagle`) or the head weights from path/model.safetensors."""
     head = load_head(Path(path), target.cfg) if path else init_head(target.cfg, seed)
     return EagleDrafter(head, target, num_slots, device)
 

@@ -1,0 +1,1 @@
+"""OpenRLHF pointed at specroll (see loop.py)."""

@@ -1,0 +1,1 @@
+"""verl pointed at specroll (see server_manager.py)."""

@@ -1,0 +1,115 @@
+"""Weight pushes over a gloo process group (SGLang's /init_weights_update_group protocol), real processes: a
+trainer speaking slime's payloads and order (tests/api/group_trainer.py cites the file and commit) and one using
+our client push checkpoints; afterwards the server's greedy tokens and logprobs are a fresh engine's on the pushed
+weights. A wrong shape is refused before anything is broadcast; a trainer killed mid-broadcast leaves the old
+weights serving and the next group's push lands."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pytest
+import torch
+from helpers import make_checkpoint
+from safetensors.torch import save_file
+from service_utils import ADMIN, auth, checkpoint_tensors, engine_config, perturbed, start_server, write_checkpoint
+
+from client import SpecrollClient
+from service.app import BackgroundServer
+from service.engine.llm_engine import LLMEngine
+from service.params import SamplingParams
+
+PROBE = [9, 8, 7, 6]
+GREEDY: dict[str, Any] = {"temperature": 0.0, "max_tokens": 8, "ignore_eos": True}
+TRAINER = Path(__file__).with_name("group_trainer.py")
+ROOT = Path(__file__).resolve().parents[2]
+
+
+@pytest.fixture(scope="module")
+def base_dir() -> Path:
+    return make_checkpoint("qwen2", tied=False)
+
+
+@pytest.fixture(scope="module")
+def server(base_dir: Path) -> Iterator[BackgroundServer]:
+    srv = start_server(base_dir)
+    yield srv
+    srv.stop()
+
+
+def trainer(how: str, srv: BackgroundServer, weights: dict[str, torch.Tensor], version: str, tmp: Path,
+            group: str = "wug") -> subprocess.CompletedProcess[str]:
+    path = tmp / f"{version}.safetensors"
+    save_file({k: v.contiguous() for k, v in weights.items()}, str(path))
+    env = {**os.environ, "SPECROLL_ADMIN_TOKEN": ADMIN, "PYTHONPATH": str(ROOT)}
+    return subprocess.run([sys.executable, str(TRAINER), how, srv.http_url, str(path), version, group], env=env,
+                          capture_output=True, text=True, timeout=300)
+
+
+def served(c: SpecrollClient) -> tuple[list[int], list[float]]:
+    s = c.generate_one(PROBE, **GREEDY).samples[0]
+    return s.token_ids, s.logprobs
+
+
+def fresh(base_dir: Path, weights: dict[str, torch.Tensor], tmp: Path) -> tuple[list[int], list[float]]:
+    engine = LLMEngine(engine_config(write_checkpoint(base_dir, weights, tmp)))
+    [out] = engine.generate([PROBE], SamplingParams(**GREEDY))
+    return list(out.outputs[0].token_ids), list(out.outputs[0].logprobs)
+
+
+def assert_same(got: tuple[list[int], list[float]], want: tuple[list[int], list[float]]) -> None:
+    assert got[0] == want[0]
+    assert torch.allclose(torch.tensor(got[1]), torch.tensor(want[1]), atol=1e-5, rtol=0), (got[1], want[1])
+
+
+def test_slime_and_client_trainers_push_over_gloo(server, base_dir, tmp_path):
+    base = checkpoint_tensors(base_dir)
+    first, second = perturbed(base, seed=41), perturbed(base, seed=42)
+    with SpecrollClient(server.grpc_target, admin_token=ADMIN) as c:
+        before = served(c)
+        run = trainer("slime", server, first, "slime-v1", tmp_path)
+        assert run.returncode == 0, run.stderr[-3000:]
+        replies = json.loads(run.stdout.strip().splitlines()[-1])
+        assert [r.get("success") for r in replies] == [True] * 4, replies  # init, two buckets, destroy
+        assert replies[1]["remaining"] > 0 and replies[2]["version"] == "slime-v1"
+        assert c.server_info().policy_version == "slime-v1"
+        got = served(c)
+        assert got[0] != before[0]
+        assert_same(got, fresh(base_dir, first, tmp_path / "ref1"))
+
+        run = trainer("client-wrong", server, second, "client-v2", tmp_path, group="ours")
+        assert run.returncode == 0, run.stderr[-3000:]
+        refused, reply = (json.loads(line) for line in run.stdout.strip().splitlines()[-2:])
+        assert "wrong shapes" in refused["refused"] and "HTTP 400" in refused["refused"]
+        assert reply["version"] == "client-v2"  # the refusal broadcast nothing: the same group pushes next
+        assert c.server_info().policy_version == "client-v2"
+        assert_same(served(c), fresh(base_dir, second, tmp_path / "ref2"))
+
+
+def test_a_trainer_killed_mid_broadcast_changes_nothing(server, base_dir, tmp_path):
+    base = checkpoint_tensors(base_dir)
+    with SpecrollClient(server.grpc_target, admin_token=ADMIN) as c:
+        c.push_weights(base, "before-kill")
+        before = served(c)
+        run = trainer("die", server, perturbed(base, seed=43), "killed", tmp_path, group="dies")
+        assert run.returncode == -9, run.stderr[-3000:]
+        assert c.server_info().policy_version == "before-kill" and served(c) == before
+        for _ in range(100):  # the server closes the dead group as soon as its broadcast fails
+            r = httpx.post(f"{server.http_url}/destroy_weights_update_group", json={"group_name": "dies"},
+                           headers=auth())
+            if r.status_code == 400 and "no weight update group" in r.text:
+                break
+        else:
+            pytest.fail(f"the dead trainer's group is still open: {r.text}")
+        after = perturbed(base, seed=44)
+        run = trainer("slime", server, after, "after-kill", tmp_path, group="dies")  # same name, new group
+        assert run.returncode == 0, run.stderr[-3000:]
+        assert c.server_info().policy_version == "after-kill"
+        assert_same(served(c), fresh(base_dir, after, tmp_path / "ref"))
