@@ -264,7 +264,3 @@ class WeightGroups:
             lock.release()
         self.pushes.record(result)
         return result
-
-    def close_all(self) -> None:
-        for group in list(self._groups.values()):
-            self._close(group, "the server stops")
