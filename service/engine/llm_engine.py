@@ -1,4 +1,6 @@
-"""The engine: add_request / step / abort / generate. One step = schedule -> run -> postprocess."""
+"""The engine: add_request / step / abort / generate. One step = schedule -> plan -> execute -> update from
+output: the scheduler picks the batch, the strategy driver the arm, the runner runs it, the scheduler appends
+what it emitted and finishes sequences."""
 
 from __future__ import annotations
 
@@ -7,6 +9,7 @@ import random
 import time
 import uuid
 from collections.abc import Sequence as Seq
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -34,6 +37,16 @@ logger = logging.getLogger(__name__)
 
 SPEC_HEADROOM = 16  # cache positions past max_model_len that speculative verification may write
 BETWEEN_STEPS_MAX_S = 0.05  # a longer gap between two steps is idle time, not per-step overhead
+
+
+@dataclass(slots=True)
+class StepPlan:
+    """What a step runs: the arm, its drafter, the host drafter that assists it, each row's room (decode)."""
+
+    strategy: Strategy
+    drafter: Drafter | None = None
+    host: Drafter | None = None
+    room: list[int] | None = None
 
 
 class LLMEngine:
@@ -69,7 +82,6 @@ class LLMEngine:
         self.runner = ModelRunner(model, self.cache, self.device, compiled=not config.enforce_eager)
         self.requests: dict[str, Request] = {}
         self._rng = random.Random(config.seed)
-        self._aborted: list[Sequence] = []
         self.failures: dict[str, str] = {}  # request id -> error, for requests that failed on their own
         self.policy_version = str(config.extra.get("policy_version", "0"))
         self.drafter_spec = expand_auto(config.drafter, self.model_path)  # the caller's config stays as it is
@@ -125,7 +137,7 @@ class LLMEngine:
         """Abort a request at any step; its sequences end with finish reason abort and partial output."""
         if request_id not in self.requests:
             return False
-        self._aborted += self.scheduler.abort(request_id)
+        self.scheduler.abort(request_id)
         return True
 
     def abort_all(self) -> list[str]:
@@ -143,7 +155,7 @@ class LLMEngine:
         self.policy_version = str(version)
 
     def has_unfinished(self) -> bool:
-        return self.scheduler.has_work() or bool(self._aborted)
+        return self.scheduler.has_work()
 
     @property
     def num_running(self) -> int:
@@ -160,15 +172,42 @@ class LLMEngine:
 
     # -- the step ---------------------------------------------------------------------------------
     def step(self) -> list[StepOutput]:
+        try:
+            start = self._begin_step()
+            outputs = self.finish_aborted()
+            batch = self.scheduler.schedule()  # idle while paused
+            if batch.kind == "idle":
+                self.runner.apply_copies(batch.moves)
+                return outputs
+            plan = self._plan(batch)
+            result = self.runner.execute(batch, plan.strategy, plan.drafter, plan.host, plan.room)
+            updated = time.perf_counter()
+            outputs += self._update_from_output(result)
+            self._record(batch, plan.strategy, result, start, updated)
+            return outputs
+        finally:
+            self._last_step_end = time.perf_counter()
+
+    def _begin_step(self) -> float:
+        """Between two steps: serve the forwards compiled in the background once ready, and time the gap."""
         start = time.perf_counter()
         if self._last_step_end is not None and start - self._last_step_end < BETWEEN_STEPS_MAX_S:
             # Work between two steps (streaming the last step's tokens out, API threads holding the GIL) is
             # paid once per step, so it is part of what a step costs when strategies are compared.
             self._between_steps.update(start - self._last_step_end, 0.1)
-        try:
-            return self._step(start)
-        finally:
-            self._last_step_end = time.perf_counter()
+        self.take_compiled()
+        return start
+
+    def _plan(self, batch: SchedulerOutput) -> StepPlan:
+        """The arm a step runs: plain for a prefill; for a decode, the strategy's choice, told each row's room
+        (the most drafts it can still emit: its tokens left, less one)."""
+        if batch.kind != "decode":
+            return StepPlan(PLAIN)
+        room = [max(s.tokens_left(self.config.max_model_len) - 1, 0) for s in batch.seqs] \
+            if self.strategy.depths() else None
+        strategy = self.driver.choose(batch.seqs, room)
+        host = self.drafters.get(strategy.assist[0]) if strategy.assist else None
+        return StepPlan(strategy, self.drafters.get(strategy.drafter), host, room)
 
     @property
     def between_steps_s(self) -> float:
@@ -181,30 +220,12 @@ class LLMEngine:
                 self.strategy.forget_costs()
             self.compiling = None
 
-    def _step(self, start: float) -> list[StepOutput]:
-        self.take_compiled()
-        outputs = self.finish_aborted()
-        batch = self.scheduler.schedule()  # idle while paused
-        if batch.kind == "idle":
-            self.runner.apply_copies(batch.moves)
-            return outputs
-        room = None
-        strategy = PLAIN
-        if batch.kind == "decode":
-            if self.strategy.depths():  # each row's most drafts it can still emit: its tokens left, less one
-                room = [max(s.tokens_left(self.config.max_model_len) - 1, 0) for s in batch.seqs]
-            strategy = self.driver.choose(batch.seqs, room)
-        host = self.drafters.get(strategy.assist[0]) if strategy.assist else None
-        result = self.runner.execute(batch, strategy, self.drafters.get(strategy.drafter), host, room)
-        t_post = time.perf_counter()
-        outputs += self._postprocess(result)
+    def _record(self, batch: SchedulerOutput, strategy: Strategy, result: StepResult, start: float,
+                updated: float) -> None:
+        """Feedback for the strategy (what this choice cost), counters for the metrics. `start`, `updated`: when
+        the step began and when its outputs began to be appended."""
         end = time.perf_counter()
-        self._record(batch, strategy, result, end - start, end - t_post)
-        return outputs
-
-    def _record(self, batch: SchedulerOutput, strategy: Strategy, result: StepResult, seconds: float,
-                postprocess_s: float) -> None:
-        """Feedback for the strategy (what this choice cost), counters for the metrics."""
+        seconds, postprocess_s = end - start, end - updated
         B = len(result.seqs)
         if strategy.k and not result.k:  # the drafter proposed nothing for any row: a plain step ran
             strategy = PLAIN
@@ -236,8 +257,8 @@ class LLMEngine:
         drafter.swap_weights(module, str(version))
         self.driver.renew(drafter.name)  # what it measured of the old weights does not hold for these
 
-    def _postprocess(self, result: StepResult) -> list[StepOutput]:
-        """Append each sequence's new tokens in order, stopping exactly where plain decoding would."""
+    def _update_from_output(self, result: StepResult) -> list[StepOutput]:
+        """Each sequence's new tokens, appended by the scheduler (which finishes sequences), then its output."""
         outputs = []
         seqs = result.seqs
         drafter_version = self.drafter_version  # once per step, not per row
@@ -256,16 +277,8 @@ class LLMEngine:
         return outputs
 
     def _append(self, seq: Sequence, tokens: list[TokenResult], drafter_version: str) -> None:
-        finished = False
-        for res in tokens:
-            finished = seq.append_token(res.token, res.logprob, res.raw_logprob, res.top,
-                                        self.eos_token_ids, self.config.max_model_len)
-            if finished:
-                break
-        seq.num_cached = seq.num_tokens - 1  # every token but the newest has its K/V in the cache
+        self.scheduler.update_from_output(seq, tokens, self.eos_token_ids, self.config.max_model_len)
         seq.record_versions(self.policy_version, drafter_version)
-        if finished:
-            self.scheduler.release(seq)
         for d in self.runner.drafters:
             d.observe(seq)
 
@@ -282,7 +295,7 @@ class LLMEngine:
 
     def finish_aborted(self) -> list[StepOutput]:
         """The final outputs of the sequences aborted since the last step (no model step runs)."""
-        aborted, self._aborted = self._aborted, []
+        aborted = self.scheduler.take_aborted()
         for seq in aborted:
             for d in self.runner.drafters:
                 d.observe(seq)

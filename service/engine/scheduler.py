@@ -8,10 +8,21 @@ the hole, so a decode batch is always a contiguous view of the cache, even deep 
 from __future__ import annotations
 
 from collections import deque
+from collections.abc import Iterable
 from dataclasses import dataclass, field
+from typing import Protocol
 
 from service.engine.sequence import Request, Sequence, SequenceStatus
 from service.params import FinishReason
+
+
+class SampledToken(Protocol):
+    """One token a step sampled for a sequence (the runner's TokenResult)."""
+
+    token: int
+    logprob: float
+    raw_logprob: float | None
+    top: dict[int, float] | None
 
 
 @dataclass(slots=True)
@@ -62,6 +73,7 @@ class Scheduler:
         # sequence has finished updating its cached length.
         self._pending_moves: list[tuple[int, int, Sequence]] = []
         self.pause = PauseState()
+        self.aborted: list[Sequence] = []  # finished by `abort` since the engine last took them (`take_aborted`)
 
     # -- queue management -------------------------------------------------------------------------
     def add(self, request: Request) -> None:
@@ -74,7 +86,8 @@ class Scheduler:
         return sum(len(r.seqs) for r in self.waiting)
 
     def has_work(self) -> bool:
-        return bool(self.waiting or self.running)
+        """Sequences wait or run, or aborted ones still have their final output to hand out."""
+        return bool(self.waiting or self.running or self.aborted)
 
     def schedule(self) -> SchedulerOutput:
         if self.pause.paused:  # compaction waits too: the moves' lengths are read when a batch runs again
@@ -132,6 +145,24 @@ class Scheduler:
         return admitted
 
     # -- leaving the batch ------------------------------------------------------------------------
+    def update_from_output(self, seq: Sequence, tokens: Iterable[SampledToken], eos_token_ids: tuple[int, ...],
+                           max_model_len: int) -> bool:
+        """Append one sequence's tokens of a step in order, stopping exactly where plain decoding would; a
+        sequence that finished leaves the batch (its slot is freed). Returns whether it finished."""
+        finished = False
+        for t in tokens:
+            finished = seq.append_token(t.token, t.logprob, t.raw_logprob, t.top, eos_token_ids, max_model_len)
+            if finished:
+                break
+        seq.num_cached = seq.num_tokens - 1  # every token but the newest has its K/V in the cache
+        if finished:
+            self.release(seq)
+        return finished
+
+    def take_aborted(self) -> list[Sequence]:
+        aborted, self.aborted = self.aborted, []
+        return aborted
+
     def release(self, seq: Sequence) -> None:
         """Free a finished sequence's slot, moving the last running sequence into the hole."""
         slot = seq.slot
@@ -147,7 +178,8 @@ class Scheduler:
         seq.slot = -1
 
     def abort(self, request_id: str) -> list[Sequence]:
-        """Finish every sequence of the request with reason abort; returns the sequences it touched."""
+        """Finish every sequence of the request with reason abort; returns the sequences it touched (kept for
+        `take_aborted` too)."""
         touched: list[Sequence] = []
         for req in list(self.waiting):
             if req.request_id == request_id:
@@ -159,4 +191,5 @@ class Scheduler:
             seq.finish(FinishReason.ABORT)
             self.release(seq)
             touched.append(seq)
+        self.aborted += touched
         return touched

@@ -100,7 +100,7 @@ from service.engine.speculative.catch_up import CatchUps
 from service.engine.speculative.cost_model import StepCostModel
 from service.engine.speculative.estimates import Acceptance
 from service.engine.speculative.passes import cut_depth, verify_tokens
-from service.engine.speculative.tokens import assisted_from, by_drafts, mean_from, mean_tokens, tokens_per_row
+from service.engine.speculative.tokens import assisted_from, by_drafts, mean_from, mean_tokens
 
 
 @dataclass(slots=True)
@@ -162,8 +162,6 @@ class AdaptiveStrategy:
         bucket = bucket_of(batch_size) if batch_size else None
         return self.accept[drafter].rates(self.prior_alpha, self.prior_trials, bucket=bucket)
 
-    tokens_per_row = staticmethod(tokens_per_row)
-
     def expected_tokens(self, s: Strategy, proposals: list[int] | None = None, batch_size: int | None = None) -> float:
         """Expected tokens per row; `proposals`: each row's proposal length, where the drafter knows it."""
         alpha = self.acceptance(s.drafter, batch_size) if s.k else None
@@ -191,12 +189,6 @@ class AdaptiveStrategy:
         if rows is None:
             return batch_size * s.k
         return verify_tokens(sum(c * min(s.k, n) for n, c in rows.items()), batch_size, s.k, self.pack_min_saved)
-
-    def predicted_throughput(self, batch_size: int, s: Strategy, proposals: list[int] | None = None) -> float:
-        ran = self.verified(s, proposals)
-        tokens = self._tokens(ran, batch_size, Counter(proposals) if proposals else None)
-        cost = self.predicted_cost(batch_size, ran, tokens)
-        return batch_size * self.expected_tokens(ran, proposals, batch_size) / cost
 
     def choose(self, batch_size: int, proposals: dict[str, list[int]] | None = None,
                room: list[int] | None = None, catch_up: dict[str, int] | None = None) -> Strategy:

@@ -13,18 +13,17 @@ from service.engine.speculative import cost_model
 from service.engine.speculative.arm_costs import ArmCosts
 from service.engine.speculative.cost_model import StepCostModel
 from service.engine.speculative.estimates import Ratio
-from service.engine.speculative.tokens import (
-    assisted_from,
-    assisted_tokens,
-    by_drafts,
-    mean_from,
-    mean_tokens,
-    tokens_per_row,
-)
+from service.engine.speculative.tokens import assisted_from, by_drafts, mean_from, mean_tokens, tokens_per_row
 from service.engine.strategy import PLAIN, AdaptiveStrategy, Strategy, bucket_of
 
 CostFn = Callable[[int, str | None, int], float]
 AlphaFn = Callable[[str, int], float]
+
+
+def assisted_tokens(alpha: list[float], k: int, host_alpha: list[float],
+                    host_rows: Counter[tuple[int, int]]) -> tuple[float, int | None]:
+    """What `choose` values an assisted draft-model arm at, from the two drafters' per-position acceptance."""
+    return assisted_from(by_drafts(alpha, k), k, by_drafts(host_alpha, k), host_rows)
 
 
 def cpu_cost(batch: int, drafter: str | None, k: int) -> float:
@@ -155,7 +154,7 @@ def test_ahead_of_every_fixed_arm_where_the_batch_drains(shape: str) -> None:
 
 
 def true_best(batch: int, alpha: float, cost: CostFn, arms: list[Strategy]) -> Strategy:
-    return max(arms, key=lambda s: AdaptiveStrategy.tokens_per_row(alpha, s.k) / cost(batch, s.drafter, s.k))
+    return max(arms, key=lambda s: tokens_per_row(alpha, s.k) / cost(batch, s.drafter, s.k))
 
 
 @pytest.mark.parametrize("batch", [64, 16, 2])
@@ -169,7 +168,7 @@ def test_converges_to_the_best_arm_per_bucket(batch: int) -> None:
         strategy.record(s, batch, cpu_cost(batch, s.drafter, s.k), accepted_counts(batch, s.k, 0.8, rng))
         chosen.append(s)
     # Within 40 steps it settles on the best arm (or one within 5% of it: near-ties are not told apart).
-    rate = lambda s: AdaptiveStrategy.tokens_per_row(0.8, s.k) / cpu_cost(batch, s.drafter, s.k)
+    rate = lambda s: tokens_per_row(0.8, s.k) / cpu_cost(batch, s.drafter, s.k)
     good = [s for s in chosen[40:] if rate(s) >= 0.95 * rate(best)]
     assert len(good) >= 0.85 * 20, (best, chosen[40:])
 
@@ -402,7 +401,7 @@ def test_a_host_drafter_is_valued_on_the_verify_it_would_run() -> None:
     assert s.verified(Strategy("suffix", 2), proposals) == Strategy("suffix", 2)
     assert s.verified(Strategy("suffix", 4), [0, 0]) == PLAIN
     alpha = s.acceptance("suffix")
-    want = (2 * s.tokens_per_row(alpha, 3) + 1 + s.tokens_per_row(alpha, 1)) / 4
+    want = (2 * tokens_per_row(alpha, 3) + 1 + tokens_per_row(alpha, 1)) / 4
     assert s.expected_tokens(Strategy("suffix", 8), proposals) == pytest.approx(want)
     for _ in range(3):
         s.record(PLAIN, 4, 1.0)

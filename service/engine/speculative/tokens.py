@@ -41,19 +41,13 @@ def mean_from(table: list[float], k: int, rows: Counter[int] | None) -> float:
     return sum(c * table[min(k, n)] for n, c in rows.items()) / sum(rows.values())
 
 
-def assisted_tokens(alpha: list[float], k: int, host_alpha: list[float],
-                    host_rows: Counter[tuple[int, int]]) -> tuple[float, int | None]:
-    """A drafter that drafts k for every row, assisted by a host drafter: a row takes the host's drafts where
-    they are worth more than the drafter's k, which holds for proposals of at least `n` drafts (expected tokens
-    grow with the proposal's length). `host_rows` counts the rows per (host proposal length, room), the room
-    being the most drafts a row can still emit. Returns the expected tokens per row and that `n` (None: no row
-    gains)."""
-    return assisted_from(by_drafts(alpha, k), k, by_drafts(host_alpha, k), host_rows)
-
-
 def assisted_from(own: list[float], k: int, host: list[float],
                   host_rows: Counter[tuple[int, int]]) -> tuple[float, int | None]:
-    """`assisted_tokens` from the two drafters' `by_drafts` tables (k or longer)."""
+    """A drafter that drafts k for every row, assisted by a host drafter: a row takes the host's drafts where
+    they are worth more than the drafter's k, which holds for proposals of at least `n` drafts (expected tokens
+    grow with the proposal's length). `own`, `host`: the two drafters' `by_drafts` tables (k or longer);
+    `host_rows` counts the rows per (host proposal length, room), the room being the most drafts a row can still
+    emit. Returns the expected tokens per row and that `n` (None: no row gains)."""
     n = next((n for n in range(1, k + 1) if host[n] > own[k]), None)
     if n is None:
         return own[k], None
