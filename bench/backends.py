@@ -1,14 +1,15 @@
 """Backends benchmark: the long-tail rollout of bench/spec_decode.py on the native backend, on the vLLM backend
 (SD off, fixed k, adaptive per-batch-size table) and on vLLM's own AsyncLLM without specroll's layer.
 
-Every run serves the same 64 requests (8 prompts x 8 samples, log-normal lengths, greedy: the vLLM backend
-serves sampled requests only without speculation, see docs/vllm.md) submitted at once, and is timed from
-submission to the last token; each engine serves the rollout `--repeats` times and the median counts.
+Every run serves the same 64 requests (8 prompts x 8 samples, log-normal lengths; greedy, or sampled at
+`--temperature`: the vLLM backend serves sampled requests under speculation where its start-up self-check
+passed, see docs/vllm.md) submitted at once, and is timed from submission to the last token; each engine
+serves the rollout `--repeats` times and the median counts.
 The specroll runs go through real servers and the gRPC client; the
 raw run drives AsyncLLM directly, so `overhead_vs_raw_vllm` is what our layer (admission, events, records,
 gRPC) costs. Needs vllm (run it with .venv-vllm/bin/python). Prints one JSON line.
 
-    .venv-vllm/bin/python -m bench.backends [--quick] [--configs native-adaptive,vllm-off,raw-off]
+    .venv-vllm/bin/python -m bench.backends [--quick] [--temperature 1] [--configs native-adaptive,vllm-off,raw-off]
 """
 
 from __future__ import annotations
@@ -34,10 +35,12 @@ logger = logging.getLogger("bench.backends")
 CONFIGS = ("native-off", "native-adaptive", "vllm-off", "vllm-fixed", "vllm-adaptive", "raw-off", "raw-fixed")
 
 
-async def _through_client(target: str, prompts: list[list[int]], lengths: list[int], per_prompt: int) -> int:
+async def _through_client(target: str, prompts: list[list[int]], lengths: list[int], per_prompt: int,
+                          temperature: float = 0.0) -> int:
     async with AsyncSpecrollClient(target) as c:
         async def one(i: int, n: int) -> int:
-            done = await c.generate_one(prompts[i // per_prompt], max_tokens=n, temperature=0.0, ignore_eos=True)
+            done = await c.generate_one(prompts[i // per_prompt], max_tokens=n, temperature=temperature,
+                                        ignore_eos=True)
             return len(done.samples[0].token_ids)
 
         return sum(await asyncio.gather(*[one(i, n) for i, n in enumerate(lengths)]))
@@ -50,7 +53,7 @@ def _median_run(times: list[float], tokens: int) -> dict:
 
 
 def run_server(backend: str, spec: str, target: Path, draft: Path, k: int, prompts, lengths, per_prompt: int,
-               max_len: int, repeats: int) -> dict:
+               max_len: int, repeats: int, temperature: float = 0.0) -> dict:
     drafter = "none" if spec == "off" else (f"{draft},suffix" if backend == "native" else str(draft))
     engine = EngineConfig(model=str(target), drafter=drafter, spec=spec, spec_k=k, max_model_len=max_len,
                           max_num_seqs=len(lengths), kv_cache_memory_gb=0.5)
@@ -63,7 +66,7 @@ def run_server(backend: str, spec: str, target: Path, draft: Path, k: int, promp
         times, tokens = [], 0
         for _ in range(repeats):
             start = time.perf_counter()
-            tokens = asyncio.run(_through_client(srv.grpc_target, prompts, lengths, per_prompt))
+            tokens = asyncio.run(_through_client(srv.grpc_target, prompts, lengths, per_prompt, temperature))
             times.append(time.perf_counter() - start)
         table = getattr(srv.server.backend, "table", None)
     out = _median_run(times, tokens) | {"ready_seconds": round(ready_s, 1)}
@@ -71,7 +74,7 @@ def run_server(backend: str, spec: str, target: Path, draft: Path, k: int, promp
 
 
 def run_raw(spec: str, target: Path, draft: Path, k: int, prompts, lengths, per_prompt: int, max_len: int,
-            repeats: int) -> dict:
+            repeats: int, temperature: float = 0.0) -> dict:
     """vLLM's AsyncLLM with the same engine arguments the backend uses, no specroll in between."""
     from vllm import SamplingParams
     from vllm.engine.arg_utils import AsyncEngineArgs
@@ -89,7 +92,7 @@ def run_raw(spec: str, target: Path, draft: Path, k: int, prompts, lengths, per_
         eng = AsyncLLM.from_engine_args(AsyncEngineArgs(**args))
 
         async def one(rid: str, prompt: list[int], n: int) -> int:
-            sp = SamplingParams(max_tokens=n, temperature=0.0, ignore_eos=True, logprobs=0, detokenize=False)
+            sp = SamplingParams(max_tokens=n, temperature=temperature, ignore_eos=True, logprobs=0, detokenize=False)
             outs = [o async for o in eng.generate({"prompt_token_ids": prompt}, sp, request_id=rid)]
             return len(outs[-1].outputs[0].token_ids)
 
@@ -117,6 +120,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--repeats", type=int, default=3, help="rollouts per engine; the median is reported")
     ap.add_argument("--quick", action="store_true", help="small sizes for a smoke run")
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--temperature", type=float, default=0.0, help="0: greedy rollouts; RL rollouts sample (1)")
     args = ap.parse_args(argv)
     logging.basicConfig(level=logging.WARNING, stream=sys.stderr)
     os.environ.setdefault("VLLM_LOGGING_STREAM", "ext://sys.stderr")  # stdout is the JSON line
@@ -137,13 +141,14 @@ def main(argv: list[str] | None = None) -> int:
             kind, spec = name.split("-")
             if kind == "raw":
                 results[name] = run_raw(spec, target, draft, args.k, prompts, lengths, per_prompt, max_len,
-                                        args.repeats)
+                                        args.repeats, args.temperature)
             else:
                 results[name] = run_server(kind, spec, target, draft, args.k, prompts, lengths, per_prompt, max_len,
-                                           args.repeats)
+                                           args.repeats, args.temperature)
             logger.warning("%s: %s", name, results[name])
     out: dict = {"bench": "backends", "model": {"hidden": args.hidden, "layers": args.layers, "vocab": args.vocab},
-                 "requests": len(lengths), "max_len": max(lengths), "results": results}
+                 "requests": len(lengths), "max_len": max(lengths), "temperature": args.temperature,
+                 "results": results}
 
     def ratio(a: str, b: str) -> float | None:
         return round(results[b]["seconds"] / results[a]["seconds"], 3) if a in results and b in results else None
@@ -153,6 +158,7 @@ def main(argv: list[str] | None = None) -> int:
         "vllm_adaptive_vs_fixed": ratio("vllm-adaptive", "vllm-fixed"),
         "native_adaptive_vs_off": ratio("native-adaptive", "native-off"),
         "vllm_off_vs_native_off": ratio("vllm-off", "native-off"),
+        "vllm_fixed_vs_off": ratio("vllm-fixed", "vllm-off"),
         "overhead_vs_raw_vllm": (None if "raw-off" not in results or "vllm-off" not in results else
                                  round(1 - results["raw-off"]["seconds"] / results["vllm-off"]["seconds"], 3)),
         "overhead_vs_raw_vllm_fixed": (None if "raw-fixed" not in results or "vllm-fixed" not in results else

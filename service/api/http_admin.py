@@ -208,9 +208,11 @@ async def rewards(req: RewardsRequest, ctx: AdminCtx) -> dict[str, int]:
 async def server_info(ctx: ApiCtx, request: Request, config_format: Literal["text", "json"] | None = None,
                       ) -> dict[str, Any]:
     """specroll's state, with the fields SGLang's /get_server_info has that slime reads and, for vLLM clients
-    (TRL reads `config_format=json`), a `vllm_config` with the fields they read."""
+    (TRL reads `config_format=json`), a `vllm_config` with the fields they read. `speculative_sampling` (HTTP
+    only: the gRPC message has no such field) says whether sampled requests are served under speculation."""
     info = {**sglang_server_info(ctx), **ctx.info(admin=ctx.auth.is_admin(request.headers.get("authorization"))),
-            "control_auth": ctx.auth.control_auth}  # none: control calls need no token (a trusted network)
+            "control_auth": ctx.auth.control_auth,  # none: control calls need no token (a trusted network)
+            "speculative_sampling": ctx.model().speculative_sampling}
     config = vllm_config(ctx)
     info["vllm_config"] = str(config) if config_format == "text" else config
     return info

@@ -98,6 +98,8 @@ class BackendInfo:
     num_slots: int  # sequences the running batch can hold
     capabilities: frozenset[str] = frozenset()
     parallel: tuple[int, int, int] = (1, 1, 1)  # tensor, pipeline, data parallel sizes
+    # sampled requests under speculation: "exact" (served), "refused: <why>", or "no speculation"
+    speculative_sampling: str = "exact"
 
     @property
     def world_size(self) -> int:

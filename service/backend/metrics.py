@@ -11,7 +11,7 @@ import logging
 from collections.abc import Callable, Iterator
 from typing import TYPE_CHECKING
 
-from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
@@ -109,6 +109,8 @@ class Metrics:
                                       ["role"], buckets=LATENCY_BUCKETS, registry=r)
         self.unrecorded = Counter(P + "rollouts_unrecorded", "Finished rollouts a rollout callback (the buffer) "
                                   "failed to take: they reached the client but not the buffer", registry=r)
+        self.sampling_exact = Gauge(P + "spec_decode_sampling_exact", "1 when sampled requests are served with "
+                                    "speculation on, 0 when refused (the reason in the label)", ["reason"], registry=r)
         r.register(_EngineCollector(self))
 
     def rollout_unrecorded(self) -> None:
@@ -143,6 +145,10 @@ class Metrics:
             self.push_bytes.labels(role).inc(nbytes)
             if swap_seconds is not None:
                 self.swap_seconds.labels(role).observe(swap_seconds)
+
+    def speculative_sampling(self, exact: bool, reason: str = "") -> None:
+        """The start-up verdict on sampled requests under speculation (the vLLM backend's self-check)."""
+        self.sampling_exact.labels(reason[:500]).set(1.0 if exact else 0.0)
 
     def render(self) -> bytes:
         return generate_latest(self.registry)

