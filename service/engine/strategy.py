@@ -1,90 +1,16 @@
 """Adaptive speculation strategy: per step, pick (drafter, k) for the running batch. Torch-free.
 
-The choice is a bandit over arms {plain} + drafters x ks, scored by predicted throughput
+The choice is Thompson sampling over arms {plain} + drafters x ks, scored by predicted throughput
     batch * E[tokens per row] / step cost,   E = 1 + sum_{j<=k} alpha_1 * ... * alpha_j
-where alpha_j is the rate at which the drafter's j-th draft is accepted once drafts 1..j-1 were. It is
-Thompson sampling: each step draws the alphas from the drafter's posteriors and a cost from the cost
-posterior, and runs the arm whose draw is best. Why this and not a greedy rule with a small exploration
-rate (what we had, 9% behind the best fixed k): a rollout spends only a few dozen steps in each batch
-bucket, so the strategy cannot afford to measure arms one by one and cannot afford to sit on an arm it
-has wrongly written off either. Thompson sampling spends exploration in proportion to the chance an arm
-is best: arms clearly worse are almost never run, near-ties (where a wrong pick costs little) are run
-often, and it needs no tuned exploration rate.
+where alpha_j is the rate at which draft j is accepted once drafts 1..j-1 were. Each step draws the alphas from
+the drafter's per-position posteriors and a cost from the cost model, and runs the best draw: exploration goes
+where an arm may be best, which a rollout's few dozen steps per batch bucket can afford.
 
-What makes it fast to converge is sharing across arms:
-- Cost: one online least-squares model of step cost for all arms and batch sizes (`StepCostModel`: target a +
-  b*B, k * (u + v*B) for a verify pass k positions wider, shared by every drafter, plus k * (u_d + v_d*B) for
-  the drafter's own work). Two measured arms of a drafter in any buckets predict all its ks in every bucket,
-  and one drafter's steps price the verify passes of the others. Per (bucket, arm), a correction absorbs what
-  a line misses; the cost draw's spread shrinks with the arm's measurements there, and one stalled step does not
-  shut an arm out (speculative/arm_costs.py). Costs are what the engine measured, including the work between two
-  steps.
-- Catch-up: a draft model that did not run the last steps first feeds itself the tokens it missed. That is
-  learned apart from the arm's cost, as seconds per token, and charged to the arms that would pay it, spread over
-  the steps the switch is expected to last (speculative/catch_up.py says how and why).
-- Acceptance: per drafter, one Beta posterior per draft position, of the rate at which a row that reached
-  that position accepts it (a row that accepted a of k drafts tried positions 1..a+1 and accepted 1..a).
-  One rate for every position (a geometric model) is right for a draft model but not for a suffix table,
-  which either matches a row, and then nearly all its drafts are right, or proposes nothing: pooled into
-  one rate, its 50% matches look like a 50% per-token rate, and deep drafts, which pay most on the tail,
-  look worthless. A position never measured takes the rate drawn for the one before it as its prior, so
-  the first k measured extrapolates to the rest. Every speculative step of any k feeds them (one step
-  counts for at most `trials_per_step` rows, since a batch's rows are not independent). Each batch bucket keeps
-  its own counts as well, shrunk towards the pooled rates (`bucket_trials` pseudo-trials): rows at full batch are
-  early in their responses and the tail's deep in long ones, and in a GRPO run (bench/e2e.py) a suffix table's
-  drafts were accepted at 0.78 at full batch and 0.25 in the tail, a draft model's at 0.83 and 0.6-0.7. Counts are
-  discounted every step, so a drafter that has not run for a while becomes uncertain again and gets
-  re-tried when it may have recovered. A drafter that proposes on the host (a suffix table) needs no re-try:
-  on the steps that do not verify its drafts, they are set against the tokens the rows emitted, which tells
-  what it would have had accepted (speculative/shadow.py says why that is its acceptance in distribution).
-- Collapse: when the newest step (or, at small batches where one step holds few trials, the newest few)
-  is far outside what its bucket expects, pooled over positions (a policy push made the drafter stale), the
-  posterior restarts from those steps, so the strategy leaves a collapsed drafter after one step instead
-  of after a slow decay. Not before the bucket has counts of its own: a tail where the drafter is poorer than
-  at full batch is no collapse.
-- Pushes: a drafter that serves new weights is another model, and what was measured of the old one does not
-  hold for it: its acceptance restarts from the prior (`renew`), as at start-up, and a draw that picks it probes
-  it. Why: a sidecar pushes a drafter distilled towards a policy that had left the old one behind, and that old
-  one's collapsed counts only faded at the discount's pace: after a silent recovery, a scripted run re-used the
-  drafter in 25-37 of the last 100 steps for some seeds.
-Three rules keep exploration cheap: a new bucket starts with one plain step until two buckets have had one (a
-plain step is never a costly mistake, and it separates the target's cost from the drafters' in the model;
-after two, the line knows it, and a plain probe in every bucket was a third of the steps of a near-uniform
-rollout's last few); a drafter whose acceptance is barely known (fewer than `probe_trials` trials at its first
-position) is probed at the smallest k, which measures its acceptance as well as a deep k does at a fraction of
-the price of a wrong guess; and no arm runs more than twice the deepest k its drafter has run, since the cost
-of a deeper one is an extrapolation (a CPU verify of k + 1 positions at full batch costs nearly k + 1 decode
-steps: a k = 6 guess there costs five steps).
-A drafter's first step ever measures nothing: its model's first forwards.
-
-Room: a row emits no more than its token budget leaves (max_tokens, max_model_len), so a draft past its tokens
-left less one (its room) can only be verified, never emitted. The engine gives `choose` each row's room; an arm
-is valued with each row's drafts within it, and the runner limits the drafts to it (`DraftProposal.limit`),
-cutting a pass no row has room for in (none at all: a plain step). Why: valued as if every row drafted k, deep
-arms looked best for the last steps of rows about to end, and their passes verified drafts no row could emit.
-
-A drafter that proposes on the host (the suffix table) is asked before the choice: it says how many drafts it has
-for each row (`proposals`). Such an arm is valued on what the step would verify: a row gets min(k, its proposal)
-drafts, and the verify pass is cut to the longest proposal, so its cost is that of the shorter depth (the runner
-cuts it; the cost is recorded for the depth that ran, `ran_k`); where the rows' drafts leave most of that pass
-empty, the runner packs it (`packs`, speculative/passes.py) and the cost model counts the draft positions
-computed, not the whole grid (`verify_tokens`: a table matching 8 rows of 64 adds 64 positions, not 512). Its
-acceptance is the rate at which a proposed draft is accepted: a row the table has nothing for is no failure,
-since the choice already knew it had nothing. Why: a table matches some rows and not others, and which ones
-changes from step to step. Learned as one rate over all rows (what we had), it kept choosing the table for a last
-tail sequence that had stopped matching, or wrote it off while half the batch matched.
-
-A draft model's arm is also valued assisted by such a drafter (`Strategy.assist`): the draft model drafts k for
-every row, and each row the table has enough drafts for (n or more, where min(k, n) of the table's drafts are
-expected to yield more than the model's k) verifies the table's drafts instead. The table's drafts cost nothing
-once the model's step runs, and the model keeps its cache current on every row. Why: a table covers some rows
-well (repeats across a prompt's samples) and a draft model the rest; as separate arms the strategy had to pick
-one of them for the whole batch, and each switch back to the model paid its catch-up. Each row's acceptance
-goes to the drafter whose drafts it verified.
-
-Host time: `choose` and `record` run between two forwards every step, and a one-row step of a small model lasts
-about a millisecond, so per-row acceptance is tallied over distinct (accepted, drafted) pairs and a bucket's counts
-are discounted when next read (same choices: tests/speculative/test_strategy_bookkeeping.py).
+Sharing makes it converge fast: one cost model for all arms and batch sizes (speculative/cost_model.py) with
+per-bucket corrections (arm_costs.py); acceptance per drafter and position, pooled over buckets and shrunk per
+bucket; catch-up priced apart (catch_up.py); host drafters' drafts shadow-checked on steps that did not run them
+(shadow.py). A step far outside expectation resets a posterior, and a drafter push renews its drafter's.
+docs/speculative.md describes the algorithm; docs/design-notes.md the reasons behind each part.
 """
 
 from __future__ import annotations

@@ -1,31 +1,13 @@
 """The engine's side of the adaptive strategy, around each decode step.
 
-Before the step (`choose`): what each drafter that proposes on the host (a suffix table) has for each row, each
-row's room and how many tokens each drafter would catch up on, so the strategy values every arm on what it would
-verify. After it (`feedback`): what the step cost and had accepted, and each host drafter's drafts the step did
-not verify set against the tokens the rows emitted (speculative/shadow.py); written to the strategy trace as well
-where one is open (service/engine/trace.py).
+Before the step (`choose`): what each host drafter (a suffix table) has for each row, each row's room and how many
+tokens each drafter would catch up on, so the strategy values every arm on what it would verify. After it
+(`feedback`): what the step cost and accepted, and each host drafter's unverified drafts set against the tokens the
+rows emitted (speculative/shadow.py); written to the strategy trace where one is open.
 
-Holding a choice. The choice is Python on the host between two forwards, and at a few rows a step is short: on the
-2-core dev machine the strategy's choice took 0.55-0.65 ms of a 4-7 ms one-row step of the demo model (its record
-another 0.3 ms), 10-15%, and the forward after it ran 0.1-0.5 ms slower than after a held step. Each evicts the
-other's data from the caches: the same choice took 0.25-0.35 ms timed alone, and cutting its arithmetic by a quarter
-saved 5% of it between forwards. So where a choice costs more than `HOST_SHARE` of the step it decides (timed by the
-last step in its batch bucket, not the last step: a new rollout's full batch follows the last one's one-row tail),
-it decides the next steps too (at most `MAX_HOLD` in all), while the batch keeps its rows and each host drafter has
-proposals for as many of them as when it chose: a held suffix-table arm runs plain steps where the table has nothing
-(the runner cuts the pass), and a table that starts matching a lone row ends the hold, so its drafts never wait on a
-held plain arm. Every held step is measured and recorded as any other. Only a drawn choice that repeats the one
-before is held: a switch is often a draw exploring, and held, exploring one-row steps at k = 1 cost more tokens a
-step (4.49 -> 4.01 on a greedy one-row rollout) than the hold saved. Never a probe (a new bucket's plain step, a
-barely known drafter's smallest k); a push (`renew`) ends a hold, and so do new compiled forwards (plain steps are
-probed again). At full batch a step is long and a choice decides one step, as before. Measured with
-bench/strategy_hold.py (one engine, the same greedy one-row responses of the demo model, 1 thread, rounds
-alternating between MAX_HOLD 4 and 1): 1.07x, 1.11x, 0.94x and 1.10x (32 rounds) the tokens a second in four runs,
-about half the steps held. GRPO end to end (bench/e2e.py, nine pairs alternating with the code without it) shows
-no difference that bench can resolve (its pairs spread by +-25%), and bench/spec_decode.py's larger model holds
-nothing (its steps are long: no step held on any of its four shapes, `held_steps` in its JSON; docs/measurements.md).
-The price: a collapsed drafter is left up to `MAX_HOLD` - 1 steps later at those batch sizes.
+Holding a choice: where the choice costs more than `HOST_SHARE` of the step it decides, it decides the next steps
+too (at most `MAX_HOLD`), while the batch keeps its rows and each host drafter still has proposals for as many of
+them. docs/design-notes.md gives the reasons.
 """
 
 from __future__ import annotations

@@ -1,30 +1,11 @@
 """Online speculation depth for the vLLM backend: live acceptance on top of the start-up profile's step costs.
 
-The start-up profile (`service/vllm/profile.py`) measures two different things. Step cost per (batch size, k) is
-a property of the model, drafter and machine: it holds while the server runs. Acceptance is a property of the
-workload and of the drafter's weights: measured on synthetic prompts it missed the real workload by enough to
-cost 10% against a fixed k (vLLM bench), and it collapses when the policy is pushed without its drafter and
-comes back when the drafter is. So the serving engine keeps the profile's cost model and re-estimates the
-acceptance per draft position from every verified draft, and rebuilds vLLM's batch size -> k lookup from both
-every few steps (`OnlineScheduler` in `service/vllm/scheduler.py` runs this inside vLLM's engine-core process).
-
-- Acceptance r_j, the chance that draft positions 0..j are all accepted, is the product of conditional rates
-  c_i = P(position i accepted | 0..i-1 accepted), each counted over the drafts that reached position i with
-  0..i-1 accepted, with a forgetting factor per draft (memory of about `1 / (1 - decay)` drafts, so a batch
-  of 64 sees a collapse within a few steps), shrunk by a prior of `prior_weight` drafts: the profile's rate
-  for position 0, the live rate of position i-1 for position i (geometric acceptance where data is thin).
-  So a drafter the profile underrated is tried deeper as soon as its first position shows it, and when the
-  first position collapses, every r_j collapses with it.
-- The lookup gives each batch size b the k of most tokens per second, (1 + r_0 + ... + r_(k-1)) / t(b, k).
-- Batch sizes whose k is 0 learn nothing: after `probe_every` steps without a draft, one step drafts at the
-  smallest k where the lookup says 0 (a cheap probe), so a drafter that recovers is used again.
-- A push (of the drafter, the policy or both) changes what acceptance measures, so the counts restart from the
-  profile's rates (`renew`): a drafter pushed after a collapse is drafted with at once, not after the collapsed
-  counts fade and probes find it (one draft per probe step at one row: hundreds of steps). Re-learning costs
-  about `prior_weight` drafts, one step at a full batch. vLLM's scheduler is told nothing of pushes, but every
-  push happens inside a pause (`service/vllm/pushes.py`), so the scheduler renews when it resumes.
-
-Pure Python and no torch: it runs in vLLM's scheduler, once per step.
+Step cost per (batch size, k) is a property of the model, drafter and machine, so the start-up profile's cost model
+holds while serving. Acceptance depends on the workload and the drafter's weights, and collapses after a policy
+push without its drafter. So the serving engine re-estimates acceptance per draft position from every verified
+draft (forgetting old drafts, shrunk towards the profile's rates) and rebuilds vLLM's batch size -> k table every
+few steps (`OnlineScheduler` in service/vllm/scheduler.py, inside vLLM's engine-core process). A push resets
+what was learnt. docs/design-notes.md has the details.
 """
 
 from __future__ import annotations

@@ -1,26 +1,11 @@
 """A start-up profile that sets vLLM's per-batch-size speculation table for this model, drafter and machine.
 
-vLLM picks k from the live batch size through a table fixed when its engine is built; nothing changes it later.
-So `--spec adaptive` on the vLLM backend measures before it serves: one short-lived engine whose table gives
-each (batch bucket, k) pair its own batch size (a "striped" table: sizes b, b+1, ... map to k = 0, 1, ...), a
-greedy batch of that size run through it, and vLLM's own counters for the drafts and accepted tokens. From it:
-
-- t(b, k): seconds per engine step at batch size b with k drafts, from a least-squares fit of every measured
-  point to t = a + c*b + k*(u + v*b) (fixed cost, per-sequence cost, per-draft-position cost of the drafter's
-  forward and the wider verify): one model over all points smooths the noise of a few dozen steps per point
-  (a per-point argmax flipped k between neighbouring buckets) and predicts the sizes between buckets;
-- r_j: the measured probability that draft position j is accepted (all before it accepted), at the deepest k,
-  so a step with k drafts yields E(k) = 1 + r_0 + ... + r_(k-1) tokens per sequence;
-
-and for every batch size the k with the most tokens per second, E(k) / t(b, k). That is the table the serving
-engine is built with. Why a profile and not online adaptation inside vLLM: the table is the one supported
-control (a custom scheduler or proposer would tie specroll to internals its maintainers call unstable), and a
-profile of real steps captures what a cost model would have to guess (the drafter's forward cost, the verify
-pass's, the batch's memory-boundness). Its limit: acceptance is measured on synthetic prompts; a workload whose
-acceptance differs a lot (GRPO siblings with an n-gram drafter) can pass its own table with `--spec-table`.
-
-The result is cached under $SPECROLL_CACHE/vllm-profiles (keyed by model, drafter, k, batch limit, device and
-vLLM version): a restart on the same machine builds one engine, not two.
+vLLM picks k from the live batch size through a table fixed when its engine is built. So `--spec adaptive` on the
+vLLM backend first runs one short-lived engine whose table gives each (batch bucket, k) pair its own batch size,
+and reads vLLM's own draft counters. From it: t(b, k), seconds per step, from one least-squares fit
+t = a + c*b + k*(u + v*b) over all points; and r_j, the probability that draft position j is accepted. For every
+batch size the table takes the k with the most tokens per second, E(k) / t(b, k). The table is the one control
+vLLM supports, so specroll relies on no unstable internals. docs/design-notes.md has the details.
 """
 
 from __future__ import annotations

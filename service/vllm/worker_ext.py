@@ -1,19 +1,16 @@
 """Methods vLLM mixes into each of its workers (`worker_extension_cls`); the backend calls them with
 `collective_rpc`, so they run on every tensor / pipeline parallel rank.
 
-vLLM can replace the target's weights in place on every platform (`reload_weights`), but a drafter's only over
-its GPU transfer engines (NCCL / CUDA IPC). `specroll_reload_drafter` fills that gap the way vLLM reloads a
-target: the draft model's own `load_weights` between the layer-wise reload hooks that re-run the platform's
-weight processing (CPU repacking, quantisation) into the existing tensors, so captured graphs and compiled code
-keep pointing at valid storage.
+`specroll_reload_drafter` replaces a drafter's weights in place the way vLLM reloads a target: the draft model's
+`load_weights` between the layer-wise reload hooks that re-run the platform's weight processing, so captured graphs
+and compiled code keep valid storage.
 
-Speculative sampling: vLLM imports this module in each worker after its platform replaced Triton kernels and
-before the model runner exists, so the expand fix (`service/vllm/expand_fix.py`) is probed and installed here,
-at import, on CPU platforms. `specroll_sampling_check` reports it per rank and runs the start-up self-check
-(`service/vllm/sampler_check.py`) on the rejection sampler this worker serves with.
+On CPU platforms the expand fix (service/vllm/expand_fix.py) is probed and installed at import, after the platform
+replaced Triton kernels and before the model runner exists. `specroll_sampling_check` reports it per rank and runs
+the start-up self-check (service/vllm/sampler_check.py) on this worker's rejection sampler.
 
-Nothing may raise out of these methods: an exception inside a worker kills vLLM's engine. Failures come back as
-a message instead, and the backend turns them into a refused push (or refused sampled requests).
+Nothing may raise out of these methods: an exception inside a worker kills vLLM's engine. Failures come back as a
+message, and the backend refuses the push or the sampled requests.
 """
 
 from __future__ import annotations

@@ -2,7 +2,8 @@
 
 Every operation of the server's own `/openapi.json` gets schema-conforming and schema-violating cases (seeded,
 a few per operation) sent with the admin token, so admin endpoints run too. The server's limits keep the cases
-cheap (a few tokens per sample). A case that pauses the server (/pause, /pause_generation) is followed by a resume so later cases run.
+cheap (a few tokens per sample).
+A case that pauses the server (/pause, /pause_generation) is followed by a resume so later cases run.
 """
 
 from __future__ import annotations

@@ -1,19 +1,12 @@
 """What an arm's step costs in a batch bucket, as the adaptive strategy draws it. Torch-free.
 
-One line for all arms and buckets (`StepCostModel`) and, per (bucket, arm), a correction: the arm's recent
-seconds there over what the line predicts now for their batch sizes and widths, shrunk towards 1 by the number
-of measurements (`correction`). Against the line as it is now: a ratio taken when a step was recorded keeps the
-error of the line of that time (while still its prior, it made the first draft k = 2 step look 74% dearer than
-the line learnt a step later, and k = 2 was never run again).
+One line for all arms and buckets (`StepCostModel`) and, per (bucket, arm), a correction: the arm's recent seconds
+there over what the line predicts now, shrunk towards 1 by the number of measurements (`correction`).
 
-Stalls. A step is slowed by whatever else runs on the machine, never sped up. Priced at one measurement that
-was a stall, the best arm of a bucket was never run there again (scripted: a 6x stall on the first k = 4 step,
-k = 4 best by ~10%, ran 0 of the last 100 steps against ~100 without it; tests/speculative/test_strategy.py).
-So:
-- an arm measured once at over `STALL` times the line draws its correction anywhere between 1 and that price
-  (as likely stalled as dear), at the quantile of the same draw that sets its noise: one draw, one optimism, and
-  no extra random numbers, so the strategy's other draws are unchanged;
-- a step under 1 / `STALL` of the arm's mean before, both against the line, says that mean was a stall: it is
+A step is slowed by whatever else runs on the machine, never sped up, so one stall must not shut an arm out:
+- an arm measured once at over `STALL` times the line draws its correction between 1 and that price, at the
+  quantile of the draw that sets its noise (no extra random numbers);
+- a later step under 1 / `STALL` of the arm's mean, both against the line, says that mean was a stall: it is
   forgotten.
 """
 

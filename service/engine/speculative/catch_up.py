@@ -1,20 +1,12 @@
 """What a switch to a draft model costs before it drafts: the tokens it missed, fed to it first. Torch-free.
 
-A draft model that did not run the last steps first feeds itself the tokens it missed. Before a step each drafter
-says how many it would feed beyond what follows its own steps (`Drafter.catch_up`), and the step reports how long
-those took (timed around the pass that fed them). The catch-up is kept out of the arm's cost (one costly catch-up
-would write the arm off, and the longer it stayed off the costlier the next catch-up: the old strategy sat on plain
-decoding at full batch for that reason) and learned apart, as seconds per token, each catch-up weighing by its
-tokens (large catch-ups of a near-uniform rollout cost 2-2.8x per token what the small ones before them had set).
+Before a step each drafter says how many tokens it would feed beyond its own steps (`Drafter.catch_up`), and the
+step reports how long those took. The catch-up is kept out of the arm's cost (one costly catch-up would write the
+arm off) and learned apart, as seconds per token, each catch-up weighing by its tokens.
 
-It is charged to the arms that would pay it, spread over the steps the switch is expected to last (`horizon`): how
-long the drafter stayed once switched to, lately, or, where the batch has drained into another bucket since the
-drafter last ran, how long it has been away if longer; where its last stay begun in this bucket is known, that stay
-(in GRPO every step drains through the same buckets); never over more steps than the batch has left at the arm's
-pace (a near-uniform rollout switched to the draft model as its last rows finished and paid a whole catch-up for a
-few steps). Why timed, not inferred: inferred as a step's excess over the cost model's prediction, the first
-switch's excess was the error of a line fit on a few steps in another bucket; it priced a catch-up token at ~10x its
-cost and kept the draft model out of a near-uniform rollout's whole full-batch phase.
+It is charged to the arms that would pay it, spread over the steps the switch is expected to last (`horizon`):
+the drafter's recent stays, or its absence where the batch has drained into another bucket, never more steps than
+the batch has left at the arm's pace. docs/design-notes.md gives the reasons.
 """
 
 from __future__ import annotations

@@ -3,23 +3,11 @@
     plain step of B rows:            cost = a + b * B
     speculative step, drafter d, k:  cost = a + b * B + k * u + v * T + k * (u_d + v_d * B)
 
-(a, b) are the target's fixed and per-row cost; k * u + v * T is what k more positions cost the verify pass,
-the same whichever drafter proposed them, T the draft positions it computes: B * k, or fewer where rows with
-fewer drafts run packed (`passes.verify_tokens`); k * (u_d + v_d * B) is the drafter's own work (about nothing for a
-suffix table, k small forwards for a draft model). The verify term is shared so that one drafter's steps price
-another's: before, each drafter had one term for both, and a suffix table, unmeasured, was priced at the prior
-(a position for 0.3 of a plain step; 0.6-0.9 measured at full batch on a CPU), so it looked cheap and ran
-where it did not pay. All parameters are fit jointly from every measured step, whatever its batch size, so a
-measurement in one batch bucket informs the others. Each step is weighted by 1 / cost^2 (relative error: costs
-span 10x and more across batch sizes) and older steps fade by `forget`, which keeps the fit local to the batch
-sizes and context lengths of the last few dozen steps (a rollout drains slowly). A weak ridge prior ties
-(u, v) to `prior_marginal` x (a, b), each drafter's (u_d, v_d) to `own[d]` x (a, b) and b to a / `prior_rows`,
-so the fit is defined from the first step; it splits what a drafter's steps measure between the shared and its
-own term until a second drafter's steps tell them apart. `own[d]` is what the engine knows of a drafter before
-it runs: a draft position of a draft model costs its multiply-adds over the target's (0.12 for the 1-layer draft
-of bench/spec_decode.py's 12-layer target), one of a host table nothing. Why not 0 for all (what we had): a draft
-model was priced like a table until its first measured step, so the first choice between them was a coin flip. A
-drafter's own terms are kept at 0 or more (see `theta`).
+(a, b) are the target's fixed and per-row cost; k * u + v * T is what k more positions cost the verify pass, shared
+by all drafters (T: the draft positions it computes); k * (u_d + v_d * B) is the drafter's own work. All parameters
+are fit jointly from every measured step, so one bucket's steps inform the others and one drafter's steps price
+another's verify. Steps are weighted by 1 / cost^2 (relative error) and fade by `forget`. A weak ridge prior ties
+the terms to the target's cost, so the fit is defined from the first step. docs/design-notes.md has more.
 """
 
 from __future__ import annotations
