@@ -215,7 +215,8 @@ def test_tools_and_kwargs_reach_the_template_and_bad_input_is_refused(http, tok)
     assert r.status_code == 401
 
 
-JSON = st.recursive(st.none() | st.booleans() | st.integers(-3, 3) | st.floats(allow_nan=False) | st.text(max_size=8),
+FLOATS = st.floats(allow_nan=False, allow_infinity=False)  # what JSON can carry
+JSON = st.recursive(st.none() | st.booleans() | st.integers(-3, 3) | FLOATS | st.text(max_size=8),
                     lambda inner: st.lists(inner, max_size=3) | st.dictionaries(st.text(max_size=6), inner, max_size=3),
                     max_leaves=8)
 MESSAGE = st.fixed_dictionaries({"role": st.sampled_from(["system", "user", "assistant", "tool", "x"]) | JSON},
