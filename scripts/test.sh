@@ -76,12 +76,12 @@ bash bench/setup_vllm_venv.sh .venv-vllm
 echo "==> ruff check"
 python3 -m ruff check .
 
-# Each pytest run has a time limit of its own, well above its usual time (about 11 and 8 minutes on 2 cores), so
+# Each pytest run has a time limit of its own, well above its usual time (see the durations each run prints), so
 # that a hang still leaves the other run and the log's summary inside CI's 90 minutes: SIGINT first (pytest then
 # prints its summary), SIGKILL a minute later. Unbuffered, so a killed run's log ends where it stopped.
 export PYTHONUNBUFFERED=1
-MAIN_LIMIT_S="${SPECROLL_TEST_LIMIT_S:-2400}"
-VLLM_LIMIT_S="${SPECROLL_VLLM_TEST_LIMIT_S:-1200}"
+MAIN_LIMIT_S="${SPECROLL_TEST_LIMIT_S:-2700}"
+VLLM_LIMIT_S="${SPECROLL_VLLM_TEST_LIMIT_S:-1500}"
 
 run_pytest() {  # exit 5 (no tests collected) is a failure, not a pass; 124 or 137: over its time limit
     local limit="$1" rc=0 started=$SECONDS
