@@ -16,6 +16,7 @@ from vllm_utils import check_cut_at_push, hf_greedy, hf_of
 
 from client import SpecrollClient
 from service.api.generation import Limits
+from service.backend.admission import request_share
 from service.vllm.config import VllmConfig, vllm_drafter
 from service.vllm.profile import Profile, cache_path, candidate_ks, save
 from service.vllm.stats import vllm_counters
@@ -26,7 +27,10 @@ LEN = 512
 BLOCK = 128  # vLLM's CPU block size: this prompt fills one block, which prefix caching keeps
 PROMPT = [(3 * i + 1) % 16 for i in range(BLOCK + 20)]
 LONG = [5, 6, 7]
-ROWS = 64  # greedy rows of one prompt: enough for outputs made before a push to reach the server after it
+SLOTS = 64
+# greedy rows of one prompt: enough for outputs made before a push to reach the server after it, and all running
+# at once (a request runs at most its share of the slots; its other samples start later, like a later request)
+ROWS = request_share(SLOTS)
 
 
 K = 3
@@ -39,7 +43,7 @@ PROFILE = Profile({(b, k): 1e-3 + 5e-4 * k for b in (1, 8) for k in candidate_ks
 @pytest.fixture(scope="module")
 def server(vllm_model, tmp_path_factory):
     """The draft model is the target's own checkpoint: every draft is accepted until a push changes one."""
-    engine_kw = {"max_model_len": LEN, "max_num_seqs": 64, "kv_cache_memory_gb": 0.125,
+    engine_kw = {"max_model_len": LEN, "max_num_seqs": SLOTS, "kv_cache_memory_gb": 0.125,
                  "drafter": str(vllm_model), "spec": "adaptive", "spec_k": K}
     vcfg = VllmConfig(num_speculative_tokens=K, gpu_memory_utilization=0.3)
     with pytest.MonkeyPatch.context() as mp:
