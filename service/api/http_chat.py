@@ -21,7 +21,7 @@ from typing import Any
 
 from fastapi import APIRouter, Request
 from fastapi.responses import StreamingResponse
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import ConfigDict, Field
 
 from service.api.context import ServiceContext
 from service.api.deps import ApiCtx
@@ -37,6 +37,7 @@ from service.api.generation import (
     make_stop,
     run_all,
 )
+from service.api.http_openai import SamplingFields
 from service.api.sse import sse, stream_updates
 from service.chat_template import ChatTemplateError, ChatTemplates
 from service.tokenizer import Tokenizer
@@ -48,22 +49,15 @@ router = APIRouter(tags=["openai"])
 _MARK = "\u2063specroll-assistant-end\u2063"
 
 
-class ChatRequest(BaseModel):
+class ChatRequest(SamplingFields):
     model_config = ConfigDict(extra="ignore")
 
     model: str | None = None
     messages: list[dict[str, Any]] = Field(min_length=1)
     max_tokens: int | None = None
     max_completion_tokens: int | None = None
-    temperature: float | None = None
-    top_p: float | None = None
-    n: int = 1
-    seed: int | None = None
-    stop: str | list[str] | None = None
     logprobs: bool = False
     top_logprobs: int | None = Field(default=None, ge=0, le=20)
-    stream: bool = False
-    stream_options: dict[str, Any] | None = None
     tools: list[dict[str, Any]] | None = None
     tool_choice: str | dict[str, Any] | None = None
     parallel_tool_calls: bool | None = None
@@ -73,17 +67,6 @@ class ChatRequest(BaseModel):
     continue_final_message: bool = False
     chat_template: str | None = None
     response_format: dict[str, Any] | None = None
-    presence_penalty: float = 0.0
-    frequency_penalty: float = 0.0
-    logit_bias: dict[str, float] | None = None
-    user: str | None = None
-    top_k: int | None = None
-    min_p: float | None = None
-    stop_token_ids: list[int] | None = None
-    ignore_eos: bool = False
-    group_id: str | None = None
-    request_id: str | None = None
-    metadata: dict[str, str] | None = None
     history_token_ids: list[int] | None = None
     prompt_token_ids: list[int] | None = None
     tokens: list[int] | None = None

@@ -38,26 +38,19 @@ from service.api.sse import sse, stream_updates
 router = APIRouter(tags=["openai"])
 
 
-class CompletionRequest(BaseModel):
-    model_config = ConfigDict(extra="allow")  # vLLM's extra fields are checked against compat's neutral values
+class SamplingFields(BaseModel):
+    """The OpenAI sampling fields and specroll's extras that completions and chat completions share."""
 
-    model: str | None = None
-    prompt: str | list[str] | list[int] | list[list[int]]
-    max_tokens: int | None = 16
     temperature: float | None = None
     top_p: float | None = None
     n: int = 1
     seed: int | None = None
     stop: str | list[str] | None = None
-    logprobs: int | None = Field(default=None, ge=0, le=20)
     stream: bool = False
     stream_options: dict[str, Any] | None = None
-    echo: bool = False
-    best_of: int | None = None
     presence_penalty: float = 0.0
     frequency_penalty: float = 0.0
     logit_bias: dict[str, float] | None = None
-    suffix: str | None = None
     user: str | None = None
     top_k: int | None = None
     min_p: float | None = None
@@ -66,6 +59,18 @@ class CompletionRequest(BaseModel):
     group_id: str | None = None
     request_id: str | None = None
     metadata: dict[str, str] | None = None
+
+
+class CompletionRequest(SamplingFields):
+    model_config = ConfigDict(extra="allow")  # vLLM's extra fields are checked against compat's neutral values
+
+    model: str | None = None
+    prompt: str | list[str] | list[int] | list[list[int]]
+    max_tokens: int | None = 16
+    logprobs: int | None = Field(default=None, ge=0, le=20)
+    echo: bool = False
+    best_of: int | None = None
+    suffix: str | None = None
     return_token_ids: bool | None = None  # vLLM: token ids per choice (always sent here)
     return_tokens_as_token_ids: bool = False  # vLLM: logprobs name tokens "token_id:N"
 
