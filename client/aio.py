@@ -207,14 +207,15 @@ class AsyncSpecrollClient:
     # -- weights ------------------------------------------------------------------------------------
     async def push_weights(self, weights: Mapping[str, Any] | str | Path, version: str, *, role: str = "target",
                            mode: str = "wait", dtype: Any = None, chunk_bytes: int = wt.CHUNK_BYTES,
-                           hash_threads: int = 4, cast: bool = False) -> PushResult:
+                           hash_threads: int = 4, cast: bool = False, checksum: str = wt.checksums.DEFAULT,
+                           ) -> PushResult:
         """Push a state_dict (Hugging Face names) or a safetensors folder; the server swaps atomically. The
         tensors must be in the served dtype, or `cast=True` asks the server to cast them (`dtype` casts here,
-        before sending)."""
+        before sending). `checksum`: each tensor's integrity check, xxh3_128 | crc32c | sha256."""
         tensors = (wt.from_folder(weights) if isinstance(weights, str | Path)
                    else wt.from_state_dict(weights, dtype))
-        await asyncio.to_thread(wt.hash_all, tensors, hash_threads)
-        manifest = wt.manifest(tensors, role, version, mode, cast)
+        await asyncio.to_thread(wt.hash_all, tensors, hash_threads, checksum)
+        manifest = wt.manifest(tensors, role, version, mode, cast, checksum)
 
         async def call() -> Any:
             head = pb2.PushWeightsRequest(manifest=manifest)

@@ -2,12 +2,12 @@
 
 Folders are memory-mapped and their tensor bytes are sent as they are on disk (no torch needed); state_dict
 tensors are moved to CPU, optionally cast, and sent from their own memory. Chunks are encoded straight into
-the PushWeightsRequest wire format so tensor bytes are copied once on the way out.
+the PushWeightsRequest wire format so tensor bytes are copied once on the way out. Each tensor carries a digest
+of the push's checksum kind (client/checksums.py: xxh3_128 by default).
 """
 
 from __future__ import annotations
 
-import hashlib
 import json
 import mmap
 import struct
@@ -17,6 +17,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from client import checksums
 from client.protogen import pb2
 
 CHUNK_BYTES = 4 * 2**20
@@ -29,7 +30,7 @@ class TensorBytes:
     dtype: str
     shape: tuple[int, ...]
     data: memoryview  # raw little-endian bytes
-    sha256: str = ""
+    digest: str = ""  # hex, of the push's checksum kind
     owner: Any = None  # keeps the memory alive (a tensor or an mmap)
 
 
@@ -90,20 +91,26 @@ def from_folder(path: str | Path) -> list[TensorBytes]:
     return out
 
 
-def hash_all(tensors: list[TensorBytes], threads: int = 4) -> None:
-    """Fill in each tensor's sha256 (hashlib releases the GIL, so threads help)."""
+def hash_all(tensors: list[TensorBytes], threads: int = 4, checksum: str = checksums.DEFAULT) -> None:
+    """Fill in each tensor's digest of kind `checksum` (the hashes release the GIL, so threads help)."""
+    kind = checksums.kind_of(checksum)
     with ThreadPoolExecutor(max_workers=threads) as pool:
-        for t, digest in zip(tensors, pool.map(lambda x: hashlib.sha256(x.data).hexdigest(), tensors), strict=True):
-            t.sha256 = digest
+        for t, digest in zip(tensors, pool.map(lambda x: checksums.digest_of(kind, x.data), tensors), strict=True):
+            t.digest = digest
 
 
-def manifest(tensors: list[TensorBytes], role: str, version: str, mode: str, cast: bool = False) -> Any:
+def manifest(tensors: list[TensorBytes], role: str, version: str, mode: str, cast: bool = False,
+             checksum: str = checksums.DEFAULT) -> Any:
+    """The push's manifest; each tensor's digest (`hash_all` with the same `checksum`) goes in its TensorSpec."""
+    kind = checksums.kind_of(checksum)
     dtypes = sorted({t.dtype for t in tensors})
     if len(dtypes) != 1:
         raise ValueError(f"a push has one checkpoint dtype; these tensors have {dtypes} (pass dtype= to cast)")
-    specs = [pb2.TensorSpec(name=t.name, dtype=t.dtype, shape=list(t.shape), nbytes=len(t.data), sha256=t.sha256)
+    specs = [pb2.TensorSpec(name=t.name, dtype=t.dtype, shape=list(t.shape), nbytes=len(t.data), digest=t.digest,
+                             sha256=t.digest if kind == "sha256" else "")  # servers that predate `checksum`
              for t in tensors]
-    return pb2.WeightManifest(role=role, version=version, dtype=dtypes[0], tensors=specs, mode=mode, cast=cast)
+    return pb2.WeightManifest(role=role, version=version, dtype=dtypes[0], tensors=specs, mode=mode, cast=cast,
+                              checksum=kind)
 
 
 def iter_chunks(tensors: list[TensorBytes], chunk_bytes: int = CHUNK_BYTES) -> Iterator[RawChunk]:

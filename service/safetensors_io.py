@@ -78,6 +78,13 @@ def read_header(path: Path) -> dict[str, tuple[str, tuple[int, ...]]]:
             raw = f.read(n)
     except OSError as exc:
         raise CheckpointError(f"{label}: cannot be read: {exc}") from exc
+    return {name: (dtype, shape) for name, dtype, shape, _, _ in header_spans(raw, size - 8 - n, label)}
+
+
+def header_spans(raw: bytes, data_bytes: int | None, label: str) -> list[tuple[str, str, tuple[int, ...], int, int]]:
+    """A safetensors header's tensors as (name, dtype, shape, begin, end) in data order, after checking that
+    their spans tile the `data_bytes` that follow the header (None: a body whose length is not known yet; the
+    spans must still tile [0, end of the last])."""
 
     def unique(pairs: list[tuple[str, object]]) -> dict[str, object]:
         out: dict[str, object] = {}
@@ -95,9 +102,7 @@ def read_header(path: Path) -> dict[str, tuple[str, tuple[int, ...]]]:
         raise CheckpointError(f"{label}: the header is not JSON: {exc}") from exc
     if not isinstance(header, dict):
         raise CheckpointError(f"{label}: the header is not a JSON object")
-    data_bytes = size - 8 - n
-    out: dict[str, tuple[str, tuple[int, ...]]] = {}
-    spans: list[tuple[int, int, str]] = []
+    spans: list[tuple[int, int, str, str, tuple[int, ...]]] = []
     for name, meta in header.items():
         if name == "__metadata__":
             continue
@@ -115,20 +120,19 @@ def read_header(path: Path) -> dict[str, tuple[str, tuple[int, ...]]]:
         if offsets[1] - offsets[0] != want:
             raise CheckpointError(f"{label}: the header lies about tensor {name!r}: shape {shape} in {dtype} is "
                                   f"{want} bytes, its data_offsets span {offsets[1] - offsets[0]}")
-        if offsets[1] > data_bytes:
+        if data_bytes is not None and offsets[1] > data_bytes:
             raise CheckpointError(f"{label}: the header lies about tensor {name!r}: its bytes end at {offsets[1]}, "
                                   f"past the {data_bytes} data bytes the file holds")
-        spans.append((offsets[0], offsets[1], name))
-        out[name] = (dtype, tuple(shape))
+        spans.append((offsets[0], offsets[1], name, dtype, tuple(shape)))
     end = 0
-    for begin, stop, name in sorted(spans):
+    for begin, stop, name, _, _ in sorted(spans):
         if begin != end:
             raise CheckpointError(f"{label}: the header lies: tensor {name!r} starts at byte {begin}, the tensor "
                                   f"before it ends at {end} (spans must follow each other without gaps or overlap)")
         end = stop
-    if end != data_bytes:
+    if data_bytes is not None and end != data_bytes:
         raise CheckpointError(f"{label}: the header covers {end} data bytes, the file holds {data_bytes}")
-    return out
+    return [(name, dtype, shape, begin, stop) for begin, stop, name, dtype, shape in sorted(spans)]
 
 
 def iter_safetensors(files: list[Path]) -> Iterator[tuple[str, torch.Tensor]]:
