@@ -1,36 +1,41 @@
 """Weight pushes: manifest validation and chunk assembly, independent of the transport.
 
-A push is a manifest (role, version, checkpoint dtype, tensors with Hugging Face names, shapes, byte sizes
-and sha256) followed by the tensors' raw bytes in manifest order, in chunks of at most 4 MiB. Everything
-that can be checked is checked before the first byte is accepted (the one weight validation's `declared`
-half, service/backend/weight_check.py, plus sizes and checksums' form); each tensor's checksum is verified as
-soon as its bytes are complete, and the new weights are built beside the serving ones by a worker thread
-while the bytes still arrive. Nothing is swapped unless the whole push was good.
+A push is a manifest (role, version, checkpoint dtype, checksum kind, tensors with Hugging Face names, shapes,
+byte sizes and digests) followed by the tensors' raw bytes in manifest order, in chunks. Everything that can be
+checked is checked before the first byte is accepted (the one weight validation's `declared` half,
+service/backend/weight_check.py, plus sizes and digests' form); each tensor's digest (xxh3_128, crc32c or
+sha256: client/checksums.py) is verified as soon as its bytes are complete, and the new weights are built beside
+the serving ones by a worker thread while the bytes still arrive. A tensor that lies inside one chunk is handed
+on as a view of it; a longer one is gathered in a staging buffer that is reused (no allocation per tensor or
+push). Nothing is swapped unless the whole push was good.
 """
 
 from __future__ import annotations
 
 import asyncio
-import hashlib
 import math
 import queue
 import re
+import struct
 import threading
-from collections.abc import Callable, Iterator
+from collections.abc import AsyncIterator, Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Generic, TypeVar
 
 import numpy as np
 import torch
 
+from client import checksums
 from service.backend.base import ROLES, PushError, PushUnsupported, WeightSpec
 from service.backend.weight_check import DTYPES, Declared, WeightCheck, dtype_name
+from service.safetensors_io import MAX_HEADER_BYTES, CheckpointError, header_spans
 
 T = TypeVar("T")
 MAX_CHUNK_BYTES = 4 * 2**20
+BODY_PART_BYTES = 4 * 2**20  # body pieces of an HTTP upload handed to the worker at a time
 _VERSION = re.compile(r"^[A-Za-z0-9._:+@/-]{1,128}$")
-_HEX64 = re.compile(r"^[0-9a-f]{64}$")
-__all__ = ["DTYPES", "ChunkReceiver", "Manifest", "PushError", "PushResult", "TensorEntry", "dtype_name",
+_ST_DTYPES = {"F32": "float32", "BF16": "bfloat16", "F16": "float16"}
+__all__ = ["DTYPES", "ChunkReceiver", "Manifest", "PushError", "PushResult", "Staging", "TensorEntry", "dtype_name",
            "validate_manifest"]
 
 
@@ -40,7 +45,7 @@ class TensorEntry:
     dtype: str
     shape: tuple[int, ...]
     nbytes: int
-    sha256: str
+    digest: str = ""  # hex, of the manifest's checksum kind
 
 
 @dataclass(slots=True)
@@ -51,6 +56,8 @@ class Manifest:
     tensors: list[TensorEntry]
     mode: str = "wait"
     cast: bool = False  # the pusher asks for its dtype to be cast to the serving one
+    checksum: str | None = checksums.LEGACY  # each tensor's digest kind; None: none per tensor (an upload's body
+    # carries one for the whole body)
 
     @property
     def total_bytes(self) -> int:
@@ -78,6 +85,11 @@ def check_role_version(role: str, version: str) -> None:
 def validate_manifest(m: Manifest, spec: WeightSpec, max_bytes: int) -> None:
     """Check a manifest completely before any byte is accepted; `spec` is what the role's weights must be."""
     check_role_version(m.role, m.version)
+    if m.checksum is not None:
+        try:
+            m.checksum = checksums.kind_of(m.checksum)
+        except ValueError as exc:
+            raise PushError(str(exc)) from None
     if not m.tensors:
         raise PushError("the manifest lists no tensors")
     declared = dtype_name(m.dtype)
@@ -94,8 +106,9 @@ def validate_manifest(m: Manifest, spec: WeightSpec, max_bytes: int) -> None:
         if t.nbytes != expected:
             raise PushError(f"tensor {t.name!r}: nbytes {t.nbytes} != {expected} for shape {list(t.shape)} "
                             f"in {declared}")
-        if not _HEX64.match(t.sha256.lower()):
-            raise PushError(f"tensor {t.name!r}: sha256 must be 64 hex digits, got {t.sha256!r}")
+        if m.checksum is not None and not checksums.well_formed(m.checksum, t.digest):
+            raise PushError(f"tensor {t.name!r}: its {m.checksum} digest must be {checksums.hex_digits(m.checksum)} "
+                            f"hex digits, got {t.digest!r}")
     if m.total_bytes > max_bytes:
         raise PushError(f"push of {m.total_bytes} bytes exceeds the server limit of {max_bytes} bytes")
 
@@ -103,19 +116,41 @@ def validate_manifest(m: Manifest, spec: WeightSpec, max_bytes: int) -> None:
 _END, _CANCEL = object(), object()
 
 
+class Staging:
+    """A byte buffer a push gathers tensors in, grown to the largest tensor seen and kept for later pushes: one
+    per role (one push per role at a time), so a steady stream of pushes allocates nothing."""
+
+    def __init__(self) -> None:
+        self._buf = np.empty(0, dtype=np.uint8)
+        self.lock = threading.Lock()  # held by the worker using it (a cancelled push's may still be draining)
+
+    def take(self, nbytes: int) -> np.ndarray:
+        if self._buf.size < nbytes:
+            self._buf = np.empty(nbytes, dtype=np.uint8)
+        return self._buf[:nbytes]
+
+
 class ChunkReceiver(Generic[T]):
     """Accepts the byte stream of a push and runs `build(tensors)` on a worker thread as tensors complete.
 
-    `build` gets an iterator of (name, tensor) in manifest order; every tensor it sees has passed its
-    checksum. A bad chunk, a checksum mismatch or a cancel makes the iterator raise, so `build` fails
-    and nothing it made escapes.
+    `build` gets an iterator of (name, tensor) in manifest order; every tensor it sees has passed its digest
+    and stays valid only until it asks for the next (the bytes under it are reused: copy them). A bad chunk, a
+    digest mismatch or a cancel makes the iterator raise, so `build` fails and nothing it made escapes.
+    `whole`: a hasher fed every byte in order (an upload's body hash, the header fed beforehand) that must
+    end as `whole_digest`. `discard` releases what `build` made when the push fails after it.
     """
 
     def __init__(self, manifest: Manifest, build: Callable[[Iterator[tuple[str, torch.Tensor]]], T],
-                 max_queued: int = 16) -> None:
+                 max_queued: int = 16, staging: Staging | None = None, max_chunk: int = MAX_CHUNK_BYTES,
+                 whole: tuple[checksums.Hasher, str, str] | None = None,
+                 discard: Callable[[T], None] | None = None) -> None:
         self.manifest = manifest
         self.received = 0
         self._build = build
+        self._staging = staging or Staging()
+        self._max_chunk = max_chunk
+        self._whole = whole  # (hasher, kind, expected hex digest)
+        self._discard = discard
         self._q: queue.Queue[Any] = queue.Queue(maxsize=max_queued)
         self._result: T | None = None
         self._error: BaseException | None = None
@@ -126,8 +161,8 @@ class ChunkReceiver(Generic[T]):
     def _check_chunk(self, offset: int, size: int) -> None:
         if self._error is not None:
             raise self._as_push_error(self._error)
-        if size > MAX_CHUNK_BYTES:
-            raise PushError(f"chunk at offset {offset} has {size} bytes; chunks must be at most {MAX_CHUNK_BYTES}")
+        if size > self._max_chunk:
+            raise PushError(f"chunk at offset {offset} has {size} bytes; chunks must be at most {self._max_chunk}")
         if offset != self.received:
             raise PushError(f"chunk at offset {offset} but {self.received} bytes were received so far "
                             "(chunks must be sent in order, without gaps)")
@@ -144,16 +179,22 @@ class ChunkReceiver(Generic[T]):
         if self._error is not None:
             raise self._as_push_error(self._error)
 
-    def feed(self, offset: int, data: bytes | memoryview) -> None:
-        """Blocking variant for threads."""
-        self._check_chunk(offset, len(data))
-        self.received += len(data)
+    @staticmethod
+    def _size(data: Any) -> int:
+        return sum(len(p) for p in data) if isinstance(data, list) else len(data)
+
+    def feed(self, offset: int, data: bytes | memoryview | list[Any]) -> None:
+        """Blocking variant for threads; `data` is one buffer or a list of buffers that follow each other."""
+        size = self._size(data)
+        self._check_chunk(offset, size)
+        self.received += size
         self._put(data)
 
-    async def afeed(self, offset: int, data: bytes | memoryview) -> None:
+    async def afeed(self, offset: int, data: bytes | memoryview | list[Any]) -> None:
         """Event-loop variant: waits off the loop only when the worker lags behind."""
-        self._check_chunk(offset, len(data))
-        self.received += len(data)
+        size = self._size(data)
+        self._check_chunk(offset, size)
+        self.received += size
         try:
             self._q.put_nowait(data)
         except queue.Full:
@@ -183,13 +224,25 @@ class ChunkReceiver(Generic[T]):
 
     # -- worker side -------------------------------------------------------------------------------
     def _work(self) -> None:
+        with self._staging.lock:
+            self._run()
+
+    def _run(self) -> None:
         try:
             self._result = self._build(self._tensors())
             if self._q.get() is not _END:  # build stopped early: it must have consumed every tensor
                 raise PushError("the weights were built before the push ended")
+            if self._whole is not None:
+                hasher, kind, want = self._whole
+                if hasher.hexdigest() != want.lower():
+                    raise PushError(f"checksum mismatch: the body hashes to {hasher.hexdigest()} ({kind}), the "
+                                    f"request says {want}")
         except BaseException as exc:
             self._error = exc
             self._drain()
+            built, self._result = self._result, None
+            if built is not None and self._discard is not None:
+                self._discard(built)
 
     def _drain(self) -> None:
         """Unblock a transport thread stuck on a full queue after the worker failed."""
@@ -199,33 +252,120 @@ class ChunkReceiver(Generic[T]):
         except queue.Empty:
             pass
 
-    def _next(self) -> memoryview:
-        item = self._q.get()
-        if item is _CANCEL:
-            raise PushError("the push was cancelled before all bytes arrived")
-        if item is _END:
-            raise PushError("the push ended before every tensor was complete")
-        return memoryview(item).cast("B")
+    def _pieces(self) -> Iterator[memoryview]:
+        while True:
+            item = self._q.get()
+            if item is _CANCEL:
+                raise PushError("the push was cancelled before all bytes arrived")
+            if item is _END:
+                raise PushError("the push ended before every tensor was complete")
+            for part in item if isinstance(item, list) else (item,):
+                view = memoryview(part).cast("B")
+                if self._whole is not None:
+                    self._whole[0].update(view)
+                if len(view):
+                    yield view
 
     def _tensors(self) -> Iterator[tuple[str, torch.Tensor]]:
+        kind = self.manifest.checksum
+        pieces = self._pieces()
         chunk, pos = memoryview(b""), 0
         for entry in self.manifest.tensors:
-            staging = np.empty(entry.nbytes, dtype=np.uint8)  # numpy copies release the GIL
-            hasher = hashlib.sha256()
-            filled = 0
-            while filled < entry.nbytes:
-                if pos == len(chunk):
-                    chunk, pos = self._next(), 0
-                take = min(entry.nbytes - filled, len(chunk) - pos)
-                piece = chunk[pos : pos + take]
-                staging[filled : filled + take] = np.frombuffer(piece, dtype=np.uint8)
-                hasher.update(piece)
-                filled += take
-                pos += take
-            if hasher.hexdigest() != entry.sha256.lower():
-                raise PushError(f"checksum mismatch for tensor {entry.name!r}: the bytes received hash to "
-                                f"{hasher.hexdigest()}, the manifest says {entry.sha256}")
+            hasher = checksums.new(kind) if kind is not None else None
+            if pos == len(chunk) and entry.nbytes:
+                chunk, pos = next(pieces), 0
+            if len(chunk) - pos >= entry.nbytes:  # the whole tensor is in this piece: a view of it, no copy
+                data: Any = chunk[pos : pos + entry.nbytes]
+                if hasher is not None:
+                    hasher.update(data)
+                pos += entry.nbytes
+                array = np.frombuffer(data, dtype=np.uint8) if entry.nbytes else np.empty(0, np.uint8)
+            else:
+                array = self._staging.take(entry.nbytes)
+                filled = 0
+                while filled < entry.nbytes:
+                    if pos == len(chunk):
+                        chunk, pos = next(pieces), 0
+                    take = min(entry.nbytes - filled, len(chunk) - pos)
+                    piece = chunk[pos : pos + take]
+                    array[filled : filled + take] = np.frombuffer(piece, dtype=np.uint8)
+                    if hasher is not None:
+                        hasher.update(piece)
+                    filled += take
+                    pos += take
+            if hasher is not None and hasher.hexdigest() != entry.digest.lower():
+                raise PushError(f"checksum mismatch for tensor {entry.name!r}: its bytes hash to "
+                                f"{hasher.hexdigest()} ({kind}), the manifest says {entry.digest}")
             dtype = DTYPES[dtype_name(entry.dtype)]
-            yield entry.name, torch.from_numpy(staging).view(dtype).view(entry.shape)
+            tensor = torch.from_numpy(array) if array.flags.writeable else _readonly(array)
+            yield entry.name, tensor.view(dtype).view(entry.shape)
         if pos != len(chunk):
             raise PushError("a chunk carries bytes past the last tensor")
+
+
+def _readonly(array: np.ndarray) -> torch.Tensor:
+    """A tensor over read-only bytes (a received message): the backend only reads it, then copies it."""
+    import warnings
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", UserWarning)  # torch warns that the tensor could write to them
+        return torch.from_numpy(array)
+
+
+# -- safetensors bodies (HTTP uploads) -------------------------------------------------------------------
+@dataclass(slots=True)
+class BodyHead:
+    """The header of a streamed safetensors body, checked, and the bytes read past it."""
+
+    raw: bytes  # length prefix + JSON header (what a body hash covers first)
+    tensors: list[TensorEntry]
+    rest: list[bytes]
+
+
+async def read_body_head(body: AsyncIterator[bytes], length: int | None) -> BodyHead:
+    """Read and check a safetensors header off the front of `body`; `length` the body's size when known."""
+    buf = bytearray()
+    n: int | None = None
+    need = 8
+    async for part in body:
+        buf += part
+        if n is None and len(buf) >= 8:
+            (n,) = struct.unpack("<Q", buf[:8])
+            limit = MAX_HEADER_BYTES if length is None else min(length - 8, MAX_HEADER_BYTES)
+            if n > limit:
+                raise PushError(f"the body is not a valid safetensors file: the header claims {n} bytes, more than "
+                                f"the {limit} it may have")
+            need = 8 + n
+        if n is not None and len(buf) >= need:
+            break
+    if not buf:
+        raise PushError("the body is empty: send the safetensors bytes")
+    if n is None or len(buf) < need:
+        raise PushError(f"the body is not a valid safetensors file: it ends after {len(buf)} bytes, inside its "
+                        "header")
+    head, got = bytes(buf[:need]), ([bytes(buf[need:])] if len(buf) > need else [])
+    raw = head
+    data_bytes = None if length is None else length - 8 - n
+    try:
+        spans = header_spans(raw[8:], data_bytes, "the body")
+    except CheckpointError as exc:
+        raise PushError(f"the body is not a valid safetensors file: {exc}") from exc
+    entries = []
+    for name, dtype, shape, begin, end in spans:
+        entries.append(TensorEntry(name, _ST_DTYPES.get(dtype, dtype), shape, end - begin))
+    return BodyHead(raw, entries, got)
+
+
+async def body_parts(first: Sequence[bytes], body: AsyncIterator[bytes],
+                     part_bytes: int = BODY_PART_BYTES) -> AsyncIterator[list[bytes]]:
+    """The body's pieces, gathered in lists of about `part_bytes` (one hand-off to the worker each, no copy)."""
+    group, size = list(first), sum(len(p) for p in first)
+    async for part in body:
+        if part:
+            group.append(part)
+            size += len(part)
+            if size >= part_bytes:
+                yield group
+                group, size = [], 0
+    if group:
+        yield group

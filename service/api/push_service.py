@@ -14,19 +14,23 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections.abc import AsyncIterator, Iterable
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterable
 from concurrent.futures import Future
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import torch
 
+from client import checksums
 from service.api.push_protocol import (
     ChunkReceiver,
     Manifest,
     PushResult,
+    Staging,
+    body_parts,
     check_role_version,
     dtype_name,
+    read_body_head,
     validate_manifest,
 )
 from service.backend.base import (
@@ -59,6 +63,13 @@ def check_mode_or_error(mode: str, role: str = "target") -> str:
         raise PushError(f"{exc}{hint}") from exc
 
 
+async def _offsets(parts: AsyncIterator[list[bytes]]) -> AsyncIterator[tuple[int, list[bytes]]]:
+    offset = 0
+    async for group in parts:
+        yield offset, group
+        offset += sum(len(p) for p in group)
+
+
 class PushService:
     def __init__(self, backend: RolloutBackend, metrics: Metrics | None = None, max_push_bytes: int = 2**40,
                  load_root: str | Path | None = None) -> None:
@@ -68,6 +79,7 @@ class PushService:
         self.load_root = Path(load_root).resolve() if load_root else None
         self._locks: dict[str, asyncio.Lock] = {}
         self._parked: tuple[Staged, str] | None = None  # a drafter waiting for the next target push
+        self._staging: dict[str, Staging] = {}  # per role: where chunked pushes gather their tensors
         from service.api.collective import WeightGroups  # it builds on this service
 
         self.groups = WeightGroups(self)  # pushes over process groups (SGLang's update_weights_from_distributed)
@@ -153,9 +165,15 @@ class PushService:
         validate_manifest(manifest, self.role_spec(manifest.role), self.max_push_bytes)
         return await self._locked(manifest.role, start, self._receive(manifest, chunks, start))
 
-    async def _receive(self, manifest: Manifest, chunks: AsyncIterator[tuple[int, Any]], start: float) -> PushResult:
-        receiver: ChunkReceiver[Staged] = ChunkReceiver(
-            manifest, lambda ts: self._stage(manifest.role, ts, manifest.cast))
+    def _receiver(self, manifest: Manifest, **kw: Any) -> ChunkReceiver[Staged]:
+        return ChunkReceiver(manifest, lambda ts: self._stage(manifest.role, ts, manifest.cast),
+                             staging=self._staging.setdefault(manifest.role, Staging()),
+                             discard=self.backend.discard, **kw)
+
+    async def _receive(self, manifest: Manifest, chunks: AsyncIterator[tuple[int, Any]], start: float,
+                       receiver: ChunkReceiver[Staged] | None = None,
+                       guard: Callable[[Awaitable[PushResult]], Awaitable[PushResult]] | None = None) -> PushResult:
+        receiver = receiver or self._receiver(manifest)
         try:
             async for offset, data in chunks:
                 await receiver.afeed(offset, data)
@@ -167,7 +185,44 @@ class PushService:
         staged.nbytes = manifest.total_bytes
         logger.debug("push %s: bytes received after %.3f s, weights staged %.3f s later", manifest.version,
                      received - start, time.perf_counter() - received)
-        return await self._apply(staged, manifest.version, manifest.mode, start)
+        applied = self._apply(staged, manifest.version, manifest.mode, start)
+        return await (guard(applied) if guard is not None else applied)
+
+    async def push_body(self, role: str, version: str, body: AsyncIterator[bytes], *, length: int | None = None,
+                        mode: str = "wait", dtype: str | None = None, cast: bool = False,
+                        digest: tuple[str, str] | None = None,
+                        guard: Callable[[Awaitable[PushResult]], Awaitable[PushResult]] | None = None) -> PushResult:
+        """An upload of a safetensors body, streamed into the push's buffers as it arrives (no file): its header
+        is checked like a manifest before any tensor byte is taken. `digest`: (kind, hex) of the whole body;
+        `guard` wraps the commit (the HTTP route cancels it when its client leaves)."""
+        start = time.perf_counter()
+        check_role_version(role, version)
+        mode = check_mode_or_error(mode, role)
+        spec = self.role_spec(role)
+        whole = None
+        if digest is not None:
+            try:
+                kind = checksums.kind_of(digest[0])
+            except ValueError as exc:
+                raise PushError(str(exc)) from None
+            if not checksums.well_formed(kind, digest[1]):
+                raise PushError(f"the body's {kind} must be {checksums.hex_digits(kind)} hex digits, got {digest[1]!r}")
+            whole = (checksums.new(kind), kind, digest[1])
+        head = await read_body_head(body, length)
+        if not head.tensors:
+            raise PushError("the upload holds no tensors")
+        declared = dtype_name(dtype) if dtype else dtype_name(head.tensors[0].dtype)
+        manifest = Manifest(role, version, declared, head.tensors, mode, cast, checksum=None)
+        validate_manifest(manifest, spec, self.max_push_bytes)
+        if whole is not None:
+            whole[0].update(head.raw)
+
+        async def work() -> PushResult:
+            receiver = self._receiver(manifest, max_chunk=2**62, whole=whole)
+            offsets = _offsets(body_parts(head.rest, body))
+            return await self._receive(manifest, offsets, start, receiver, guard)
+
+        return await self._locked(role, start, work())
 
     async def push_tensors(self, role: str, version: str, tensors: dict[str, torch.Tensor], mode: str = "wait",
                            dtype: str | None = None, cast: bool = False) -> PushResult:

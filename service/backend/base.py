@@ -270,7 +270,8 @@ class RolloutBackend(abc.ABC):
 
     @abc.abstractmethod
     def stage_checked(self, role: str, tensors: Iterable[tuple[str, torch.Tensor]]) -> Staged:
-        """`stage_weights` after the validation: the backend's own copy of each tensor (as it streams in)."""
+        """`stage_weights` after the validation: the backend's own copy of each tensor (as it streams in). A
+        tensor is valid only until the next one is drawn (transports reuse the bytes under it)."""
 
     @abc.abstractmethod
     def commit_weights(self, staged: Staged, version: str, mode: str,

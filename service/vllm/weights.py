@@ -67,7 +67,7 @@ class WeightFiles:
             for name, t in tensors:
                 if not torch.is_floating_point(t):
                     raise PushError(f"tensor {name!r} is not floating point ({t.dtype})")
-                state[name] = t.detach().to("cpu", target).contiguous()
+                state[name] = t.detach().to("cpu", target, copy=True)  # t's bytes are reused after this
             if not state:
                 raise PushError("the push holds no tensors")
             save_file(state, str(folder / "model.safetensors"), metadata={"format": "pt"})

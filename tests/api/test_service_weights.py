@@ -27,7 +27,7 @@ from service_utils import (
     write_checkpoint,
 )
 
-from client import AsyncSpecrollClient, Sample, SpecrollClient
+from client import AsyncSpecrollClient, Sample, SpecrollClient, checksums
 from client import weights as wt
 from client.errors import SpecrollError
 from service.app import BackgroundServer
@@ -231,7 +231,7 @@ def _int_dtype(m, msgs):
 
 def _unknown(m, msgs):
     m.tensors.add(name="model.layers.0.self_attn.rotary.weight", dtype="float32", shape=[1], nbytes=4,
-                  sha256=hashlib.sha256(b"\0" * 4).hexdigest())
+                  digest=checksums.digest_of(m.checksum, b"\0" * 4))
     msgs.append(pb2.PushWeightsRequest(chunk=pb2.WeightChunk(offset=sum(len(x.chunk.data) for x in msgs[1:]),
                                                              data=b"\0" * 4)))
 
@@ -241,7 +241,7 @@ def _missing(m, msgs):
 
 
 def _bad_checksum(m, msgs):
-    m.tensors[0].sha256 = "0" * 64
+    m.tensors[0].digest = "0" * 32
 
 
 def _truncated(m, msgs):
