@@ -188,11 +188,8 @@ class Bench:
         return time.perf_counter() - t0
 
     def http_push(self) -> float:
-        from client import checksums as ck  # the digest is part of the push's cost
-
-        t0 = time.perf_counter()
-        params = {"version": self.version("http"), "mode": "keep",
-                  self.checksum: ck.digest_of(self.checksum, self.body)}
+        t0 = time.perf_counter()  # the body's digest is part of the push's cost
+        params = {"version": self.version("http"), "mode": "keep", self.checksum: _digest(self.checksum, self.body)}
         r = self.http.post(self.http_url + "/weights/upload", params=params, content=self.body, headers=self.auth)
         dt = time.perf_counter() - t0
         r.raise_for_status()
@@ -252,6 +249,16 @@ class Bench:
             self.group.close()
         self.http.close()
         self.raw_channel.close()
+
+
+def _digest(kind: str, body: bytes) -> str:
+    if kind == "sha256":  # a client without client.checksums (before the field)
+        import hashlib
+
+        return hashlib.sha256(body).hexdigest()
+    from client import checksums
+
+    return checksums.digest_of(kind, body)
 
 
 def _has_checksums() -> bool:
