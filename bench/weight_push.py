@@ -419,8 +419,11 @@ def main(argv: list[str] | None = None) -> int:
     logging.getLogger("httpx").setLevel(logging.WARNING)
     sizes = [8] if args.quick else args.sizes_mb
     load_start = os.getloadavg()
-    configs = [run_config(size, dtype, args.rounds, args.streams, tuple(args.paths))
-               for size in sizes for dtype in args.dtypes]
+    configs = []
+    for size in sizes:
+        for dtype in args.dtypes:
+            configs.append(run_config(size, dtype, args.rounds, args.streams, tuple(args.paths)))
+            logger.info("config done: %s", json.dumps(configs[-1]))
     result: dict[str, Any] = {"bench": "weight_push", "rounds": args.rounds, "configs": configs,
                               "loadavg": [round(x, 2) for x in (*load_start, os.getloadavg()[0])]}
     if args.png is not None:
