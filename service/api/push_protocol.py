@@ -147,6 +147,11 @@ def validate_manifest(m: Manifest, spec: WeightSpec, max_bytes: int) -> None:
     declared = dtype_name(m.dtype)
     itemsize = torch.empty((), dtype=DTYPES[declared]).element_size()
     for t in m.tensors:
+        t.encoding = t.encoding or DENSE
+        if t.encoding not in ENCODINGS:
+            raise PushError(f"tensor {t.name!r}: encoding must be one of {list(ENCODINGS)}, got {t.encoding!r}")
+        if t.encoding == SPARSE and not m.base_version:
+            raise PushError(f"tensor {t.name!r} is sparse, which only a delta push (base_version) may send")
         if t.dtype != declared and dtype_name(t.dtype) != declared:
             raise PushError(f"tensor {t.name!r} has dtype {t.dtype}, but the manifest declares {declared}")
     try:
@@ -156,12 +161,7 @@ def validate_manifest(m: Manifest, spec: WeightSpec, max_bytes: int) -> None:
     except PushError as exc:
         raise PushError(f"{m.role} push: {exc}") from exc
     for t in m.tensors:
-        t.encoding = t.encoding or DENSE
-        if t.encoding not in ENCODINGS:
-            raise PushError(f"tensor {t.name!r}: encoding must be one of {list(ENCODINGS)}, got {t.encoding!r}")
         if t.encoding == SPARSE:
-            if not m.base_version:
-                raise PushError(f"tensor {t.name!r} is sparse, which only a delta push (base_version) may send")
             sparse_count(t, itemsize)
             expected = t.nbytes
         else:
