@@ -121,7 +121,7 @@ def test_a_delta_against_another_version_is_refused(server, client, steps):
     base, one, two = steps
     client.push_weights(one, "r1", mode="keep")
     before = outputs(client)
-    with pytest.raises(FailedPrecondition, match="applies to version 'old'.*serves 'r1'"):
+    with pytest.raises(FailedPrecondition, match=r"applies to version 'old'.*serves 'r1'"):
         client.push_delta(two, "r2", base=base, base_version="old", mode="keep")
     assert client.server_info().policy_version == "r1"
     assert outputs(client) == before
@@ -205,7 +205,7 @@ def test_sparse_problems_name_the_fault() -> None:
 
 # -- HTTP ---------------------------------------------------------------------------------------------------
 def test_http_delta_uploads(server, client, steps):
-    base, one, two = steps
+    base, one, _ = steps
     client.push_weights(base, "h0", mode="keep")
     up = server.http_url + "/weights/upload"
     body = save(wt.delta_state_dict(base, one))

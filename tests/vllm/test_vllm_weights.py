@@ -64,6 +64,8 @@ def test_refused_pushes_leave_the_old_weights_serving(server, vllm_model):
             c.push_weights({k: v for k, v in base.items() if k != name}, "bad2")
         with pytest.raises(FailedPrecondition, match="no weights"):
             c.push_weights(base, "bad3", role="drafter")
+        with pytest.raises(FailedPrecondition, match="full pushes only"):  # deltas: the native backend only
+            c.push_delta(perturbed(base, seed=2), "bad5", base=base, base_version=version)
         assert greedy(c) == before and c.server_info().policy_version == version
     with SpecrollClient(srv.grpc_target) as anon:
         with pytest.raises((Unauthenticated, PermissionDenied)):
