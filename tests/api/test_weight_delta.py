@@ -106,6 +106,9 @@ def test_delta_pushes_serve_what_full_pushes_do(server, client, steps, base_dir,
     r2 = client.push_weights(two, "d2", mode="keep", delta_from=pushed)  # into the reused spare
     assert r2.version == "d2" and r2.bytes < 0.8 * full_bytes and pushed.version == "d2"
     assert_serves(server, two)
+    r3 = client.push_weights(two, "d3", mode="keep", delta_from=pushed)  # nothing changed: a new version only
+    assert (r3.version, r3.bytes) == ("d3", 0) and client.server_info().policy_version == "d3"
+    assert_serves(server, two)
     got = outputs(client)
     client.push_weights(two, "f2", mode="keep")  # the same checkpoint in full, on the same server
     assert outputs(client) == got  # greedy tokens and logprobs, bitwise
