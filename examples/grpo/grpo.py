@@ -188,6 +188,11 @@ async def train(cfg: GRPOConfig, on_step: Callable[[StepRecord], None] | None = 
             }
             new_version = f"step-{step + 1}"
             weights = policy.hf_weights()
+            if pushed is not None and pushed.version is not None:  # what this step changed, in the pushed dtype
+                sent = wt.on_cpu(weights, cfg.push_dtype or None)
+                update_extra["changed_elements"] = sum(int(wt.changed(pushed.tensors[n], t).numel())
+                                                       for n, t in sent.items())
+                update_extra["elements"] = sum(t.numel() for t in sent.values())
             pushed_now = await client.push_weights(weights, new_version, mode=cfg.push_mode,
                                                    dtype=cfg.push_dtype or None, delta_from=pushed)
             update_extra["push_bytes"] = pushed_now.bytes  # what travelled; a full push of the dtype sent:
