@@ -33,6 +33,7 @@ import threading
 import time
 import urllib.error
 import urllib.request
+import warnings
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
@@ -91,6 +92,7 @@ def gloo_producer(iterator: Iterator[tuple[str, torch.Tensor]], group: Endpoint,
     """vLLM's packed broadcast, each chunk a gloo broadcast instead of an NCCL one on a CUDA stream."""
     pack_tensors = vllm_packed_tensor().pack_tensors
     sent = 0
+    warnings.filterwarnings("ignore", "Tensor .* exceeds buffer_size_bytes")  # a chunk then holds that tensor
     while (chunk := pack_tensors(iterator, post_iter_func, buffer_size_bytes)) is not None:
         dist.broadcast(chunk.packed_tensor, src, group=group.pg)
         sent += 1
@@ -184,7 +186,8 @@ def run_vllm(how: str, url: str, path: str, version: str, mode: str, timeout_s: 
         name = next(iter(state))
         for bad in ({**state, name: state[name][:-1].contiguous()}, {**state, "model.extra.weight": state[name]}):
             print(json.dumps(send(url, endpoint, bad, version + "-wrong", mode)), flush=True)
-            endpoint = engine(url, timeout_s)  # the refusal shut the engine down: init it again
+            dist.destroy_process_group(endpoint.pg)  # the refusal shut the engine down: init it again
+            endpoint = engine(url, timeout_s)
     replies = send(url, endpoint, state, version, mode, after_chunk=stop if how in ("die", "hang") else None,
                    finish=how != "staged")
     if how != "staged":  # `staged` leaves the received push for the test to finish
