@@ -3,21 +3,15 @@
     python transfer_trainer.py trl HTTP_URL A.safetensors [B.safetensors ...]
     python transfer_trainer.py vllm|die|hang|staged|wrong HTTP_URL A.safetensors VERSION MODE TIMEOUT_S
 
-`trl` (run under an interpreter with trl 1.16.0 and vllm): TRL's own `trl.generation.vllm_client.VLLMClient`,
-unchanged — `init_communicator` then one `update_named_params` per file (start, one update_weights call,
-finish). Its data plane is vLLM's NCCL (`open_trainer_endpoint`, `packed_nccl_broadcast_producer`, module
-attributes of trl/generation/vllm_client.py), which needs CUDA; here those two names are bound to their gloo
-counterparts below, which chunk with vLLM's own `pack_tensors` (vllm 0.32.0,
-vllm/distributed/weight_transfer/packed_tensor.py). The admin token rides TRL's `requests` session.
-
-`vllm`: the payloads and order of vLLM's trainer engine (vllm 0.32.0, vllm/distributed/weight_transfer/
-nccl_engine.py `NCCLTrainerWeightTransferEngine.trainer_init` / `send_weights` through clients.py
-`HTTPVLLMWeightSyncClient`): init_info {master_address, master_port, rank_offset 1, world_size, packed,
-packed_buffer_size_bytes, packed_num_buffers}, start, update_weights posted while the packed chunks are
-broadcast, finish {weight_version}; with a small buffer, so the checkpoint takes several chunks. `die` is
-SIGKILLed after its first chunk; `hang` stops after its first chunk; `staged` sends everything but leaves
-finish to the test; `wrong` announces a tensor of a wrong shape, then an unknown tensor (printing each
-refusal and initialising a new engine after it), then pushes. The admin token: SPECROLL_ADMIN_TOKEN.
+`trl`: trl 1.16.0's own `trl.generation.vllm_client.VLLMClient`, unchanged (`init_communicator`, then one
+`update_named_params` per file), with its two NCCL transport names (`open_trainer_endpoint`,
+`packed_nccl_broadcast_producer`) bound to gloo counterparts that chunk with vllm 0.32.0's own `pack_tensors`
+(vllm/distributed/weight_transfer/packed_tensor.py). The other modes send the payloads, in the order, of vllm
+0.32.0's `NCCLTrainerWeightTransferEngine.trainer_init` / `send_weights` (distributed/weight_transfer/
+nccl_engine.py, through clients.py `HTTPVLLMWeightSyncClient`), packed in several chunks (`chunk_bytes`):
+`die` is SIGKILLed and `hang` stalls after the first chunk, `staged` leaves finish to the test, `wrong`
+announces a misshaped then an unknown tensor (a new engine after each refusal) before it pushes.
+The admin token: SPECROLL_ADMIN_TOKEN (on TRL's `requests` session).
 """
 
 from __future__ import annotations
@@ -45,7 +39,6 @@ from torch.distributed.distributed_c10d import Backend, PrefixStore, _new_proces
 
 TOKEN = os.environ["SPECROLL_ADMIN_TOKEN"]
 GROUP = "weight-transfer"  # the server's default store prefix for the weight-transfer engine
-CHUNK = 16 * 1024  # the `vllm` modes' packed buffer: several chunks per checkpoint
 
 
 class Endpoint:
@@ -144,26 +137,33 @@ class Call(threading.Thread):
         return self.reply
 
 
-def engine(url: str, timeout_s: float) -> Endpoint:
+def chunk_bytes(state: dict[str, torch.Tensor]) -> int:
+    """The `vllm` modes' packed buffer: exactly the first two tensors, so the second one reaches it without
+    passing it (vLLM's chunk goes on), and the checkpoint takes several chunks."""
+    first, second = list(state.values())[:2]
+    return first.numel() * first.element_size() + second.numel() * second.element_size()
+
+
+def engine(url: str, timeout_s: float, chunk: int) -> Endpoint:
     with socket.socket() as sock:
         sock.bind(("", 0))
         port = sock.getsockname()[1]
     init_info = {"master_address": "127.0.0.1", "master_port": port, "rank_offset": 1, "world_size": 2,
-                 "packed": True, "packed_buffer_size_bytes": CHUNK, "packed_num_buffers": 2, "timeout_s": timeout_s}
+                 "packed": True, "packed_buffer_size_bytes": chunk, "packed_num_buffers": 2, "timeout_s": timeout_s}
     call = Call(f"{url}/init_weight_transfer_engine", {"init_info": init_info})
     endpoint = gloo_endpoint(init_info)
     assert call.result() == {"message": "Weight transfer initialized"}, call.reply
     return endpoint
 
 
-def send(url: str, endpoint: Endpoint, state: dict[str, torch.Tensor], version: str, mode: str,
+def send(url: str, endpoint: Endpoint, chunk: int, state: dict[str, torch.Tensor], version: str, mode: str,
          after_chunk: Callable[[int], None] | None = None, finish: bool = True) -> list[Any]:
     replies = [post(f"{url}/start_weight_update", {"mode": mode} if mode != "wait" else None)]
     update_info = {"names": list(state), "dtype_names": [str(t.dtype).split(".")[-1] for t in state.values()],
                    "shapes": [list(t.shape) for t in state.values()]}
     call = Call(f"{url}/update_weights", {"update_info": update_info})
     try:
-        gloo_producer(iter(state.items()), endpoint, 0, lambda item: item[1], CHUNK, after_chunk=after_chunk)
+        gloo_producer(iter(state.items()), endpoint, 0, lambda item: item[1], chunk, after_chunk=after_chunk)
     except RuntimeError as exc:  # the server refused the bucket and left the group
         replies.append({"broadcast_failed": str(exc)[:200]})
     replies.append(call.result())
@@ -174,7 +174,8 @@ def send(url: str, endpoint: Endpoint, state: dict[str, torch.Tensor], version: 
 
 def run_vllm(how: str, url: str, path: str, version: str, mode: str, timeout_s: float) -> None:
     state = load_file(path)
-    endpoint = engine(url, timeout_s)
+    chunk = chunk_bytes(state)
+    endpoint = engine(url, timeout_s, chunk)
 
     def stop(sent: int) -> None:
         if how == "die":
@@ -185,10 +186,10 @@ def run_vllm(how: str, url: str, path: str, version: str, mode: str, timeout_s: 
     if how == "wrong":
         name = next(iter(state))
         for bad in ({**state, name: state[name][:-1].contiguous()}, {**state, "model.extra.weight": state[name]}):
-            print(json.dumps(send(url, endpoint, bad, version + "-wrong", mode)), flush=True)
+            print(json.dumps(send(url, endpoint, chunk, bad, version + "-wrong", mode)), flush=True)
             dist.destroy_process_group(endpoint.pg)  # the refusal shut the engine down: init it again
-            endpoint = engine(url, timeout_s)
-    replies = send(url, endpoint, state, version, mode, after_chunk=stop if how in ("die", "hang") else None,
+            endpoint = engine(url, timeout_s, chunk)
+    replies = send(url, endpoint, chunk, state, version, mode, after_chunk=stop if how in ("die", "hang") else None,
                    finish=how != "staged")
     if how != "staged":  # `staged` leaves the received push for the test to finish
         post(f"{url}/shutdown_weight_transfer_engine", None)
