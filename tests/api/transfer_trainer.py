@@ -11,7 +11,7 @@
 nccl_engine.py, through clients.py `HTTPVLLMWeightSyncClient`), packed in several chunks (`chunk_bytes`):
 `die` is SIGKILLed and `hang` stalls after the first chunk, `staged` leaves finish to the test, `wrong`
 announces a misshaped then an unknown tensor (a new engine after each refusal) before it pushes.
-The admin token: SPECROLL_ADMIN_TOKEN (on TRL's `requests` session).
+The admin token: SPECROLL_ADMIN_TOKEN (on TRL's `requests` session); TRANSFER_BACKEND=nccl runs on CUDA.
 """
 
 from __future__ import annotations
@@ -39,6 +39,7 @@ from torch.distributed.distributed_c10d import Backend, PrefixStore, _new_proces
 
 TOKEN = os.environ["SPECROLL_ADMIN_TOKEN"]
 GROUP = "weight-transfer"  # the server's default store prefix for the weight-transfer engine
+BACKEND = os.environ.get("TRANSFER_BACKEND", "gloo")  # nccl: the group and the broadcast tensors on CUDA
 
 
 class Endpoint:
@@ -56,7 +57,7 @@ def gloo_endpoint(init_info: dict[str, Any], rank: int = 0) -> Endpoint:
     store, _, _ = next(rendezvous(f"tcp://{init_info['master_address']}:{init_info['master_port']}", rank, size,
                                   timeout=timeout))
     store.set_timeout(timeout)
-    pg, _ = _new_process_group_helper(size, rank, [], Backend("gloo"), PrefixStore(GROUP, store), group_name=GROUP,
+    pg, _ = _new_process_group_helper(size, rank, [], Backend(BACKEND), PrefixStore(GROUP, store), group_name=GROUP,
                                       backend_options=None, timeout=timeout)
     _world.pg_group_ranks[pg] = {i: i for i in range(size)}
     return Endpoint(pg)
@@ -87,7 +88,7 @@ def gloo_producer(iterator: Iterator[tuple[str, torch.Tensor]], group: Endpoint,
     sent = 0
     warnings.filterwarnings("ignore", "Tensor .* exceeds buffer_size_bytes")  # a chunk then holds that tensor
     while (chunk := pack_tensors(iterator, post_iter_func, buffer_size_bytes)) is not None:
-        dist.broadcast(chunk.packed_tensor, src, group=group.pg)
+        dist.broadcast(chunk.packed_tensor if BACKEND == "gloo" else chunk.packed_tensor.cuda(), src, group=group.pg)
         sent += 1
         if after_chunk is not None:
             after_chunk(sent)
@@ -149,7 +150,8 @@ def engine(url: str, timeout_s: float, chunk: int) -> Endpoint:
         sock.bind(("", 0))
         port = sock.getsockname()[1]
     init_info = {"master_address": "127.0.0.1", "master_port": port, "rank_offset": 1, "world_size": 2,
-                 "packed": True, "packed_buffer_size_bytes": chunk, "packed_num_buffers": 2, "timeout_s": timeout_s}
+                 "packed": True, "packed_buffer_size_bytes": chunk, "packed_num_buffers": 2, "timeout_s": timeout_s,
+                 "backend": BACKEND}
     call = Call(f"{url}/init_weight_transfer_engine", {"init_info": init_info})
     endpoint = gloo_endpoint(init_info)
     assert call.result() == {"message": "Weight transfer initialized"}, call.reply
