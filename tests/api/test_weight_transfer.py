@@ -13,7 +13,6 @@ import asyncio
 import json
 import os
 import subprocess
-import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -22,6 +21,7 @@ import httpx
 import pytest
 import torch
 from helpers import make_checkpoint
+from probes import metric, wait_for
 from safetensors.torch import save_file
 from service_utils import ADMIN, auth, checkpoint_tensors, engine_config, perturbed, start_server, write_checkpoint
 
@@ -86,11 +86,7 @@ def assert_same(got: tuple[list[int], list[float]], want: tuple[list[int], list[
 
 
 def failed_pushes(srv: BackgroundServer) -> float:
-    text = httpx.get(f"{srv.http_url}/metrics").text
-    for line in text.splitlines():
-        if line.startswith("specroll:weight_sync_total{") and 'result="error"' in line and 'role="target"' in line:
-            return float(line.rsplit(" ", 1)[1])
-    return 0.0
+    return metric(httpx.get(f"{srv.http_url}/metrics").text, 'specroll:weight_sync_total{role="target",result="error"}')
 
 
 def serving_module(srv: BackgroundServer) -> object:
@@ -152,12 +148,8 @@ def test_a_trainer_lost_mid_broadcast_changes_nothing(server, base_dir, tmp_path
                 assert proc.wait(120) == -9, proc.stderr.read()[-3000:] if proc.stderr else ""
             else:
                 assert "stalled_after_chunks" in proc.stdout.readline()  # and it sends nothing more
-            for _ in range(600):  # the group fails (peer gone) or times out (3 s): the push is discarded
-                if failed_pushes(server) > errors:
-                    break
-                time.sleep(0.1)
-            else:
-                pytest.fail("the lost trainer's push was not given up")
+            # The group fails (its peer is gone) or times out (3 s): the push is discarded.
+            wait_for(lambda: failed_pushes(server) > errors, 60, "the lost trainer's push to be given up")
             assert c.server_info().policy_version == f"before-{how}" and served(c) == before
         finally:
             proc.kill()
