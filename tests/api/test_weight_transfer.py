@@ -86,7 +86,7 @@ def assert_same(got: tuple[list[int], list[float]], want: tuple[list[int], list[
 
 
 def failed_pushes(srv: BackgroundServer) -> float:
-    return metric(httpx.get(f"{srv.http_url}/metrics").text, 'specroll:weight_sync_total{role="target",result="error"}')
+    return metric(httpx.get(f"{srv.http_url}/metrics").text, 'specroll:weight_sync_total{result="error",role="target"}')
 
 
 def serving_module(srv: BackgroundServer) -> object:
