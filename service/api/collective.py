@@ -11,9 +11,9 @@ A refused bucket closes the group: the trainer broadcasts it anyway, and its byt
 bucket's. A broadcast that fails (the trainer died, the group timed out) discards the push and closes the group;
 the old weights serve on and the next group can start at once.
 
-vLLM's weight-transfer protocol (what TRL and SkyRL call) runs on the same groups: one engine per server,
-`start` opens the push, each `update` is a bucket, `finish` commits it. Its buckets may be packed: the tensors'
-bytes concatenated into chunks that close once they pass a size both sides know (`packed_chunks`).
+vLLM's weight-transfer protocol (what TRL and vLLM's trainer engine call) runs on the same groups: one engine
+per server; `start` opens the push, each `update` is a bucket, `finish` commits it. Its buckets may be packed:
+the tensors' bytes concatenated into chunks that close once they pass a size both sides know (`packed_chunks`).
 """
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""vLLM's weight-transfer endpoints over a process group (admin token): what TRL's and SkyRL's trainers call.
+"""vLLM's weight-transfer endpoints over a process group (admin token), as TRL and vLLM's trainer engine call them.
 
 `/init_weight_transfer_engine {init_info}` joins the trainer's group, `/start_weight_update` opens a push,
 each `/update_weights {update_info: {names, dtype_names, shapes}}` announces a bucket the trainer then
