@@ -138,6 +138,7 @@ def test_vllm_payloads_in_packed_chunks_and_wrong_manifests(server, base_dir, tm
 def test_a_trainer_lost_mid_broadcast_changes_nothing(server, base_dir, tmp_path, how):
     base = checkpoint_tensors(base_dir)
     with SpecrollClient(server.grpc_target, admin_token=ADMIN) as c:
+        spare = serving_module(server)
         c.push_weights(base, f"before-{how}")
         before = served(c)
         errors = failed_pushes(server)
@@ -161,6 +162,7 @@ def test_a_trainer_lost_mid_broadcast_changes_nothing(server, base_dir, tmp_path
         assert run.returncode == 0, run.stderr[-3000:]
         assert c.server_info().policy_version == f"after-{how}"
         assert_same(served(c), fresh(base_dir, after, tmp_path / "ref"))
+        assert serving_module(server) is spare  # the lost push's spare, its contents dropped, took the next one
 
 
 STREAM: dict[str, Any] = {"temperature": 1.0, "seed": 3, "max_tokens": 200, "ignore_eos": True}
