@@ -14,7 +14,8 @@ from pathlib import Path
 
 # Layer name -> module prefixes (longest prefix wins when a module matches several).
 LAYERS: dict[str, tuple[str, ...]] = {
-    "proto": ("client.protogen", "client._gen"),  # the generated wire contract, under everything
+    "proto": ("client.protogen", "client._gen", "client.checksums"),  # the wire contract (the generated code and
+    # the checksum kinds a push names), under everything
     "ground": ("service", "service.config", "service.params", "service.tokenizer", "service.protogen",
                "service.netutil", "service.safetensors_io"),
     "models": ("service.models",),

@@ -176,23 +176,25 @@ class ResumeResponse(_message.Message):
     def __init__(self, paused: _Optional[bool] = ...) -> None: ...
 
 class TensorSpec(_message.Message):
-    __slots__ = ("name", "dtype", "shape", "nbytes", "sha256", "digest")
+    __slots__ = ("name", "dtype", "shape", "nbytes", "sha256", "digest", "encoding")
     NAME_FIELD_NUMBER: _ClassVar[int]
     DTYPE_FIELD_NUMBER: _ClassVar[int]
     SHAPE_FIELD_NUMBER: _ClassVar[int]
     NBYTES_FIELD_NUMBER: _ClassVar[int]
     SHA256_FIELD_NUMBER: _ClassVar[int]
     DIGEST_FIELD_NUMBER: _ClassVar[int]
+    ENCODING_FIELD_NUMBER: _ClassVar[int]
     name: str
     dtype: str
     shape: _containers.RepeatedScalarFieldContainer[int]
     nbytes: int
     sha256: str
     digest: str
-    def __init__(self, name: _Optional[str] = ..., dtype: _Optional[str] = ..., shape: _Optional[_Iterable[int]] = ..., nbytes: _Optional[int] = ..., sha256: _Optional[str] = ..., digest: _Optional[str] = ...) -> None: ...
+    encoding: str
+    def __init__(self, name: _Optional[str] = ..., dtype: _Optional[str] = ..., shape: _Optional[_Iterable[int]] = ..., nbytes: _Optional[int] = ..., sha256: _Optional[str] = ..., digest: _Optional[str] = ..., encoding: _Optional[str] = ...) -> None: ...
 
 class WeightManifest(_message.Message):
-    __slots__ = ("role", "version", "dtype", "tensors", "mode", "cast", "checksum")
+    __slots__ = ("role", "version", "dtype", "tensors", "mode", "cast", "checksum", "base_version")
     ROLE_FIELD_NUMBER: _ClassVar[int]
     VERSION_FIELD_NUMBER: _ClassVar[int]
     DTYPE_FIELD_NUMBER: _ClassVar[int]
@@ -200,6 +202,7 @@ class WeightManifest(_message.Message):
     MODE_FIELD_NUMBER: _ClassVar[int]
     CAST_FIELD_NUMBER: _ClassVar[int]
     CHECKSUM_FIELD_NUMBER: _ClassVar[int]
+    BASE_VERSION_FIELD_NUMBER: _ClassVar[int]
     role: str
     version: str
     dtype: str
@@ -207,7 +210,8 @@ class WeightManifest(_message.Message):
     mode: str
     cast: bool
     checksum: str
-    def __init__(self, role: _Optional[str] = ..., version: _Optional[str] = ..., dtype: _Optional[str] = ..., tensors: _Optional[_Iterable[_Union[TensorSpec, _Mapping]]] = ..., mode: _Optional[str] = ..., cast: _Optional[bool] = ..., checksum: _Optional[str] = ...) -> None: ...
+    base_version: str
+    def __init__(self, role: _Optional[str] = ..., version: _Optional[str] = ..., dtype: _Optional[str] = ..., tensors: _Optional[_Iterable[_Union[TensorSpec, _Mapping]]] = ..., mode: _Optional[str] = ..., cast: _Optional[bool] = ..., checksum: _Optional[str] = ..., base_version: _Optional[str] = ...) -> None: ...
 
 class WeightChunk(_message.Message):
     __slots__ = ("offset", "data")

@@ -36,12 +36,12 @@ def _auth(context: grpc.aio.ServicerContext) -> str | None:
 def _manifest(m: Any) -> Manifest:
     """Without `checksum` (a client that predates it) each tensor's sha256 field holds its digest."""
     tensors = [TensorEntry(t.name, t.dtype, tuple(int(d) for d in t.shape), int(t.nbytes),
-                           t.digest if m.checksum else t.sha256) for t in m.tensors]
+                           t.digest if m.checksum else t.sha256, t.encoding or "dense") for t in m.tensors]
     if m.checksum.lower() == "sha256":
         for e, t in zip(tensors, m.tensors, strict=True):
             e.digest = e.digest or t.sha256
-    return Manifest(m.role or "target", m.version, m.dtype, tensors, m.mode or "wait", m.cast,
-                    m.checksum or "sha256")
+    return Manifest(m.role or "target", m.version, m.dtype, tensors, m.mode or "wait", m.cast, m.base_version,
+                    checksum=m.checksum or "sha256")
 
 
 def _weights_reply(r: PushResult) -> Any:

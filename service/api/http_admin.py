@@ -1,18 +1,23 @@
 """Weight and control endpoints (admin token), rewards, server info and weight versions.
 
-Uploads are raw safetensors bodies, streamed straight into the push's buffers as they arrive (no file, never held
-whole in memory) once their header has been checked like a manifest; nothing is ever unpickled.
+Uploads are raw safetensors bodies, never held whole in memory and never unpickled: a full upload streams straight
+into the push's buffers once its header has been checked like a manifest (no file); a delta upload (sparse parts
+named NAME:indices / NAME:values) goes through a temporary file read with ``safetensors.torch.load_file``.
 What the tensors must be is the one weight validation every path runs (service/backend/weight_check.py).
 """
 
 from __future__ import annotations
 
+import asyncio
+import tempfile
 from dataclasses import asdict
-from typing import Annotated, Any, Literal
+from pathlib import Path
+from typing import Annotated, Any, BinaryIO, Literal
 
 from fastapi import APIRouter, Query, Request
 from pydantic import BaseModel, ConfigDict, ValidationError
 
+import client.checksums as checksums
 from service.api.compat import (
     VLLM_PAUSE,
     next_version,
@@ -26,6 +31,7 @@ from service.api.deps import UPLOAD_PATH, AdminCtx, ApiCtx
 from service.api.disconnect import unless_disconnected
 from service.api.generation import InvalidRequest
 from service.api.push_protocol import PushError, PushResult
+from service.safetensors_io import CheckpointError, read_header
 
 router = APIRouter(tags=["admin"])
 
@@ -71,11 +77,46 @@ def _reply(result: PushResult) -> dict[str, Any]:
     return asdict(result)
 
 
+SPOOL_BYTES = 8 * 2**20  # body bytes gathered in memory before they are hashed and written out
+
+
+def _load_file(path: Path) -> dict[str, Any]:
+    from safetensors.torch import load_file
+
+    try:
+        read_header(path)  # the header checked against the body first (safetensors takes a name given twice)
+    except CheckpointError as exc:
+        raise PushError(f"the body is not a valid safetensors file: {exc}") from exc
+    try:
+        return load_file(str(path))
+    except Exception as exc:  # malformed header or data
+        raise PushError(f"the body is not a valid safetensors file: {exc}") from exc
+
+
 def _body_digest(params: dict[str, str | None]) -> tuple[str, str] | None:
     given = [(kind, value) for kind, value in params.items() if value is not None]
     if len(given) > 1:
         raise PushError(f"give one checksum of the body, not {[k for k, _ in given]}")
     return given[0] if given else None
+
+
+def _write(f: BinaryIO, digest: Any, data: bytes) -> None:
+    digest.update(data)
+    f.write(data)
+
+
+async def _receive_to_file(request: Request, path: Path, kind: str) -> tuple[int, str]:
+    """Stream the body to `path` (never held whole in memory); returns its size and digest of `kind`."""
+    digest, size, pending = checksums.new(kind), 0, bytearray()
+    with path.open("wb") as f:
+        async for data in request.stream():
+            pending += data
+            size += len(data)
+            if len(pending) >= SPOOL_BYTES:
+                await asyncio.to_thread(_write, f, digest, bytes(pending))
+                pending.clear()
+        await asyncio.to_thread(_write, f, digest, bytes(pending))
+    return size, digest.hexdigest()
 
 
 @router.post(UPLOAD_PATH, openapi_extra={"requestBody": {"required": True, "description": "a safetensors file",
@@ -87,15 +128,30 @@ async def upload_weights(request: Request, ctx: AdminCtx, version: Annotated[str
                          xxh3_128: Annotated[str | None, Query(description="hex xxh3_128 of the body")] = None,
                          crc32c: Annotated[str | None, Query(description="hex crc32c of the body")] = None,
                          cast: Annotated[bool, Query(description="cast to the served dtype")] = False,
+                         base_version: Annotated[str, Query(description="a delta against this served version")] = "",
                          ) -> dict[str, Any]:
-    """Push weights as a safetensors body (Hugging Face tensor names, the complete set for the role), with at
-    most one checksum of the whole body (xxh3_128 and crc32c run at memory speed, sha256 at about 1 GB/s)."""
+    """Push weights as a safetensors body (Hugging Face tensor names, the complete set for the role). With
+    `base_version`, a delta: only the tensors that changed, a sparse one as `NAME:indices` (int32/int64) with
+    `NAME:values`; refused (409) unless that version is served. At most one checksum of the whole body
+    (xxh3_128 and crc32c run at memory speed, sha256 at about 1 GB/s)."""
     digest = _body_digest({"sha256": sha256, "xxh3_128": xxh3_128, "crc32c": crc32c})
-    length = request.headers.get("content-length")
-    result = await ctx.pushes.push_body(role, version, request.stream(), length=int(length) if length else None,
-                                        mode=mode, dtype=dtype, cast=cast, digest=digest,
-                                        guard=lambda work: unless_disconnected(request, work))
-    return _reply(result)
+    if not base_version:
+        length = request.headers.get("content-length")
+        return _reply(await ctx.pushes.push_body(role, version, request.stream(),
+                                                 length=int(length) if length else None, mode=mode, dtype=dtype,
+                                                 cast=cast, digest=digest,
+                                                 guard=lambda work: unless_disconnected(request, work)))
+    kind = checksums.kind_of(digest[0]) if digest else checksums.LEGACY
+    with tempfile.TemporaryDirectory(prefix="specroll-upload-") as tmp:
+        path = Path(tmp) / "upload.safetensors"
+        size, got = await _receive_to_file(request, path, kind)
+        if not size:
+            raise PushError("the body is empty: send the safetensors bytes")
+        if digest is not None and got != digest[1].lower():
+            raise PushError(f"checksum mismatch: the body hashes to {got} ({kind}), the request says {digest[1]}")
+        tensors = await asyncio.to_thread(_load_file, path)
+    return _reply(await unless_disconnected(request, ctx.pushes.push_tensors(role, version, tensors, mode, dtype,
+                                                                             cast, base_version)))
 
 
 @router.post("/weights/load")

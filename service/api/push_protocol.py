@@ -8,6 +8,10 @@ sha256: client/checksums.py) is verified as soon as its bytes are complete, and 
 the serving ones by a worker thread while the bytes still arrive. A tensor that lies inside one chunk is handed
 on as a view of it; a longer one is gathered in a staging buffer that is reused (no allocation per tensor or
 push). Nothing is swapped unless the whole push was good.
+
+A delta push names the version it applies to (`base_version`) and lists only tensors that changed, each
+`dense` (its whole bytes) or `sparse`: int32 indices (int64 for tensors of 2^31 elements or more) into the
+flattened tensor, strictly increasing, then one value per index in the push's dtype.
 """
 
 from __future__ import annotations
@@ -25,8 +29,8 @@ from typing import Any, Generic, TypeVar
 import numpy as np
 import torch
 
-from client import checksums
-from service.backend.base import ROLES, PushError, PushUnsupported, WeightSpec
+import client.checksums as checksums
+from service.backend.base import ROLES, PushError, PushUnsupported, SparseValues, WeightSpec
 from service.backend.weight_check import DTYPES, Declared, WeightCheck, dtype_name
 from service.safetensors_io import MAX_HEADER_BYTES, CheckpointError, header_spans
 
@@ -35,6 +39,8 @@ MAX_CHUNK_BYTES = 4 * 2**20
 BODY_PART_BYTES = 4 * 2**20  # body pieces of an HTTP upload handed to the worker at a time
 _VERSION = re.compile(r"^[A-Za-z0-9._:+@/-]{1,128}$")
 _ST_DTYPES = {"F32": "float32", "BF16": "bfloat16", "F16": "float16"}
+DENSE, SPARSE = "dense", "sparse"
+ENCODINGS = (DENSE, SPARSE)
 __all__ = ["DTYPES", "ChunkReceiver", "Manifest", "PushError", "PushResult", "Staging", "TensorEntry", "dtype_name",
            "validate_manifest"]
 
@@ -46,6 +52,61 @@ class TensorEntry:
     shape: tuple[int, ...]
     nbytes: int
     digest: str = ""  # hex, of the manifest's checksum kind
+    encoding: str = DENSE  # a delta push's tensor: dense (all its bytes) | sparse (indices, then values)
+
+
+def index_dtype(numel: int) -> torch.dtype:
+    """The dtype of a sparse delta's indices into a tensor of `numel` elements."""
+    return torch.int32 if numel < 2**31 else torch.int64
+
+
+def sparse_count(entry: TensorEntry, itemsize: int) -> int:
+    """How many elements a sparse entry's bytes carry; PushError if they cannot be indices plus values."""
+    numel = math.prod(entry.shape)
+    width = index_dtype(numel).itemsize + itemsize
+    if entry.nbytes % width or entry.nbytes // width > numel:
+        raise PushError(f"tensor {entry.name!r}: a sparse delta of {entry.nbytes} bytes is not n indices and n "
+                        f"values ({width} bytes each) with n <= its {numel} elements")
+    return entry.nbytes // width
+
+
+def decode(entry: TensorEntry, raw: torch.Tensor, dtype: torch.dtype) -> torch.Tensor | SparseValues:
+    """An entry's received bytes (uint8) as the tensor or the sparse delta they encode (views, no copy)."""
+    if entry.encoding != SPARSE:
+        return raw.view(dtype).view(entry.shape)
+    idx = index_dtype(math.prod(entry.shape))
+    count = sparse_count(entry, dtype.itemsize)
+    cut = count * idx.itemsize
+    return SparseValues(entry.shape, raw[:cut].view(idx), raw[cut:].view(dtype))
+
+
+INDICES, VALUES = ":indices", ":values"  # the suffixes of a sparse delta's two tensors in a safetensors body
+
+
+def sparse_pairs(tensors: dict[str, torch.Tensor], spec: WeightSpec) -> dict[str, torch.Tensor | SparseValues]:
+    """A delta upload's tensors by name: `NAME:indices` with `NAME:values` become one `SparseValues` for NAME
+    (of the shape `spec` gives NAME), other tensors stay whole."""
+    out: dict[str, torch.Tensor | SparseValues] = {}
+    for key, t in tensors.items():
+        if not key.endswith((INDICES, VALUES)):
+            if key in out:
+                raise PushError(f"tensor {key!r} comes whole and as a sparse delta: send one")
+            out[key] = t
+            continue
+        name, _, part = key.rpartition(":")
+        other = f"{name}:{'values' if part == 'indices' else 'indices'}"
+        if other not in tensors:
+            raise PushError(f"tensor {key!r} has no {other!r}: a sparse delta sends both")
+        shape = spec.shapes.get(name, spec.tolerated.get(name))
+        if shape is None:
+            raise PushError(f"sparse delta for {name!r}, which the {spec.role} ({spec.architecture}) does not have")
+        if name in out:
+            if not isinstance(out[name], SparseValues):
+                raise PushError(f"tensor {name!r} comes whole and as a sparse delta: send one")
+            continue
+        pair = (t, tensors[other]) if part == "indices" else (tensors[other], t)
+        out[name] = SparseValues(tuple(shape), pair[0], pair[1])
+    return out
 
 
 @dataclass(slots=True)
@@ -56,6 +117,7 @@ class Manifest:
     tensors: list[TensorEntry]
     mode: str = "wait"
     cast: bool = False  # the pusher asks for its dtype to be cast to the serving one
+    base_version: str = ""  # a delta push: the served version its tensors apply to ("" = a full push)
     checksum: str | None = checksums.LEGACY  # each tensor's digest kind; None: none per tensor (an upload's body
     # carries one for the whole body)
 
@@ -90,19 +152,32 @@ def validate_manifest(m: Manifest, spec: WeightSpec, max_bytes: int) -> None:
             m.checksum = checksums.kind_of(m.checksum)
         except ValueError as exc:
             raise PushError(str(exc)) from None
-    if not m.tensors:
+    if m.base_version:
+        check_role_version(m.role, m.base_version)
+    if not m.tensors and not m.base_version:
         raise PushError("the manifest lists no tensors")
     declared = dtype_name(m.dtype)
     itemsize = torch.empty((), dtype=DTYPES[declared]).element_size()
     for t in m.tensors:
+        t.encoding = t.encoding or DENSE
+        if t.encoding not in ENCODINGS:
+            raise PushError(f"tensor {t.name!r}: encoding must be one of {list(ENCODINGS)}, got {t.encoding!r}")
+        if t.encoding == SPARSE and not m.base_version:
+            raise PushError(f"tensor {t.name!r} is sparse, which only a delta push (base_version) may send")
         if t.dtype != declared and dtype_name(t.dtype) != declared:
             raise PushError(f"tensor {t.name!r} has dtype {t.dtype}, but the manifest declares {declared}")
     try:
-        WeightCheck(spec, m.cast).declared(Declared(t.name, t.dtype, t.shape) for t in m.tensors)
+        if m.tensors:
+            WeightCheck(spec, m.cast).declared((Declared(t.name, t.dtype, t.shape) for t in m.tensors),
+                                               partial=bool(m.base_version))
     except PushError as exc:
         raise PushError(f"{m.role} push: {exc}") from exc
     for t in m.tensors:
-        expected = math.prod(t.shape) * itemsize
+        if t.encoding == SPARSE:
+            sparse_count(t, itemsize)
+            expected = t.nbytes
+        else:
+            expected = math.prod(t.shape) * itemsize
         if t.nbytes != expected:
             raise PushError(f"tensor {t.name!r}: nbytes {t.nbytes} != {expected} for shape {list(t.shape)} "
                             f"in {declared}")
@@ -140,7 +215,7 @@ class ChunkReceiver(Generic[T]):
     end as `whole_digest`. `discard` releases what `build` made when the push fails after it.
     """
 
-    def __init__(self, manifest: Manifest, build: Callable[[Iterator[tuple[str, torch.Tensor]]], T],
+    def __init__(self, manifest: Manifest, build: Callable[[Iterator[tuple[str, torch.Tensor | SparseValues]]], T],
                  max_queued: int = 16, staging: Staging | None = None, max_chunk: int = MAX_CHUNK_BYTES,
                  whole: tuple[checksums.Hasher, str, str] | None = None,
                  discard: Callable[[T], None] | None = None) -> None:
@@ -266,7 +341,7 @@ class ChunkReceiver(Generic[T]):
                 if len(view):
                     yield view
 
-    def _tensors(self) -> Iterator[tuple[str, torch.Tensor]]:
+    def _tensors(self) -> Iterator[tuple[str, torch.Tensor | SparseValues]]:
         kind = self.manifest.checksum
         pieces = self._pieces()
         chunk, pos = memoryview(b""), 0
@@ -298,7 +373,7 @@ class ChunkReceiver(Generic[T]):
                                 f"{hasher.hexdigest()} ({kind}), the manifest says {entry.digest}")
             dtype = DTYPES[dtype_name(entry.dtype)]
             tensor = torch.from_numpy(array) if array.flags.writeable else _readonly(array)
-            yield entry.name, tensor.view(dtype).view(entry.shape)
+            yield entry.name, decode(entry, tensor, dtype)
         if pos != len(chunk):
             raise PushError("a chunk carries bytes past the last tensor")
 
