@@ -197,7 +197,7 @@ class Staging:
 
     def __init__(self) -> None:
         self._buf = np.empty(0, dtype=np.uint8)
-        self.lock = threading.Lock()  # held by the worker using it (a cancelled push's may still be draining)
+        self.lock = threading.Lock()  # held by the worker using it (a cancelled push's may still be running)
 
     def take(self, nbytes: int) -> np.ndarray:
         if self._buf.size < nbytes:
@@ -299,8 +299,13 @@ class ChunkReceiver(Generic[T]):
 
     # -- worker side -------------------------------------------------------------------------------
     def _work(self) -> None:
-        with self._staging.lock:
+        if not self._staging.lock.acquire(blocking=False):  # an earlier push's worker still has it: never wait
+            self._staging = Staging()  # on a push that may never end (its transport gone silent)
+            self._staging.lock.acquire()
+        try:
             self._run()
+        finally:
+            self._staging.lock.release()
 
     def _run(self) -> None:
         try:
