@@ -21,9 +21,8 @@ from typing import Any
 import httpx
 import pytest
 from fastapi.testclient import TestClient
-from helpers import make_checkpoint
 from probes import wait_for
-from service_utils import ADMIN, auth, start_server
+from service_utils import ADMIN, auth, running, start_server
 
 from service.api.auth import Auth
 from service.api.http_server import create_app
@@ -37,15 +36,8 @@ SLIME_SP = {"temperature": 0.9, "top_p": 0.9, "top_k": -1, "max_new_tokens": 200
 
 
 @pytest.fixture(scope="module")
-def model_dir():
-    return make_checkpoint("qwen2", tied=True)
-
-
-@pytest.fixture(scope="module")
 def server(model_dir) -> Iterator[BackgroundServer]:
-    srv = start_server(model_dir, control_auth="none", engine_kw={"enforce_eager": True})
-    yield srv
-    srv.stop()
+    yield from running(start_server(model_dir, control_auth="none", engine_kw={"enforce_eager": True}))
 
 
 @pytest.fixture(scope="module")

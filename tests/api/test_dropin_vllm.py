@@ -21,9 +21,9 @@ from typing import Any
 import httpx
 import pytest
 import torch
-from helpers import make_checkpoint
+from helpers import default_checkpoint
 from probes import wait_for
-from service_utils import start_server
+from service_utils import running, start_server
 
 from service.app import BackgroundServer
 
@@ -34,9 +34,7 @@ SEED = 4321
 
 @pytest.fixture(scope="module")
 def server() -> Iterator[BackgroundServer]:
-    srv = start_server(make_checkpoint("qwen2", tied=True), control_auth="none", engine_kw={"enforce_eager": True})
-    yield srv
-    srv.stop()
+    yield from running(start_server(default_checkpoint(), control_auth="none", engine_kw={"enforce_eager": True}))
 
 
 @pytest.fixture(scope="module")

@@ -9,30 +9,16 @@ from collections.abc import Iterator
 import httpx
 import pytest
 import torch
-from helpers import make_checkpoint
 from probes import wait_for
-from service_utils import ADMIN, auth, engine_config, start_server
+from service_utils import ADMIN, auth, engine_config
 
 from client import AsyncSpecrollClient, InvalidArgument, ServerInfo, SpecrollClient
-from service.app import BackgroundServer
 from service.engine.llm_engine import LLMEngine
 from service.params import SamplingParams
 from service.tokenizer import Tokenizer
 
 PROMPT = [5, 17, 42, 99, 7]
 SEEDED = {"temperature": 0.8, "top_p": 0.9, "seed": 1234, "max_tokens": 24}
-
-
-@pytest.fixture(scope="module")
-def model_dir():
-    return make_checkpoint("qwen2", tied=True)
-
-
-@pytest.fixture(scope="module")
-def server(model_dir) -> Iterator[BackgroundServer]:
-    srv = start_server(model_dir)
-    yield srv
-    srv.stop()
 
 
 @pytest.fixture(scope="module")
