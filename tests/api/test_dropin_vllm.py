@@ -21,7 +21,6 @@ from typing import Any
 import httpx
 import pytest
 import torch
-from helpers import default_checkpoint
 from probes import wait_for
 from service_utils import running, start_server
 
@@ -33,8 +32,8 @@ SEED = 4321
 
 
 @pytest.fixture(scope="module")
-def server() -> Iterator[BackgroundServer]:
-    yield from running(start_server(default_checkpoint(), control_auth="none", engine_kw={"enforce_eager": True}))
+def server(model_dir: Path) -> Iterator[BackgroundServer]:
+    yield from running(start_server(model_dir, control_auth="none", engine_kw={"enforce_eager": True}))
 
 
 @pytest.fixture(scope="module")

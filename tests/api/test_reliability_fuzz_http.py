@@ -17,7 +17,6 @@ import httpx
 import pytest
 import requests
 import schemathesis
-from helpers import default_checkpoint
 from hypothesis import HealthCheck, Phase, given, settings
 from hypothesis import strategies as st
 from hypothesis.errors import Unsatisfiable
@@ -48,10 +47,9 @@ class FuzzLog:
 
 
 @pytest.fixture(scope="module")
-def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[BackgroundServer]:
-    model = default_checkpoint()
+def server(model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[BackgroundServer]:
     load_root: Path = tmp_path_factory.mktemp("load-root")
-    yield from running(start_server(model, limits=LIMITS, load_root=str(load_root)))
+    yield from running(start_server(model_dir, limits=LIMITS, load_root=str(load_root)))
 
 
 def _fuzz_operation(op: schemathesis.APIOperation, base_url: str, session: requests.Session, log: FuzzLog,
