@@ -10,6 +10,9 @@ from __future__ import annotations
 import ast
 from pathlib import Path
 
+import pytest
+from probes import metric, metric_lines, wait_for
+
 TESTS = Path(__file__).resolve().parent
 # helper name -> the one module that defines it
 SHARED = {"wait_for": "probes.py", "metric": "probes.py", "metric_lines": "probes.py"}
@@ -77,3 +80,24 @@ def test_the_check_finds_a_spelled_out_checkpoint(tmp_path: Path) -> None:
                                         'b = make_checkpoint("qwen2", tied=True, seed=4)\n'
                                         'c = make_checkpoint(family, tied=True)\n')
     assert spelled_out_checkpoints(tmp_path) == [("test_x.py", 1, "trainer_target_checkpoint()")]
+
+
+def test_wait_for_returns_the_value_and_names_what_it_waited_for() -> None:
+    calls = iter([0, None, "ready"])
+    assert wait_for(lambda: next(calls), 5, "a value", every=0.001) == "ready"
+
+    def refused() -> bool:
+        raise ConnectionRefusedError("not yet")
+
+    with pytest.raises(AssertionError, match=r"waiting for the port \(last error: ConnectionRefusedError.*\nlog tail"):
+        wait_for(refused, 0.05, "the port", every=0.01, ignoring=(OSError,), detail=lambda: "log tail")
+    with pytest.raises(ValueError):  # an error it is not told to ignore is the test's failure
+        wait_for(lambda: int("x"), 5, "an int")
+
+
+def test_metric_matches_the_series_name_whole() -> None:
+    text = ('# HELP x_total things\nx_total{kind="a"} 2.0\nx_total{kind="b"} 3.0\nx_total_created 1.7e9\n'
+            "x_total_more 100.0\ny 4.0\n")
+    assert metric(text, "x_total") == 5.0
+    assert metric(text, 'x_total{kind="b"}') == 3.0
+    assert metric_lines(text, "y") == ["y 4.0"] and metric(text, "z") == 0
