@@ -10,7 +10,7 @@ from helpers import make_checkpoint, peaked_checkpoint
 
 @pytest.fixture(scope="session")
 def target() -> Path:
-    """A Qwen2 target peaked enough (init_std 0.3) for greedy runs to be stable under other roundings."""
+    """The peaked Qwen2 target (helpers.peaked_checkpoint): greedy runs stay the same under other roundings."""
     return peaked_checkpoint()
 
 
