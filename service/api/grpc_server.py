@@ -34,9 +34,9 @@ def _auth(context: grpc.aio.ServicerContext) -> str | None:
 
 
 def _manifest(m: Any) -> Manifest:
-    tensors = [TensorEntry(t.name, t.dtype, tuple(int(d) for d in t.shape), int(t.nbytes), t.sha256)
-               for t in m.tensors]
-    return Manifest(m.role or "target", m.version, m.dtype, tensors, m.mode or "wait", m.cast)
+    tensors = [TensorEntry(t.name, t.dtype, tuple(int(d) for d in t.shape), int(t.nbytes), t.sha256,
+                           t.encoding or "dense") for t in m.tensors]
+    return Manifest(m.role or "target", m.version, m.dtype, tensors, m.mode or "wait", m.cast, m.base_version)
 
 
 def _weights_reply(r: PushResult) -> Any:
@@ -56,7 +56,8 @@ class RolloutServicer(pb2_grpc.RolloutServicer):  # type: ignore[misc]
 
     def _params(self, request: Any) -> Any:
         p = request.params
-        opt = {f: getattr(p, f) for f in ("temperature", "top_p", "top_k", "min_p", "seed", "max_tokens")
+        opt = {f: getattr(p, f) for f in ("temperature", "top_p", "top_k", "min_p", "seed", "max_tokens",
+                                          "frequency_penalty", "presence_penalty", "repetition_penalty")
                if p.HasField(f)}
         return make_params(self.ctx.limits, n=request.n or 1, stop_token_ids=list(p.stop_token_ids),
                            ignore_eos=p.ignore_eos, top_logprobs=p.top_logprobs, raw_logprobs=p.raw_logprobs, **opt)

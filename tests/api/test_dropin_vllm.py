@@ -91,7 +91,7 @@ def test_trl_control_calls(trl_client, server):
     assert trl_client.get_world_size() == 1
     info = trl_client.get_server_info()
     assert info["model_config"]["logprobs_mode"] == "processed_logprobs"  # what GRPO's IS correction checks
-    assert info["model_config"]["max_model_len"] == 256 and info["weight_transfer_config"] is None
+    assert info["model_config"]["max_model_len"] == 256 and info["weight_transfer_config"] == {"backend": "gloo"}
     trl_client.reset_prefix_cache()
     client = async_client.VLLMClient(server.http_url)
     assert client.get_dtype() == "torch.float32" and client.get_world_size() == 1
@@ -140,7 +140,7 @@ def test_skyrl_generate_payload(http):
         assert [c["token"] for c in content] == [f"token_id:{t}" for t in ref["token_ids"]]
         torch.testing.assert_close(torch.tensor([c["logprob"] for c in content]),
                                    torch.tensor(ref["logprobs"]["token_logprobs"]), atol=1e-6, rtol=0)
-    for bad in ({"presence_penalty": 0.3}, {"use_beam_search": True}, {"best_of": 3}, {"nonsense": 1}):
+    for bad in ({"presence_penalty": 3.0}, {"use_beam_search": True}, {"best_of": 3}, {"nonsense": 1}):
         r = http.post("/inference/v1/generate", json={"sampling_params": {"max_tokens": 2, **bad},
                                                       "token_ids": PROMPTS[0]})
         assert r.status_code == 400 and next(iter(bad)) in r.json()["error"]["message"], r.text
