@@ -15,9 +15,9 @@ import grpc
 import httpx
 import pytest
 import torch
-from helpers import make_checkpoint
+from helpers import default_checkpoint
 from safetensors.torch import save
-from service_utils import ADMIN, auth, checkpoint_tensors, start_server, write_checkpoint
+from service_utils import ADMIN, auth, checkpoint_tensors, running, start_server, write_checkpoint
 
 from client import FailedPrecondition, SpecrollClient
 from client import weights as wt
@@ -50,7 +50,7 @@ def stepped(tensors: dict[str, torch.Tensor], seed: int) -> dict[str, torch.Tens
 
 @pytest.fixture(scope="module")
 def base_dir() -> Path:
-    return make_checkpoint("qwen2", tied=False)
+    return default_checkpoint(tied=False)
 
 
 @pytest.fixture(scope="module")
@@ -63,9 +63,7 @@ def steps(base_dir: Path) -> list[dict[str, torch.Tensor]]:
 
 @pytest.fixture(scope="module")
 def server(base_dir: Path) -> Iterator[BackgroundServer]:
-    srv = start_server(base_dir, engine_kw=EAGER)
-    yield srv
-    srv.stop()
+    yield from running(start_server(base_dir, engine_kw=EAGER))
 
 
 @pytest.fixture(scope="module")

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from helpers import make_checkpoint
+from helpers import make_checkpoint, peaked_checkpoint
 from reference import chi_square_pvalue, exact_joint, penalised, processed_probs
 from test_spec_decode import assisted, assisted_rows, perturbed_copy
 
@@ -31,7 +31,7 @@ PENALTIES = {
 
 @pytest.fixture(scope="module")
 def target():
-    return make_checkpoint("qwen2", tied=True, init_std=0.3, seed=1)
+    return peaked_checkpoint()
 
 
 @pytest.fixture(scope="module")
