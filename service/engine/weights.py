@@ -4,7 +4,10 @@ Two roles: `target` (the policy, a CausalLM) and `drafter` (whichever drafter ha
 CausalLM or an EAGLE head). One path serves a trainer's push, the sidecar and the in-process drafter trainer.
 
 Double buffering: the weights a swap replaced become the buffer the next push of that role is loaded into (no
-allocation, no page faults). The engine keeps no reference to replaced weights.
+allocation, no page faults); `allocate_spares` makes that buffer at start, so the first push is as fast as the
+rest. The engine keeps no reference to replaced weights. Staging also lays the weights out for the CPU's kernels
+(service/models/packed.py: float32 stored transposed, oneDNN packs), so `apply` on the engine thread only swaps
+references.
 """
 
 from __future__ import annotations
@@ -22,6 +25,7 @@ from service.backend.base import PushError, PushUnsupported, Staged, WeightSpec
 from service.cpu_threads import one_cpu_thread
 from service.models.llama import CausalLM
 from service.models.loader import WeightError, build_model, checkpoint_shapes, load_tensors
+from service.models.packed import ensure_packed
 
 if TYPE_CHECKING:
     from service.engine.llm_engine import LLMEngine
@@ -120,6 +124,7 @@ class WeightStager:
             else:
                 module = spare if spare is not None else copy.deepcopy(serving)
                 nbytes = _load_state(module, tensors)
+            ensure_packed(module)  # here, not on the engine thread: its swap then only swaps references
         except WeightError as exc:
             self._keep(role, spare)
             raise PushError(f"{role} weights: {exc}") from exc
@@ -127,6 +132,25 @@ class WeightStager:
             self._keep(role, spare)  # not serving: its contents do not matter, its memory does
             raise
         return Staged(role, nbytes, module.eval().requires_grad_(False))
+
+    def allocate_spares(self) -> int:
+        """Make each role's spare now (a copy of the serving weights, its pages touched) rather than at the first
+        push. Returns the bytes allocated."""
+        total = 0
+        for role in self.roles():
+            with self._lock:
+                if role in self._spare:
+                    continue
+            serving = self._serving(role)
+            spare = copy.deepcopy(serving).eval().requires_grad_(False)  # copies leave packs behind (packed.py)
+            total += sum(p.numel() * p.element_size() for p in spare.parameters())
+            self._keep(role, spare)
+        return total
+
+    def spare(self, role: str) -> nn.Module | None:
+        """The buffer the next push of `role` loads into, if one is kept (read-only: for tests and stats)."""
+        with self._lock:
+            return self._spare.get(role)
 
     def apply(self, staged: Staged, version: str) -> None:
         """Engine thread, between two steps: serve the staged weights; the replaced ones become the spare."""
