@@ -101,7 +101,11 @@ class DrafterTrainer:
 
     def tick(self) -> None:
         self.server_state()
+        if self.lease is not None and not self.lease.held:
+            return  # lost while this tick began: read nothing more (run() stops)
         entries = self.source.read(self.cfg.read_count, self.cfg.block_ms)
+        if self.lease is not None and not self.lease.held:
+            return  # lost during the read: the entries stay pending for the group's new holder to claim
         self.take_in(entries)
         lag, pending = self.source.lag()
         self.metrics.lag.set(lag)

@@ -6,9 +6,7 @@ import importlib.util
 import logging
 import os
 import shutil
-import socket
 import subprocess
-import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
@@ -23,6 +21,8 @@ import pytest
 import torch
 from ci_reporting import in_ci
 from helpers import make_checkpoint, set_checkpoint_root, stop_process
+from probes import wait_for
+from redis_utils import redis_ping
 
 from service.netutil import free_port
 
@@ -95,15 +95,6 @@ def tiny_vocab_model(checkpoint_dir: Path) -> Path:
     return make_checkpoint("qwen2", tied=False, vocab_size=16, init_std=0.2, seed=7)
 
 
-def _redis_ping(port: int) -> bool:
-    try:
-        with socket.create_connection(("127.0.0.1", port), timeout=0.5) as sock:
-            sock.sendall(b"PING\r\n")
-            return sock.recv(64).startswith(b"+PONG")
-    except OSError:
-        return False
-
-
 @pytest.fixture(scope="session")
 def redis_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
     """A real throwaway ``redis-server`` on a free loopback port; yields ``redis://127.0.0.1:PORT/0``."""
@@ -120,12 +111,15 @@ def redis_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
     log = (workdir / "redis.log").open("wb")
     proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT)
     try:
-        deadline = time.monotonic() + REDIS_START_TIMEOUT_S
-        while not _redis_ping(port):
-            if proc.poll() is not None or time.monotonic() > deadline:
-                output = (workdir / "redis.log").read_text(errors="replace")
-                pytest.fail(f"redis-server did not start on port {port}: {output[-2000:]}")
-            time.sleep(0.05)
+        def up() -> bool:
+            if proc.poll() is not None:
+                pytest.fail(f"redis-server exited: {log_tail()}")
+            return redis_ping(port)
+
+        def log_tail() -> str:
+            return (workdir / "redis.log").read_text(errors="replace")[-2000:]
+
+        wait_for(up, REDIS_START_TIMEOUT_S, f"redis-server on port {port}", detail=log_tail)
         logger.info("redis-server pid %d listening on 127.0.0.1:%d", proc.pid, port)
         yield f"redis://127.0.0.1:{port}/0"
     finally:

@@ -1,12 +1,9 @@
-"""Helpers for the deployment tests: a missing tool skips locally and fails in CI; waiting for HTTP endpoints."""
+"""Helpers for the deployment tests: a missing tool skips locally and fails in CI; polling services that start."""
 
 from __future__ import annotations
 
 import shutil
-import time
-from collections.abc import Callable
 from pathlib import Path
-from typing import Any
 
 import httpx
 import pytest
@@ -31,21 +28,10 @@ def require_binary(name: str) -> str:
     return path
 
 
-def wait_for(what: str, check: Callable[[], Any], timeout_s: float, interval_s: float = 0.5,
-             on_timeout: Callable[[], str] | None = None) -> Any:
-    """Poll `check` until it returns something truthy; fail with `what` (and `on_timeout()`) after `timeout_s`."""
-    deadline = time.monotonic() + timeout_s
-    last: BaseException | None = None
-    while time.monotonic() < deadline:
-        try:
-            value = check()
-            if value:
-                return value
-        except (httpx.HTTPError, OSError, ValueError) as exc:
-            last = exc
-        time.sleep(interval_s)
-    detail = on_timeout() if on_timeout is not None else ""
-    pytest.fail(f"timed out after {timeout_s:.0f} s waiting for {what} (last error: {last!r})\n{detail}")
+# How the deployment tests poll with probes.wait_for: every half second (each poll may run docker), and a
+# service that is still starting (refused connections, half-written answers) counts as "not yet".
+POLL_S = 0.5
+STARTING = (httpx.HTTPError, OSError, ValueError)
 
 
 def http_ok(url: str) -> bool:

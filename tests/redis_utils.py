@@ -1,25 +1,27 @@
-"""A redis-server of a test's own (stopped and restarted by the test) and polling until a condition holds."""
+"""A redis-server of a test's own, which the test stops and restarts."""
 
 from __future__ import annotations
 
 import shutil
 import socket
 import subprocess
-import time
-from collections.abc import Callable
 from pathlib import Path
 
 import pytest
 from helpers import stop_process
+from probes import wait_for
 
 from service.netutil import free_port
 
 
-def wait_for(cond: Callable[[], object], timeout: float = 60.0, what: str = "condition") -> None:
-    deadline = time.monotonic() + timeout
-    while not cond():
-        assert time.monotonic() < deadline, f"timed out waiting for {what}"
-        time.sleep(0.05)
+def redis_ping(port: int) -> bool:
+    """Whether a redis-server answers PING on 127.0.0.1:`port`."""
+    try:
+        with socket.create_connection(("127.0.0.1", port), timeout=0.5) as sock:
+            sock.sendall(b"PING\r\n")
+            return sock.recv(16).startswith(b"+PONG")
+    except OSError:
+        return False
 
 
 class OwnRedis:
@@ -40,15 +42,7 @@ class OwnRedis:
         self.proc = subprocess.Popen([binary, "--port", str(self.port), "--bind", "127.0.0.1", "--save", "",
                                       "--appendonly", "yes", "--dir", str(self.dir), "--loglevel", "warning"],
                                      stdout=subprocess.DEVNULL, stderr=subprocess.STDOUT)
-        wait_for(self._up, 15, "redis-server")
-
-    def _up(self) -> bool:
-        try:
-            with socket.create_connection(("127.0.0.1", self.port), timeout=0.5) as s:
-                s.sendall(b"PING\r\n")
-                return s.recv(16).startswith(b"+PONG")
-        except OSError:
-            return False
+        wait_for(lambda: redis_ping(self.port), 15, "redis-server")
 
     def stop(self) -> None:
         if self.proc is not None:

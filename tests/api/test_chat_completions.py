@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import json
 import shutil
-import time
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -15,6 +14,7 @@ import pytest
 from helpers import make_checkpoint
 from hypothesis import HealthCheck, Phase, given, settings
 from hypothesis import strategies as st
+from probes import wait_for
 from service_utils import start_server
 
 from service.api.generation import Limits
@@ -168,9 +168,7 @@ def test_chat_rollouts_reach_the_buffer_hooks(server, http):
     try:
         res = post(http, {"messages": CHAT, "n": 2, "group_id": "chat-g", "metadata": {"step": "3"}, "logprobs": True,
                           **SEEDED})
-        deadline = time.monotonic() + 5
-        while len(records) < 2 and time.monotonic() < deadline:
-            time.sleep(0.01)
+        wait_for(lambda: len(records) >= 2, 5, "two rollout records", every=0.01)
     finally:
         server.server.hooks.on_rollout_finished.remove(records.append)
     by_id = {r.rollout_id: r for r in records}

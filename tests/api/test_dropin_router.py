@@ -13,12 +13,12 @@ import shutil
 import subprocess
 import sys
 import threading
-import time
 from collections.abc import Iterator
 
 import httpx
 import pytest
 from helpers import make_checkpoint, stop_process
+from probes import wait_for
 from service_utils import start_server
 from test_dropin_sglang import SLIME_SP, num_requests_from_load
 
@@ -45,18 +45,13 @@ def fleet() -> Iterator[tuple[str, list[BackgroundServer]]]:
                             stderr=subprocess.PIPE)
     url = f"http://127.0.0.1:{port}"
     try:
-        deadline = time.monotonic() + ROUTER_START_TIMEOUT_S
-        while True:
+        def answering() -> bool:
             if proc.poll() is not None:
                 pytest.fail(f"sglang-router exited: {proc.stderr.read().decode()[-2000:] if proc.stderr else ''}")
-            try:
-                if httpx.get(f"{url}/workers", timeout=2).status_code == 200:
-                    break
-            except httpx.HTTPError:
-                pass
-            if time.monotonic() > deadline:
-                pytest.fail("sglang-router did not answer /workers")
-            time.sleep(0.2)
+            return httpx.get(f"{url}/workers", timeout=2).status_code == 200
+
+        wait_for(answering, ROUTER_START_TIMEOUT_S, "sglang-router to answer /workers", every=0.2,
+                 ignoring=(httpx.HTTPError,))
         yield url, servers
     finally:
         stop_process(proc)
@@ -85,14 +80,15 @@ def test_slime_abort_sequence_through_the_worker_list(fleet):
             for _ in range(2)]
         for t in threads:
             t.start()
-        while sum(s.server.backend.stats().num_running for s in servers) < 2:
-            time.sleep(0.005)
+        wait_for(lambda: sum(s.server.backend.stats().num_running for s in servers) >= 2, 60,
+                 "both workers to run a request", every=0.005)
         workers = [w["url"] for w in c.get("/workers").json()["workers"]]
         assert sorted(workers) == sorted(s.http_url for s in servers)
         for worker in workers:
             assert httpx.post(f"{worker}/abort_request", json={"abort_all": True}).status_code == 200
-            while num_requests_from_load(httpx.get(f"{worker}/v1/loads", params={"include": "core"}).json()):
-                time.sleep(0.01)
+            wait_for(lambda w=worker: not num_requests_from_load(httpx.get(f"{w}/v1/loads",
+                                                                           params={"include": "core"}).json()),
+                     60, f"{worker}'s /v1/loads to count no request", every=0.01)
         for t in threads:
             t.join(60)
     assert [r.json()["meta_info"]["finish_reason"]["type"] for r in results] == ["abort", "abort"]

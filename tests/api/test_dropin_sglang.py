@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import dataclasses
 import threading
-import time
 from collections.abc import Iterator
 from typing import Any
 
@@ -23,6 +22,7 @@ import httpx
 import pytest
 from fastapi.testclient import TestClient
 from helpers import make_checkpoint
+from probes import wait_for
 from service_utils import ADMIN, auth, start_server
 
 from service.api.auth import Auth
@@ -73,8 +73,8 @@ def in_background(http: httpx.Client, server: BackgroundServer, payload: dict) -
     box: dict = {}
     t = threading.Thread(target=lambda: box.update(r=http.post("/generate", json=payload)))
     t.start()
-    while server.server.backend.stats().num_running == 0 and t.is_alive():
-        time.sleep(0.002)
+    wait_for(lambda: server.server.backend.stats().num_running > 0 or not t.is_alive(), 60,
+             "the engine to run the request", every=0.002)
     return t, box
 
 
@@ -100,8 +100,8 @@ def test_slime_abort_all_then_poll_loads(http, server):
     assert num_requests_from_load(http.get("/v1/loads", params={"include": "core"}).json()) == 1
     r = http.post("/abort_request", json={"abort_all": True})  # no Authorization header, as slime sends it
     assert r.status_code == 200, r.text
-    while num_requests_from_load(http.get("/v1/loads", params={"include": "core"}).json()):
-        time.sleep(0.01)
+    wait_for(lambda: not num_requests_from_load(http.get("/v1/loads", params={"include": "core"}).json()), 60,
+             "/v1/loads to count no request", every=0.01)
     t.join(60)
     meta = box["r"].json()["meta_info"]
     assert meta["finish_reason"]["type"] == "abort" and meta["completion_tokens"] < 240

@@ -14,7 +14,6 @@ import importlib
 import os
 import sys
 import threading
-import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -23,6 +22,7 @@ import httpx
 import pytest
 import torch
 from helpers import make_checkpoint
+from probes import wait_for
 from service_utils import start_server
 
 from service.app import BackgroundServer
@@ -116,8 +116,8 @@ def test_keep_pause_by_query_keeps_running_requests(http, server):
 
     t = threading.Thread(target=run)
     t.start()
-    while server.server.backend.stats().num_running == 0 and t.is_alive():
-        time.sleep(0.002)
+    wait_for(lambda: server.server.backend.stats().num_running > 0 or not t.is_alive(), 60,
+             "the engine to run the request", every=0.002)
     r = http.post("/pause", params={"mode": "keep", "clear_cache": "false"})
     assert r.status_code == 200 and r.json()["status"] == "paused" and r.json()["aborted"] == []
     assert server.server.backend.stats().num_running == 1  # kept, not aborted or finished

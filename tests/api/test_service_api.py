@@ -4,16 +4,16 @@ from __future__ import annotations
 
 import asyncio
 import json
-import time
 from collections.abc import Iterator
 
 import httpx
 import pytest
 import torch
 from helpers import make_checkpoint
+from probes import wait_for
 from service_utils import ADMIN, auth, engine_config, start_server
 
-from client import AsyncSpecrollClient, InvalidArgument, SpecrollClient
+from client import AsyncSpecrollClient, InvalidArgument, ServerInfo, SpecrollClient
 from service.app import BackgroundServer
 from service.engine.llm_engine import LLMEngine
 from service.params import SamplingParams
@@ -225,9 +225,8 @@ def test_rollout_records_and_rewards(server, client):
                                  metadata={"step": "7"})
         ids = [s.rollout_id for s in comp.samples]
         assert client.report_rewards({ids[0]: 1.0, ids[1]: 0.0}) == 2
-        deadline = time.monotonic() + 5
-        while (len(records) < 2 or len(rewards) < 2) and time.monotonic() < deadline:
-            time.sleep(0.01)
+        wait_for(lambda: len(records) >= 2 and len(rewards) >= 2, 5, "two rollout records and two rewards",
+                 every=0.01)
     finally:
         server.server.hooks.on_rollout_finished.remove(records.append)
         server.server.hooks.on_reward.clear()
@@ -313,11 +312,11 @@ def test_client_disconnect_aborts_the_request(server, client, http):
     with httpx.stream("POST", http.base_url.join("/v1/completions"),
                       json={"prompt": PROMPT, "max_tokens": 200, "ignore_eos": True, "stream": True}) as r:
         next(r.iter_lines())
-    deadline = time.monotonic() + 10
-    while time.monotonic() < deadline:
+
+    def idle() -> ServerInfo | None:
         info = client.server_info()
-        if info.num_running == 0 and info.num_waiting == 0:
-            break
-        time.sleep(0.05)
+        return info if info.num_running == 0 and info.num_waiting == 0 else None
+
+    info = wait_for(idle, 10, "no request running or waiting")
     assert info.num_running == 0
     assert scrape(http)['specroll:requests_aborted_total{reason=client}'] - before == 3

@@ -6,10 +6,10 @@ import os
 import signal
 import subprocess
 import sys
-import time
 
 import httpx
 from helpers import make_checkpoint
+from probes import wait_for
 from service_utils import ADMIN
 
 from client import SpecrollClient
@@ -26,16 +26,12 @@ def test_serve_subprocess_end_to_end(tmp_path):
     proc = subprocess.Popen(cmd, env=env, stdout=log, stderr=subprocess.STDOUT)
     try:
         url = f"http://127.0.0.1:{http_port}"
-        deadline = time.monotonic() + 120
-        while True:
+
+        def ready() -> bool:
             assert proc.poll() is None, (tmp_path / "serve.log").read_text()
-            try:
-                if httpx.get(url + "/ready", timeout=1).status_code == 200:
-                    break
-            except httpx.HTTPError:
-                pass
-            assert time.monotonic() < deadline, "server never became ready"
-            time.sleep(0.1)
+            return httpx.get(url + "/ready", timeout=1).status_code == 200
+
+        wait_for(ready, 120, "the server to become ready", every=0.1, ignoring=(httpx.HTTPError,))
         r = httpx.post(url + "/v1/completions", json={"prompt": [1, 2, 3], "max_tokens": 5, "temperature": 0})
         assert r.status_code == 200 and r.json()["model"] == "tiny"
         with SpecrollClient(f"127.0.0.1:{grpc_port}", admin_token=ADMIN) as c:
@@ -67,17 +63,13 @@ def test_serve_answers_before_its_forwards_are_compiled_and_exits_cleanly_mid_co
         proc = subprocess.Popen(cmd, env=env, stdout=log, stderr=subprocess.STDOUT)
         try:
             url = f"http://127.0.0.1:{http_port}"
-            deadline = time.monotonic() + 120
-            while True:
+
+            def answer() -> httpx.Response | None:
                 assert proc.poll() is None, log_path.read_text()
-                try:
-                    r = httpx.post(url + "/v1/completions", json={"prompt": [1, 2, 3], "max_tokens": 8}, timeout=5)
-                    if r.status_code == 200:
-                        break
-                except httpx.HTTPError:
-                    pass
-                assert time.monotonic() < deadline, "server never answered"
-                time.sleep(0.1)
+                r = httpx.post(url + "/v1/completions", json={"prompt": [1, 2, 3], "max_tokens": 8}, timeout=5)
+                return r if r.status_code == 200 else None
+
+            r = wait_for(answer, 120, "the server to answer", every=0.1, ignoring=(httpx.HTTPError,))
             assert len(r.json()["choices"][0]["token_ids"]) == 8
             metrics = httpx.get(url + "/metrics", timeout=10).text
             assert "in the background" not in log_path.read_text()  # answered before the forwards were compiled

@@ -4,12 +4,12 @@ all-or-none admission of multi-prompt requests, and every admitted request still
 from __future__ import annotations
 
 import asyncio
-import time
 
 import grpc
 import httpx
 import pytest
 from helpers import make_checkpoint
+from probes import metric, wait_for
 from service_utils import ADMIN, auth, start_server
 
 from client import Overloaded, SpecrollClient
@@ -19,17 +19,6 @@ from service.backend.admission import AdmissionLimits
 @pytest.fixture(scope="module")
 def model():
     return make_checkpoint("qwen2", tied=True)
-
-
-def metric(text: str, name: str) -> float:
-    return sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines() if line.startswith(name))
-
-
-def wait_for(cond, timeout: float = 60.0) -> None:
-    deadline = time.monotonic() + timeout
-    while not cond():
-        assert time.monotonic() < deadline, "timed out"
-        time.sleep(0.02)
 
 
 def test_queue_bound_refuses_cleanly_and_admitted_work_completes(model):
@@ -44,7 +33,7 @@ def test_queue_bound_refuses_cleanly_and_admitted_work_completes(model):
             async with httpx.AsyncClient(base_url=url, timeout=120) as http:
                 body = {"prompt": [1, 2, 3], "max_tokens": 6, "temperature": 1.0}
                 held = [asyncio.create_task(http.post("/v1/completions", json=body)) for _ in range(10)]
-                await asyncio.to_thread(wait_for, lambda: admission.seqs == 10)
+                await asyncio.to_thread(wait_for, lambda: admission.seqs == 10, 60, "10 sequences admitted")
                 assert admission.waiting_seqs == 6
                 # one more sequence: refused at once with Retry-After, on every API
                 r = await http.post("/v1/completions", json=body)
@@ -72,7 +61,8 @@ def test_queue_bound_refuses_cleanly_and_admitted_work_completes(model):
                 for r in results:
                     assert r.status_code == 200, r.text
                     assert len(r.json()["choices"][0]["token_ids"]) == 6
-                await asyncio.to_thread(wait_for, lambda: admission.seqs == 0 and admission.tokens == 0)
+                await asyncio.to_thread(wait_for, lambda: admission.seqs == 0 and admission.tokens == 0, 60,
+                                        "the admission to empty")
 
         asyncio.run(scenario())
     finally:
@@ -91,7 +81,7 @@ def test_multi_prompt_request_is_admitted_whole_or_not_at_all(model):
             async with httpx.AsyncClient(base_url=url, timeout=120) as http:
                 first = asyncio.create_task(http.post("/v1/completions", json={
                     "prompt": [[1, 2, 3], [4, 5, 6]], "max_tokens": 7, "temperature": 0}))  # 2 x 10 tokens
-                await asyncio.to_thread(wait_for, lambda: admission.tokens == 20)
+                await asyncio.to_thread(wait_for, lambda: admission.tokens == 20, 60, "20 tokens admitted")
                 # three prompts of 20 tokens each would take 80 > 60: none of them is admitted
                 r = await http.post("/v1/completions", json={"prompt": [[1, 2], [3, 4], [5, 6]], "max_tokens": 18})
                 assert r.status_code == 503 and admission.tokens == 20 and admission.seqs == 2
@@ -101,12 +91,12 @@ def test_multi_prompt_request_is_admitted_whole_or_not_at_all(model):
                 # two of them fit: admitted (and run once resumed)
                 second = asyncio.create_task(http.post("/v1/completions", json={
                     "prompt": [[1, 2], [3, 4]], "max_tokens": 18, "temperature": 0}))
-                await asyncio.to_thread(wait_for, lambda: admission.tokens == 60)
+                await asyncio.to_thread(wait_for, lambda: admission.tokens == 60, 60, "60 tokens admitted")
                 (await http.post("/resume", headers=auth())).raise_for_status()
                 for r in await asyncio.gather(first, second):
                     assert r.status_code == 200, r.text
                     assert len(r.json()["choices"]) == 2
-                await asyncio.to_thread(wait_for, lambda: admission.tokens == 0)
+                await asyncio.to_thread(wait_for, lambda: admission.tokens == 0, 60, "the admission to empty")
 
         asyncio.run(scenario())
     finally:
@@ -134,7 +124,7 @@ def test_flood_beyond_the_bound_gets_answers_not_hangs(model):
             else:
                 assert r.headers["retry-after"] == "2"
         admission = srv.server.backend.admission
-        wait_for(lambda: admission.seqs == 0)
+        wait_for(lambda: admission.seqs == 0, 60, "every admitted request to finish")
         assert admission.refused == codes.count(503)
     finally:
         srv.stop()
@@ -154,13 +144,14 @@ def test_non_streaming_clients_that_disconnect_leave_no_work_behind(model):
                 sgl = {"input_ids": [4, 5, 6], "sampling_params": {"max_new_tokens": 200, "ignore_eos": True}}
                 tasks = [asyncio.create_task(http.post("/v1/completions", json=body)) for _ in range(10)]
                 tasks += [asyncio.create_task(http.post("/generate", json=sgl)) for _ in range(10)]
-                await asyncio.to_thread(wait_for, lambda: admission.seqs == 20)
+                await asyncio.to_thread(wait_for, lambda: admission.seqs == 20, 60, "20 sequences admitted")
                 for t in tasks:
                     t.cancel()  # the client hangs up: httpx closes each connection
                 await asyncio.gather(*tasks, return_exceptions=True)
 
         asyncio.run(scenario())
-        wait_for(lambda: admission.seqs == 0, 30)  # aborted while still paused: none ran a single step
+        # aborted while still paused: none ran a single step
+        wait_for(lambda: admission.seqs == 0, 30, "the aborted requests to leave")
         metrics = httpx.get(url + "/metrics").text
         assert metric(metrics, 'specroll:requests_aborted_total{reason="client"}') == 20
         httpx.post(url + "/resume", headers=auth()).raise_for_status()

@@ -14,7 +14,8 @@ import httpx
 import pytest
 import redis
 from helpers import make_checkpoint, stop_process
-from redis_utils import OwnRedis, wait_for
+from probes import wait_for
+from redis_utils import OwnRedis
 from service_utils import ADMIN
 
 from client import SpecrollClient

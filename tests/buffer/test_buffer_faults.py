@@ -14,17 +14,14 @@ import pytest
 import redis
 from fs_utils import fill
 from helpers import make_checkpoint
-from redis_utils import OwnRedis, wait_for
+from probes import metric, wait_for
+from redis_utils import OwnRedis
 from service_utils import ADMIN, start_server
 
 from client import SpecrollClient
 from service.buffer import BufferConfig, RedisBuffer
 from service.buffer.codec import spool_rollout
 from service.protogen import pb2
-
-
-def metric(text: str, name: str) -> float:
-    return sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines() if line.startswith(name))
 
 
 @pytest.fixture(scope="module")

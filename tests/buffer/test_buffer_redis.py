@@ -8,15 +8,12 @@ import uuid
 import pytest
 import redis
 from helpers import make_checkpoint
-from redis_utils import OwnRedis, wait_for
+from probes import metric, wait_for
+from redis_utils import OwnRedis
 from service_utils import ADMIN, start_server
 
 from client import SpecrollClient
 from service.buffer import BufferConfig, decode_entry
-
-
-def metric(text: str, name: str) -> float:
-    return sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines() if line.startswith(name))
 
 
 @pytest.fixture(scope="module")
@@ -39,7 +36,7 @@ def test_1000_rollouts_land_in_the_stream_with_rewards_joined(model, redis_serve
             rewards = {rid: float(i % 5) for i, rid in enumerate(samples)}
             assert c.report_rewards(rewards) == 1000
             wait_for(lambda: r.xlen(stream) >= 1000 and r.exists(cfg.rewards_prefix + next(iter(rewards))),
-                     what="1000 stream entries")
+                     60, "1000 stream entries")
             time.sleep(0.3)
         entries = r.xrange(stream)
         assert len(entries) == 1000
@@ -89,7 +86,7 @@ def test_redis_outage_spools_then_replays_in_order(model, tmp_path):
                 return time.perf_counter() - start
 
             up = batch(0)
-            wait_for(lambda: buffer.written["rollout"] == 50, what="first 50 written")
+            wait_for(lambda: buffer.written["rollout"] == 50, 60, "first 50 written")
             own.stop()
             down = [batch(i) for i in range(1, 5)]  # 200 rollouts while Redis is down
             assert max(down) < max(10.0, 5 * up), f"generation slowed down without Redis: {down} vs {up}"
@@ -123,7 +120,7 @@ def test_unwritten_rollouts_survive_a_server_restart_in_the_spool(model, tmp_pat
         with SpecrollClient(srv.grpc_target, admin_token=ADMIN) as c:
             c.generate([[1, 2, 3]], n=8, max_tokens=4, temperature=1.0)
             c.report_rewards({"x:0": 1.5})
-        wait_for(lambda: srv.server.buffer.spool.spooled + srv.server.buffer.queued == 9, 10)
+        wait_for(lambda: srv.server.buffer.spool.spooled + srv.server.buffer.queued == 9, 10, "9 records kept aside")
     finally:
         srv.stop()
     own.start()

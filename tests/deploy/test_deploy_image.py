@@ -25,9 +25,10 @@ from typing import Any
 import grpc
 import httpx
 import pytest
-from deploy_utils import REPO, require_binary, unavailable, wait_for
+from deploy_utils import POLL_S, REPO, STARTING, require_binary, unavailable
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from helpers import stop_process
+from probes import metric, metric_lines, wait_for
 
 from service.netutil import free_port
 
@@ -182,8 +183,8 @@ def test_image_metadata(image: str) -> None:
 def test_container_serves(container: dict[str, int | str]) -> None:
     base = f"http://127.0.0.1:{container['http']}"
     name = str(container["name"])
-    ready = wait_for("/ready", lambda: httpx.get(f"{base}/ready", timeout=2).status_code == 200, 300,
-                     on_timeout=lambda: _logs(name))
+    ready = wait_for(lambda: httpx.get(f"{base}/ready", timeout=2).status_code == 200, 300, "/ready",
+                     every=POLL_S, ignoring=STARTING, detail=lambda: _logs(name))
     assert ready
     r = httpx.post(f"{base}/v1/completions", json={"prompt": "3+a4=", "max_tokens": 12, "temperature": 0},
                    timeout=120)
@@ -200,12 +201,13 @@ def test_container_serves(container: dict[str, int | str]) -> None:
         out = _docker("logs", name, check=False)
         return out.stdout + out.stderr
 
-    wait_for("compiled forwards", lambda: re.search(r"compiled \d+ decode / verify forwards in the background .*"
-                                                    r"steps run them from now on", logs()), 300,
-             on_timeout=lambda: logs()[-4000:])
+    wait_for(lambda: re.search(r"compiled \d+ decode / verify forwards in the background .*"
+                               r"steps run them from now on", logs()), 300, "compiled forwards",
+             every=POLL_S, ignoring=STARTING, detail=lambda: logs()[-4000:])
     # an idle server switches to them too, and says so to Prometheus
     gauge = "\nspecroll:compiling 0.0\n"
-    wait_for(gauge.strip(), lambda: gauge in httpx.get(f"{base}/metrics", timeout=5).text, 10)
+    wait_for(lambda: gauge in httpx.get(f"{base}/metrics", timeout=5).text, 10, gauge.strip(), every=POLL_S,
+             ignoring=STARTING)
     text = logs()
     for eager in ("no C++ compiler", "no Python headers", "cpp attention kernel is not available"):
         assert eager not in text, text[-4000:]
@@ -213,7 +215,8 @@ def test_container_serves(container: dict[str, int | str]) -> None:
 
 def test_grpc_health_service(container: dict[str, int | str]) -> None:
     base = f"http://127.0.0.1:{container['http']}"
-    wait_for("/ready", lambda: httpx.get(f"{base}/ready", timeout=2).status_code == 200, 300)
+    wait_for(lambda: httpx.get(f"{base}/ready", timeout=2).status_code == 200, 300, "/ready", every=POLL_S,
+             ignoring=STARTING)
     with grpc.insecure_channel(f"127.0.0.1:{container['grpc']}") as channel:
         stub = health_pb2_grpc.HealthStub(channel)
         for service in ("", "specroll.v1.Rollout"):
@@ -232,8 +235,8 @@ def test_healthcheck_turns_healthy(container: dict[str, int | str]) -> None:
         assert state["Running"], _logs(name)
         return state["Health"]["Status"]
 
-    wait_for("the image's HEALTHCHECK to report healthy", lambda: status() == "healthy", 300,
-             on_timeout=lambda: _logs(name))
+    wait_for(lambda: status() == "healthy", 300, "the image's HEALTHCHECK to report healthy", every=POLL_S,
+             ignoring=STARTING, detail=lambda: _logs(name))
     [state] = [json.loads(_docker("inspect", name).stdout)[0]["State"]]
     assert state["Health"]["Log"][-1]["ExitCode"] == 0
 
@@ -250,15 +253,15 @@ def _trainer_metric(port: int, name: str) -> float | None:
     # Prometheus' own Accept header: the names must come back as defined (specroll:..., not specroll_...)
     accept = "application/openmetrics-text;version=1.0.0,text/plain;version=0.0.4;q=0.5,*/*;q=0.1"
     text = httpx.get(f"http://127.0.0.1:{port}/metrics", headers={"accept": accept}, timeout=5).text
-    values = [float(line.rsplit(" ", 1)[1]) for line in text.splitlines() if line.startswith(name + " ")]
-    return values[0] if values else None
+    return metric(text, name) if metric_lines(text, name) else None
 
 
 def test_sidecar_container_reads_the_rollout_stream(container: dict[str, int | str]) -> None:
     """The drafter-trainer sidecar from the same image: token from the secret file, checkpoints in the image's
     checkpoint folder as uid 10001, metrics on its port, and it consumes the server's rollouts from Redis."""
     base = f"http://127.0.0.1:{container['http']}"
-    wait_for("/ready", lambda: httpx.get(f"{base}/ready", timeout=2).status_code == 200, 300)
+    wait_for(lambda: httpx.get(f"{base}/ready", timeout=2).status_code == 200, 300, "/ready", every=POLL_S,
+             ignoring=STARTING)
     metrics_port = free_port()
     name = f"{container['name']}-trainer"
     _docker("run", "-d", "--name", name, "--network", "host",
@@ -268,15 +271,14 @@ def test_sidecar_container_reads_the_rollout_stream(container: dict[str, int | s
             "drafter-trainer", "--server", f"127.0.0.1:{container['grpc']}", "--metrics-port", str(metrics_port),
             "--checkpoint-dir", "/opt/specroll/checkpoints")
     try:
-        wait_for("the sidecar's metrics", lambda: _trainer_metric(metrics_port, "specroll:trainer_lag") is not None,
-                 300, on_timeout=lambda: _logs(name))
+        wait_for(lambda: _trainer_metric(metrics_port, "specroll:trainer_lag") is not None, 300,
+                 "the sidecar's metrics", every=POLL_S, ignoring=STARTING, detail=lambda: _logs(name))
         for i in range(8):
             r = httpx.post(f"{base}/v1/completions", json={"prompt": "3+a4=", "max_tokens": 16, "n": 2,
                                                             "temperature": 1.0, "seed": i}, timeout=120)
             assert r.status_code == 200, r.text
-        wait_for("the sidecar to consume rollouts",
-                 lambda: (_trainer_metric(metrics_port, "specroll:trainer_entries_consumed_total") or 0) > 0, 300,
-                 on_timeout=lambda: _logs(name))
+        wait_for(lambda: (_trainer_metric(metrics_port, "specroll:trainer_entries_consumed_total") or 0) > 0, 300,
+                 "the sidecar to consume rollouts", every=POLL_S, ignoring=STARTING, detail=lambda: _logs(name))
         state = json.loads(_docker("inspect", name).stdout)[0]["State"]
         assert state["Running"], _logs(name)
     finally:

@@ -22,8 +22,9 @@ from typing import Any
 import httpx
 import pytest
 import yaml
-from deploy_utils import DEPLOY, REPO, http_ok, require_binary, wait_for
+from deploy_utils import DEPLOY, POLL_S, REPO, STARTING, http_ok, require_binary
 from helpers import stop_process
+from probes import metric, wait_for
 from service_utils import checkpoint_tensors, perturbed
 
 from client import SpecrollClient
@@ -113,14 +114,14 @@ def stack(redis_server: str, tmp_path_factory: pytest.TempPathFactory,
                                  "--http-port", str(http_port), "--grpc-port", str(grpc_port), "--threads", "1",
                                  "--max-model-len", "512"], work / "server.log", env)
         procs.append(server)
-        wait_for("the server's /ready", lambda: server.alive() and http_ok(f"http://127.0.0.1:{http_port}/ready"),
-                 180, on_timeout=server.tail)
+        wait_for(lambda: server.alive() and http_ok(f"http://127.0.0.1:{http_port}/ready"), 180, "the server's /ready",
+                 every=POLL_S, ignoring=STARTING, detail=server.tail)
         trainer = Proc("drafter-trainer", [sys.executable, "-m", "service.cli", "drafter-trainer",
                                            "--server", f"127.0.0.1:{grpc_port}", "--metrics-port", str(metrics_port),
                                            "--checkpoint-dir", str(work / "ckpt")], work / "trainer.log", env)
         procs.append(trainer)
-        wait_for("the trainer's /metrics", lambda: trainer.alive() and http_ok(f"http://127.0.0.1:{metrics_port}/"),
-                 180, on_timeout=trainer.tail)
+        wait_for(lambda: trainer.alive() and http_ok(f"http://127.0.0.1:{metrics_port}/"), 180,
+                 "the trainer's /metrics", every=POLL_S, ignoring=STARTING, detail=trainer.tail)
         config = work / "prometheus.yml"
         config.write_text(yaml.safe_dump(_scrape_config(http_port, metrics_port,
                                                         DEPLOY / "prometheus" / "alerts.yml")))
@@ -134,7 +135,7 @@ def stack(redis_server: str, tmp_path_factory: pytest.TempPathFactory,
             active = httpx.get(f"{api}/targets", timeout=5).json()["data"]["activeTargets"]
             return len(active) == 2 and all(t["health"] == "up" for t in active)
 
-        wait_for("both scrape targets up", targets_up, 60, on_timeout=prom.tail)
+        wait_for(targets_up, 60, "both scrape targets up", every=POLL_S, ignoring=STARTING, detail=prom.tail)
         yield {"api": api, "http": http_port, "grpc": grpc_port, "model": model, "procs": procs}
     finally:
         for p in reversed(procs):
@@ -143,8 +144,7 @@ def stack(redis_server: str, tmp_path_factory: pytest.TempPathFactory,
 
 
 def _server_counter(http_port: int, name: str) -> float:
-    text = httpx.get(f"http://127.0.0.1:{http_port}/metrics", timeout=5).text
-    return sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines() if line.startswith(name))
+    return metric(httpx.get(f"http://127.0.0.1:{http_port}/metrics", timeout=5).text, name)
 
 
 def _long_requests(grpc_port: int, started: threading.Event) -> None:

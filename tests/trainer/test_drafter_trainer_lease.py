@@ -13,7 +13,7 @@ import uuid
 import pytest
 import redis
 from helpers import make_checkpoint
-from redis_utils import wait_for
+from probes import wait_for
 from service_utils import ADMIN, checkpoint_tensors, perturbed, start_server, write_checkpoint
 
 from client import SpecrollClient

@@ -17,6 +17,7 @@ from pathlib import Path
 import httpx
 import redis
 from helpers import make_checkpoint
+from probes import wait_for
 from service_utils import ADMIN, checkpoint_tensors, perturbed, start_server, write_checkpoint
 
 from client import SpecrollClient
@@ -25,13 +26,6 @@ from service.netutil import free_port
 
 ROOT = Path(__file__).resolve().parents[2]
 logger = logging.getLogger(__name__)
-
-
-def wait_for(cond, timeout: float, what: str) -> None:
-    deadline = time.monotonic() + timeout
-    while not cond():
-        assert time.monotonic() < deadline, f"timed out waiting for {what}"
-        time.sleep(0.05)
 
 
 def sidecar(srv, redis_url: str, stream: str, ckpt: Path, consumer: str, log: Path,

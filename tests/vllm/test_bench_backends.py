@@ -10,7 +10,7 @@ import pytest
 
 from bench import backends
 
-CONFIGS = ("native-off", "native-adaptive", "vllm-off", "vllm-fixed", "raw-off")
+CONFIGS = ("native-off", "vllm-off", "raw-off")  # one run of each kind of engine: the ratios need no more
 
 
 def test_one_rollout_on_each_backend_and_on_raw_vllm(capsys) -> None:
@@ -23,9 +23,7 @@ def test_one_rollout_on_each_backend_and_on_raw_vllm(capsys) -> None:
     assert all(r["seconds"] > 0 and r["tokens_per_s"] > 0 for r in results.values())
     seconds = {name: r["seconds"] for name, r in results.items()}
     ratios = out["ratios"]
-    assert ratios["native_adaptive_vs_off"] == pytest.approx(seconds["native-off"] / seconds["native-adaptive"],
-                                                            abs=0.002)
     assert ratios["vllm_off_vs_native_off"] == pytest.approx(seconds["native-off"] / seconds["vllm-off"], abs=0.002)
     assert ratios["overhead_vs_raw_vllm"] == pytest.approx(1 - seconds["raw-off"] / seconds["vllm-off"], abs=0.002)
-    assert ratios["vllm_adaptive_vs_off"] is None  # not run
+    assert ratios["vllm_adaptive_vs_off"] is None and ratios["native_adaptive_vs_off"] is None  # not run
     assert set(out["loadavg"]) == {"start", "end"}

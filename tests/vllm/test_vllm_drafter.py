@@ -8,6 +8,7 @@ import uuid
 
 import pytest
 from helpers import make_checkpoint
+from probes import metric, metric_lines
 from service_utils import ADMIN, checkpoint_tensors, perturbed
 from trainer_utils import pump
 from vllm_utils import TINY, start_vllm
@@ -111,10 +112,10 @@ def test_steps_show_in_the_shared_metric_names(server):
     with SpecrollClient(server.grpc_target) as c:
         run(server, c)
     text = server.server.metrics.render().decode()
-    steps = {line.split("}")[0].split('"')[1]: float(line.split()[-1]) for line in text.splitlines()
-             if line.startswith("specroll:spec_decode_strategy_steps_total{")}
+    steps = {line.split("}")[0].split('"')[1]: float(line.split()[-1])
+             for line in metric_lines(text, "specroll:spec_decode_strategy_steps_total")}
     assert steps.get("draft_model:k=3", 0) > 0
-    count = next(float(line.split()[-1]) for line in text.splitlines() if line.startswith("specroll:batch_size_count"))
+    count = metric(text, "specroll:batch_size_count")
     assert count >= sum(steps.values()) > 0
 
 

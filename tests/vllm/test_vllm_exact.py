@@ -17,6 +17,7 @@ import urllib.request
 import numpy as np
 import pytest
 import torch
+from probes import metric_lines
 from reference import chi_square_pvalue, exact_joint, processed_probs
 from vllm_utils import MAX_LEN, hf_greedy, start_vllm
 
@@ -255,9 +256,8 @@ def test_greedy_rows_in_a_mixed_batch_equal_transformers(server, hf):
     logger.info("%s: the last greedy round overlapped the sampled requests: %s", kind, overlapped)
 
 
-def _metric(srv, name: str) -> list[str]:
-    text = urllib.request.urlopen(f"{srv.http_url}/metrics", timeout=10).read().decode()
-    return [line for line in text.splitlines() if line.startswith(name)]
+def _scrape(srv, name: str) -> list[str]:
+    return metric_lines(urllib.request.urlopen(f"{srv.http_url}/metrics", timeout=10).read().decode(), name)
 
 
 def test_the_self_check_passed_on_every_rank(server):
@@ -275,7 +275,7 @@ def test_the_self_check_passed_on_every_rank(server):
     info = json.loads(urllib.request.urlopen(f"{srv.http_url}/server_info", timeout=10).read())
     assert info["speculative_sampling"] == "exact (self-check passed: V1 verification on cpu)"
     assert "top_logprobs" in info["capabilities"]
-    assert _metric(srv, "specroll:spec_decode_sampling_exact") == ['specroll:spec_decode_sampling_exact{reason=""} 1.0']
+    assert _scrape(srv, "specroll:spec_decode_sampling_exact") == ['specroll:spec_decode_sampling_exact{reason=""} 1.0']
 
 
 def test_without_the_fix_the_self_check_refuses_sampling(server):
@@ -292,7 +292,7 @@ def test_without_the_fix_the_self_check_refuses_sampling(server):
     info = json.loads(urllib.request.urlopen(f"{srv.http_url}/server_info", timeout=10).read())
     assert info["speculative_sampling"].startswith("refused: the start-up self-check")
     assert "top_logprobs" not in info["capabilities"]
-    [gauge] = _metric(srv, "specroll:spec_decode_sampling_exact")
+    [gauge] = _scrape(srv, "specroll:spec_decode_sampling_exact")
     assert "expand" in gauge and gauge.endswith(" 0.0")
     with SpecrollClient(srv.grpc_target) as c:
         for kw in ({"temperature": 1.0}, {"temperature": 0.0, "top_logprobs": 2}):
