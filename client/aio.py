@@ -16,7 +16,7 @@ import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from client import weights as wt
-from client.errors import Overloaded, SpecrollError, Unavailable, from_rpc_error
+from client.errors import FailedPrecondition, Overloaded, SpecrollError, Unavailable, from_rpc_error
 from client.protogen import pb2, pb2_grpc
 from client.types import Completion, PushResult, Sample, ServerInfo, TokenChunk, VersionSpan
 
@@ -207,14 +207,56 @@ class AsyncSpecrollClient:
     # -- weights ------------------------------------------------------------------------------------
     async def push_weights(self, weights: Mapping[str, Any] | str | Path, version: str, *, role: str = "target",
                            mode: str = "wait", dtype: Any = None, chunk_bytes: int = wt.CHUNK_BYTES,
-                           hash_threads: int = 4, cast: bool = False) -> PushResult:
+                           hash_threads: int = 4, cast: bool = False, delta_from: wt.PushedState | None = None,
+                           sparse_below: float = wt.SPARSE_BELOW) -> PushResult:
         """Push a state_dict (Hugging Face names) or a safetensors folder; the server swaps atomically. The
         tensors must be in the served dtype, or `cast=True` asks the server to cast them (`dtype` casts here,
-        before sending)."""
-        tensors = (wt.from_folder(weights) if isinstance(weights, str | Path)
-                   else wt.from_state_dict(weights, dtype))
+        before sending).
+
+        `delta_from` (a state_dict push): send only what changed since the version it recorded (`push_delta`),
+        in full when it recorded none or the server refuses the delta (it serves another version, or takes no
+        deltas); it then records this push as the base of the next."""
+        if delta_from is None:
+            tensors = (wt.from_folder(weights) if isinstance(weights, str | Path)
+                       else wt.from_state_dict(weights, dtype))
+            return await self._push(tensors, role, version, mode, cast, chunk_bytes, hash_threads)
+        if not isinstance(weights, Mapping):
+            raise ValueError("delta_from takes a state_dict, not a folder")
+        state = wt.on_cpu(weights, dtype)
+        result = None
+        if delta_from.version is not None:
+            try:
+                result = await self.push_delta(state, version, base=delta_from.tensors,
+                                               base_version=delta_from.version, role=role, mode=mode, cast=cast,
+                                               chunk_bytes=chunk_bytes, hash_threads=hash_threads,
+                                               sparse_below=sparse_below)
+            except FailedPrecondition as exc:
+                logger.info("delta push refused, pushing %s in full: %s", version, exc)
+        if result is None:
+            result = await self._push(wt.from_state_dict(state), role, version, mode, cast, chunk_bytes,
+                                      hash_threads)
+        delta_from.record(state, version)
+        return result
+
+    async def push_delta(self, weights: Mapping[str, Any], version: str, *, base: Mapping[str, Any],
+                         base_version: str, role: str = "target", mode: str = "wait", dtype: Any = None,
+                         chunk_bytes: int = wt.CHUNK_BYTES, hash_threads: int = 4, cast: bool = False,
+                         sparse_below: float = wt.SPARSE_BELOW) -> PushResult:
+        """Push only what changed from `base` (the weights the server serves as `base_version`) to `weights`:
+        tensors whose bits differ, sparse where few elements did. The server applies it to a copy of the serving
+        weights; it refuses (FailedPrecondition, nothing changed) unless it serves `base_version`."""
+        state = wt.on_cpu(weights, dtype)
+        dtypes = sorted({str(t.dtype).removeprefix("torch.") for t in state.values()})
+        if len(dtypes) != 1:
+            raise ValueError(f"a push has one checkpoint dtype; these tensors have {dtypes} (pass dtype= to cast)")
+        tensors = await asyncio.to_thread(wt.delta, wt.on_cpu(base, dtype), state, sparse_below)
+        return await self._push(tensors, role, version, mode, cast, chunk_bytes, hash_threads, base_version,
+                                dtypes[0])
+
+    async def _push(self, tensors: list[wt.TensorBytes], role: str, version: str, mode: str, cast: bool,
+                    chunk_bytes: int, hash_threads: int, base_version: str = "", dtype: str = "") -> PushResult:
         await asyncio.to_thread(wt.hash_all, tensors, hash_threads)
-        manifest = wt.manifest(tensors, role, version, mode, cast)
+        manifest = wt.manifest(tensors, role, version, mode, cast, base_version, dtype)
 
         async def call() -> Any:
             head = pb2.PushWeightsRequest(manifest=manifest)

@@ -86,6 +86,10 @@ class SpecrollClient:
             weights = wt.on_cpu(weights, kw.pop("dtype", None))
         return self._run(self._client.push_weights(weights, version, **kw))
 
+    def push_delta(self, weights: Mapping[str, Any], version: str, **kw: Any) -> PushResult:
+        weights = wt.on_cpu(weights, kw.pop("dtype", None))  # on the caller's thread (see push_weights)
+        return self._run(self._client.push_delta(weights, version, **kw))
+
     def load_weights(self, path: str, version: str, **kw: Any) -> PushResult:
         return self._run(self._client.load_weights(path, version, **kw))
 

@@ -3,6 +3,10 @@
 Folders are memory-mapped and their tensor bytes are sent as they are on disk (no torch needed); state_dict
 tensors are moved to CPU, optionally cast, and sent from their own memory. Chunks are encoded straight into
 the PushWeightsRequest wire format so tensor bytes are copied once on the way out.
+
+A delta push sends only what changed since a version the server serves (`delta`): tensors whose bytes differ,
+each whole or, where few of its elements changed, as sparse indices and values. `PushedState` remembers what
+was pushed last, the base of the next delta.
 """
 
 from __future__ import annotations
@@ -20,6 +24,7 @@ from typing import Any
 from client.protogen import pb2
 
 CHUNK_BYTES = 4 * 2**20
+SPARSE_BELOW = 0.5  # a changed tensor goes sparse when that takes under this fraction of its dense bytes
 _ST_DTYPES = {"F32": ("float32", 4), "BF16": ("bfloat16", 2), "F16": ("float16", 2)}
 
 
@@ -31,6 +36,7 @@ class TensorBytes:
     data: memoryview  # raw little-endian bytes
     sha256: str = ""
     owner: Any = None  # keeps the memory alive (a tensor or an mmap)
+    encoding: str = "dense"  # a delta push's tensor: dense | sparse (indices, then values)
 
 
 @dataclass(slots=True)
@@ -97,13 +103,103 @@ def hash_all(tensors: list[TensorBytes], threads: int = 4) -> None:
             t.sha256 = digest
 
 
-def manifest(tensors: list[TensorBytes], role: str, version: str, mode: str, cast: bool = False) -> Any:
-    dtypes = sorted({t.dtype for t in tensors})
+def manifest(tensors: list[TensorBytes], role: str, version: str, mode: str, cast: bool = False,
+             base_version: str = "", dtype: str = "") -> Any:
+    """The push's manifest; a delta (`base_version`) names its dtype in `dtype` (it may list no tensor)."""
+    dtypes = sorted({t.dtype for t in tensors} | ({dtype} if dtype else set()))
     if len(dtypes) != 1:
         raise ValueError(f"a push has one checkpoint dtype; these tensors have {dtypes} (pass dtype= to cast)")
-    specs = [pb2.TensorSpec(name=t.name, dtype=t.dtype, shape=list(t.shape), nbytes=len(t.data), sha256=t.sha256)
+    specs = [pb2.TensorSpec(name=t.name, dtype=t.dtype, shape=list(t.shape), nbytes=len(t.data), sha256=t.sha256,
+                            encoding="" if t.encoding == "dense" else t.encoding)
              for t in tensors]
-    return pb2.WeightManifest(role=role, version=version, dtype=dtypes[0], tensors=specs, mode=mode, cast=cast)
+    return pb2.WeightManifest(role=role, version=version, dtype=dtypes[0], tensors=specs, mode=mode, cast=cast,
+                              base_version=base_version)
+
+
+# -- delta pushes -------------------------------------------------------------------------------------------
+def _bits(t: Any) -> Any:
+    """The tensor's bits as integers of its width (equal bits compare equal, NaN and -0.0 included)."""
+    import torch
+
+    return t.view({1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}[t.element_size()])
+
+
+def changed(previous: Any, new: Any) -> Any:
+    """Flat int64 indices of the elements whose bits differ (tensors of one dtype and shape)."""
+    return (_bits(previous).reshape(-1) != _bits(new).reshape(-1)).nonzero().reshape(-1)
+
+
+def sparse_parts(new: Any, idx: Any) -> tuple[Any, Any]:
+    """A sparse delta's two tensors: indices (int32, int64 for 2^31 elements or more) and the new values."""
+    import torch
+
+    index = idx.to(torch.int32 if new.numel() < 2**31 else torch.int64)
+    return index, new.reshape(-1)[idx].contiguous()
+
+
+def plan_delta(previous: Mapping[str, Any], new: Mapping[str, Any], sparse_below: float = SPARSE_BELOW
+               ) -> Iterator[tuple[str, Any, tuple[Any, Any] | None]]:
+    """What changed from `previous` to `new` (CPU tensors, Hugging Face names): (name, new tensor, sparse parts
+    or None) for each tensor whose bits differ, sparse when its indices and values take under `sparse_below` of
+    its dense bytes. A tensor absent from `previous`, or of another dtype or shape there, goes whole."""
+    for name, t in new.items():
+        old = previous.get(name)
+        if old is not None and old.dtype == t.dtype and old.shape == t.shape:
+            idx = changed(old, t)
+            if not idx.numel():
+                continue
+            index, values = sparse_parts(t, idx)
+            if index.nbytes + values.nbytes < sparse_below * t.nbytes:
+                yield name, t, (index, values)
+                continue
+        yield name, t.contiguous(), None
+
+
+def delta(previous: Mapping[str, Any], new: Mapping[str, Any], sparse_below: float = SPARSE_BELOW
+          ) -> list[TensorBytes]:
+    """`plan_delta` as the tensors of a delta push."""
+    import torch
+
+    out = []
+    for name, t, sparse in plan_delta(previous, new, sparse_below):
+        dtype = str(t.dtype).removeprefix("torch.")
+        if sparse is not None:
+            blob = torch.cat([sparse[0].view(torch.uint8), sparse[1].view(torch.uint8)])
+            out.append(TensorBytes(name, dtype, tuple(t.shape), memoryview(blob.numpy()).cast("B"), owner=blob,
+                                   encoding="sparse"))
+        else:
+            flat = t.reshape(-1).view(torch.uint8)
+            out.append(TensorBytes(name, dtype, tuple(t.shape), memoryview(flat.numpy()).cast("B"), owner=t))
+    return out
+
+
+def delta_state_dict(previous: Mapping[str, Any], new: Mapping[str, Any], sparse_below: float = SPARSE_BELOW
+                     ) -> dict[str, Any]:
+    """`plan_delta` as tensors for a safetensors body (HTTP `/weights/upload?base_version=`): a sparse tensor as
+    `NAME:indices` and `NAME:values`."""
+    out: dict[str, Any] = {}
+    for name, t, sparse in plan_delta(previous, new, sparse_below):
+        if sparse is not None:
+            out[f"{name}:indices"], out[f"{name}:values"] = sparse
+        else:
+            out[name] = t
+    return out
+
+
+class PushedState:
+    """What was last pushed to one server role, as CPU copies in the pushed dtype, and its version: the base a
+    next push may send a delta against (`push_weights(..., delta_from=)`)."""
+
+    def __init__(self) -> None:
+        self.version: str | None = None
+        self.tensors: dict[str, Any] = {}
+
+    def record(self, tensors: Mapping[str, Any], version: str) -> None:
+        self.tensors = {name: t.clone() for name, t in tensors.items()}
+        self.version = version
+
+    def forget(self) -> None:
+        self.version, self.tensors = None, {}
 
 
 def iter_chunks(tensors: list[TensorBytes], chunk_bytes: int = CHUNK_BYTES) -> Iterator[RawChunk]:

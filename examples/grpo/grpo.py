@@ -21,6 +21,7 @@ from typing import Any
 import torch
 
 from client import AsyncSpecrollClient, Sample
+from client import weights as wt
 from examples.grpo.policy import Policy, Rollout, group_advantages
 from service.demo.task import Difficulty, Problem, problems, reward
 
@@ -45,6 +46,8 @@ class GRPOConfig:
     seed: int = 0
     pool: int = 16  # > 0: cycle through a fixed set of this many prompts (epochs); 0: fresh prompts every step
     push_mode: str = "wait"
+    push_delta: bool = False  # after the first push, send only what changed since the last (client.weights.delta)
+    push_dtype: str = ""  # cast the weights to this dtype before pushing (the served one), e.g. bfloat16
     micro_tokens: int = 8192
     threads: int | None = None
     server_pid: int | None = None  # a local server's pid: its CPU seconds during each update are recorded
@@ -156,6 +159,7 @@ async def train(cfg: GRPOConfig, on_step: Callable[[StepRecord], None] | None = 
         tok = policy.tokenizer
         stream = PromptStream(cfg)
         version = info.policy_version
+        pushed = wt.PushedState() if cfg.push_delta else None  # the first push goes in full, then deltas
         for step in range(cfg.steps):
             t0 = time.perf_counter()
             probs = stream.at(step)
@@ -183,7 +187,17 @@ async def train(cfg: GRPOConfig, on_step: Callable[[StepRecord], None] | None = 
                 "forward_tokens": stats.forward_tokens,
             }
             new_version = f"step-{step + 1}"
-            await client.push_weights(policy.hf_weights(), new_version, mode=cfg.push_mode)
+            weights = policy.hf_weights()
+            if pushed is not None and pushed.version is not None:  # what this step changed, in the pushed dtype
+                sent = wt.on_cpu(weights, cfg.push_dtype or None)
+                update_extra["changed_elements"] = sum(int(wt.changed(pushed.tensors[n], t).numel())
+                                                       for n, t in sent.items())
+                update_extra["elements"] = sum(t.numel() for t in sent.values())
+            pushed_now = await client.push_weights(weights, new_version, mode=cfg.push_mode,
+                                                   dtype=cfg.push_dtype or None, delta_from=pushed)
+            update_extra["push_bytes"] = pushed_now.bytes  # what travelled; a full push of the dtype sent:
+            itemsize = getattr(torch, cfg.push_dtype).itemsize if cfg.push_dtype else 4
+            update_extra["full_push_bytes"] = sum(t.numel() * itemsize for t in weights.values())
             await client.report_rewards(rewards_by_id)
             t3 = time.perf_counter()
             samples = [s for g in groups for s in g]

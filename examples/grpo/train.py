@@ -31,12 +31,16 @@ def parser() -> argparse.ArgumentParser:
         kind = type(f.default) if f.default is not None else str
         if f.name == "threads":
             kind = int
+        if kind is bool:
+            p.add_argument("--" + f.name.replace("_", "-"), action=argparse.BooleanOptionalAction, default=f.default)
+            continue
         p.add_argument("--" + f.name.replace("_", "-"), type=kind, default=f.default)
     p.add_argument("--spawn-server", action="store_true", help="start `specroll serve` on free loopback ports")
     p.add_argument("--drafter", default=None, help="with --spawn-server: --drafter (default: the demo's drafters)")
     p.add_argument("--spec", default="adaptive", choices=["adaptive", "fixed", "off"])
     p.add_argument("--spec-k", type=int, default=4)
     p.add_argument("--server-threads", type=int, default=None)
+    p.add_argument("--server-dtype", default=None, help="with --spawn-server: the served dtype (--dtype)")
     p.add_argument("--out", type=Path, default=None, help="write the step records here (JSON)")
     p.add_argument("--log-level", default="INFO")
     return p
@@ -54,7 +58,8 @@ def main(argv: list[str] | None = None) -> int:
         drafters = default_drafters(model)
         drafter = args.drafter or f"{drafters['suffix']},{drafters['draft']}"
         server = ServerProcess(str(model), drafter=drafter, spec=args.spec, spec_k=args.spec_k,
-                               threads=args.server_threads, max_model_len=max(1024, cfg.max_tokens + 256)).start()
+                               threads=args.server_threads, max_model_len=max(1024, cfg.max_tokens + 256),
+                               extra_args=["--dtype", args.server_dtype] if args.server_dtype else []).start()
         cfg.server, cfg.admin_token, cfg.model = server.grpc_target, server.admin_token, str(model)
     records: list[StepRecord] = []
     try:

@@ -10,6 +10,10 @@ the push (mode wait | abort | keep), and only then does anything serve.
 A refused bucket closes the group: the trainer broadcasts it anyway, and its bytes must never be read as the next
 bucket's. A broadcast that fails (the trainer died, the group timed out) discards the push and closes the group;
 the old weights serve on and the next group can start at once.
+
+vLLM's weight-transfer protocol (what TRL and vLLM's trainer engine call) runs on the same groups: one engine
+per server; `start` opens the push, each `update` is a bucket, `finish` commits it. Its buckets may be packed:
+the tensors' bytes concatenated into chunks that close once they pass a size both sides know (`packed_chunks`).
 """
 
 from __future__ import annotations
@@ -37,7 +41,36 @@ logger = logging.getLogger(__name__)
 
 BACKENDS = ("gloo", "nccl")
 DEFAULT_TIMEOUT_S = 120.0
+TRANSFER_GROUP = "weight-transfer"  # the store prefix of the weight-transfer engine's group
+DEFAULT_PACKED_BYTES = 2**30  # vLLM's default packed buffer: trainer and server cut chunks at the same size
 _END = object()
+
+
+def default_backend() -> str:
+    return "nccl" if torch.cuda.is_available() else "gloo"
+
+
+def nbytes(d: Declared) -> int:
+    n = DTYPES[dtype_name(d.dtype)].itemsize
+    for x in d.shape:
+        n *= x
+    return n
+
+
+def packed_chunks(bucket: Sequence[Declared], buffer_bytes: int) -> list[list[Declared]]:
+    """vLLM's packed layout: tensors in order, a chunk closing with the tensor that takes it past buffer_bytes."""
+    chunks: list[list[Declared]] = []
+    current: list[Declared] = []
+    size = 0
+    for d in bucket:
+        current.append(d)
+        size += nbytes(d)
+        if size > buffer_bytes:
+            chunks.append(current)
+            current, size = [], 0
+    if current:
+        chunks.append(current)
+    return chunks
 
 
 def join_group(master_address: str, master_port: int, rank: int, world_size: int, group_name: str, backend: str,
@@ -89,16 +122,49 @@ class Group:
     pending: Pending | None = None
     expiry: asyncio.Task[None] | None = None  # discards a push whose next bucket does not come
 
-    def receive(self, bucket: Sequence[Declared]) -> list[tuple[str, torch.Tensor]]:
-        """Blocking: the bucket's tensors, broadcast from rank 0 in order."""
+    packed_bytes: int | None = None  # the weight-transfer engine's packed chunk size; None: one tensor a broadcast
+
+    def receive(self, bucket: Sequence[Declared], packed_bytes: int | None = None) -> list[tuple[str, torch.Tensor]]:
+        """Blocking: the bucket's tensors, broadcast from rank 0 in order (one by one, or packed in chunks)."""
         import torch.distributed as dist
 
         out = []
-        for d in bucket:
-            t = torch.empty(d.shape, dtype=DTYPES[dtype_name(d.dtype)], device=self.device)
-            dist.broadcast(t, 0, group=self.pg)
-            out.append((d.name, t if t.device.type == "cpu" else t.cpu()))
+        if packed_bytes is None:
+            for d in bucket:
+                t = torch.empty(d.shape, dtype=DTYPES[dtype_name(d.dtype)], device=self.device)
+                dist.broadcast(t, 0, group=self.pg)
+                out.append((d.name, t if t.device.type == "cpu" else t.cpu()))
+            return out
+        for chunk in packed_chunks(bucket, packed_bytes):
+            sizes = [nbytes(d) for d in chunk]
+            buf = torch.empty(sum(sizes), dtype=torch.uint8, device=self.device)
+            dist.broadcast(buf, 0, group=self.pg)
+            buf = buf if buf.device.type == "cpu" else buf.cpu()
+            for d, part in zip(chunk, buf.split(sizes), strict=True):  # one dtype a push: offsets stay aligned
+                out.append((d.name, part.view(DTYPES[dtype_name(d.dtype)]).view(d.shape)))
         return out
+
+
+@dataclass(frozen=True, slots=True)
+class TransferInit:
+    """vLLM's NCCL init_info (master_address/master_port rendezvous), with ours: backend, timeout_s, group_name."""
+
+    master_address: str
+    master_port: int
+    rank_offset: int
+    world_size: int
+    packed: bool = False
+    packed_buffer_size_bytes: int = DEFAULT_PACKED_BYTES
+    packed_num_buffers: int = 2  # the trainer's double buffering; the server receives chunk by chunk
+    backend: str = field(default_factory=default_backend)
+    timeout_s: float = DEFAULT_TIMEOUT_S
+    group_name: str = TRANSFER_GROUP
+
+    def __post_init__(self) -> None:
+        if not 0 < self.packed_buffer_size_bytes <= 2**40:
+            raise PushError(f"packed_buffer_size_bytes must be in (0, 2**40], got {self.packed_buffer_size_bytes}")
+        if self.packed_num_buffers < 1:
+            raise PushError(f"packed_num_buffers must be >= 1, got {self.packed_num_buffers}")
 
 
 class WeightGroups:
@@ -107,6 +173,8 @@ class WeightGroups:
     def __init__(self, pushes: PushService) -> None:
         self.pushes = pushes
         self._groups: dict[str, Group] = {}
+        self._transfer: str | None = None  # the weight-transfer engine's group
+        self._transfers = 0  # pushes over it so far: names the versions a trainer leaves unnamed
 
     async def init(self, master_address: str, master_port: int, rank_offset: int, world_size: int, group_name: str,
                    backend: str, timeout_s: float | None = None) -> None:
@@ -131,6 +199,85 @@ class WeightGroups:
         device = torch.device("cuda", torch.cuda.current_device()) if backend == "nccl" else torch.device("cpu")
         self._groups[group_name] = Group(group_name, pg, device, timeout)
         logger.info("joined weight update group %s (rank %d of %d, %s)", group_name, rank_offset, world_size, backend)
+
+    # -- vLLM's weight-transfer engine: init, start, update (a bucket), finish (the swap), shutdown -------------
+    async def transfer_init(self, info: TransferInit) -> None:
+        """Join the trainer's group as the engine; an engine already there is shut down first (a restarted
+        trainer re-initialises; a broadcast under way is waited for, at most its timeout)."""
+        if self._transfer is not None:
+            await self.transfer_shutdown()
+        await self.init(info.master_address, info.master_port, info.rank_offset, info.world_size, info.group_name,
+                        info.backend, info.timeout_s)
+        self._groups[info.group_name].packed_bytes = info.packed_buffer_size_bytes if info.packed else None
+        self._transfer = info.group_name
+
+    def _engine(self) -> Group:
+        group = self._groups.get(self._transfer or "")
+        if group is None:
+            self._transfer = None
+            raise PushError("no weight transfer engine: call /init_weight_transfer_engine first (a failed or "
+                            "timed-out broadcast shuts it down)")
+        return group
+
+    async def transfer_start(self, mode: str, cast: bool) -> None:
+        """Open a push (it holds the target's push lock until finish); one still open is discarded."""
+        group = self._engine()
+        async with group.lock:
+            if group.pending is not None:
+                self._discard(group, "a new weight update started before it finished")
+            self._transfers += 1
+            group.pending = await self._begin(group, f"weight-transfer-{self._transfers}", mode, cast)
+            group.expiry = asyncio.create_task(self._expire(group, group.pending))
+
+    async def transfer_update(self, names: list[str], dtypes: list[str], shapes: list[list[int]],
+                              packed: bool | None = None) -> int:
+        """One bucket: checked, then received (packed as the engine was initialised unless `packed` says
+        otherwise). Returns how many tensors the push still lacks."""
+        group = self._engine()
+        async with group.lock:
+            try:
+                if group.pending is None:
+                    raise PushError("no weight update is open: call /start_weight_update first")
+                bucket = self._declare(names, dtypes, shapes)
+                self._check_bucket(group.pending, bucket)
+            except PushError as exc:
+                self._close(group, f"bucket refused: {exc}")
+                raise PushError(f"{exc} (the weight transfer engine is shut down, as its broadcast must not be read "
+                                "as the next bucket: init it again)") from exc
+            chunk = group.packed_bytes if packed is None else (
+                (group.packed_bytes or DEFAULT_PACKED_BYTES) if packed else None)
+            left = await self._take(group, bucket, chunk)
+            group.expiry = asyncio.create_task(self._expire(group, group.pending))
+            return left
+
+    async def transfer_finish(self, version: str | None) -> PushResult:
+        """Commit the open push (all-or-nothing, in its mode) as `version`, or the engine's next version name."""
+        group = self._engine()
+        async with group.lock:
+            pending = group.pending
+            if pending is None:
+                raise PushError("no weight update is open: call /start_weight_update first")
+            if version is not None:
+                check_role_version("target", version)
+            left = sorted(set(pending.check.spec.shapes) - pending.received)
+            if left:
+                self._discard(group, f"finished with {len(left)} tensors not sent")
+                raise PushError(f"the weight update is incomplete: {len(left)} tensors were not sent (first: "
+                                f"{left[:4]}); nothing changed")
+            if group.expiry is not None:
+                group.expiry.cancel()
+                group.expiry = None
+            group.pending = None
+            pending.version = version or pending.version
+            return await self._commit(pending)
+
+    async def transfer_shutdown(self) -> None:
+        name, self._transfer = self._transfer, None
+        group = self._groups.get(name or "")
+        if group is not None:
+            async with group.lock:
+                if self._groups.get(group.name) is group:
+                    self._close(group, "weight transfer engine shut down")
 
     async def destroy(self, group_name: str) -> None:
         group = self._groups.get(group_name)
@@ -213,11 +360,7 @@ class WeightGroups:
             try:
                 if load_format not in (None, "", "auto"):
                     raise PushError(f"load_format {load_format!r} is not supported: send plain tensors")
-                if not (len(names) == len(dtypes) == len(shapes)) or not names:
-                    raise PushError(f"names, dtypes and shapes must be equally long and not empty (got {len(names)}, "
-                                    f"{len(dtypes)}, {len(shapes)})")
-                bucket = [Declared(str(n), str(d), tuple(int(x) for x in s))
-                          for n, d, s in zip(names, dtypes, shapes, strict=True)]
+                bucket = self._declare(names, dtypes, shapes)
                 if group.pending is not None and group.pending.version != version:
                     self._discard(group, f"version {version} started before it was complete")
                 if group.pending is None:
@@ -228,23 +371,38 @@ class WeightGroups:
                 raise PushError(f"{exc} (the group is closed, as its broadcast must not be read as the next bucket: "
                                 "init a new one)") from exc
             pending = group.pending
-            try:
-                tensors = await asyncio.to_thread(group.receive, bucket)
-            except Exception as exc:
-                self._close(group, f"the broadcast failed: {exc}")
-                raise PushError(f"the broadcast of version {version} failed, nothing changed: {exc}") from exc
-            for item in tensors:
-                pending.feed.put(item)
-            pending.received.update(d.name for d in bucket)
-            left = sorted(set(pending.check.spec.shapes) - pending.received)
-            if group.expiry is not None:
-                group.expiry.cancel()
-                group.expiry = None
+            left = await self._take(group, bucket, None)
             if left:
                 group.expiry = asyncio.create_task(self._expire(group, pending))
-                return len(left)
+                return left
             group.pending = None
             return await self._commit(pending)
+
+    @staticmethod
+    def _declare(names: list[str], dtypes: list[str], shapes: list[list[int]]) -> list[Declared]:
+        if not (len(names) == len(dtypes) == len(shapes)) or not names:
+            raise PushError(f"names, dtypes and shapes must be equally long and not empty (got {len(names)}, "
+                            f"{len(dtypes)}, {len(shapes)})")
+        return [Declared(str(n), str(d), tuple(int(x) for x in s)) for n, d, s in zip(names, dtypes, shapes,
+                                                                                      strict=True)]
+
+    async def _take(self, group: Group, bucket: list[Declared], packed_bytes: int | None) -> int:
+        """Receive a checked bucket into the open push; returns how many tensors it still lacks. A failed
+        broadcast discards the push and closes the group."""
+        pending = group.pending
+        assert pending is not None
+        if group.expiry is not None:
+            group.expiry.cancel()
+            group.expiry = None
+        try:
+            tensors = await asyncio.to_thread(group.receive, bucket, packed_bytes)
+        except Exception as exc:
+            self._close(group, f"the broadcast failed: {exc}")
+            raise PushError(f"the broadcast of version {pending.version} failed, nothing changed: {exc}") from exc
+        for item in tensors:
+            pending.feed.put(item)
+        pending.received.update(d.name for d in bucket)
+        return len(set(pending.check.spec.shapes) - pending.received)
 
     async def _commit(self, pending: Pending) -> PushResult:
         lock = self.pushes.role_lock("target")

@@ -13,6 +13,7 @@ import asyncio
 from collections.abc import Mapping
 from typing import Any
 
+from service.api.collective import default_backend
 from service.api.context import ServiceContext
 from service.api.generation import InvalidRequest
 
@@ -111,7 +112,7 @@ def vllm_config(ctx: ServiceContext) -> dict[str, Any]:
         "scheduler_config": {"max_num_seqs": info.num_slots},
         "cache_config": {"enable_prefix_caching": info.backend == "vllm"},
         "lora_config": None,
-        "weight_transfer_config": None,
+        "weight_transfer_config": {"backend": default_backend()},  # /init_weight_transfer_engine and the rest
     }
 
 

@@ -34,9 +34,9 @@ def _auth(context: grpc.aio.ServicerContext) -> str | None:
 
 
 def _manifest(m: Any) -> Manifest:
-    tensors = [TensorEntry(t.name, t.dtype, tuple(int(d) for d in t.shape), int(t.nbytes), t.sha256)
-               for t in m.tensors]
-    return Manifest(m.role or "target", m.version, m.dtype, tensors, m.mode or "wait", m.cast)
+    tensors = [TensorEntry(t.name, t.dtype, tuple(int(d) for d in t.shape), int(t.nbytes), t.sha256,
+                           t.encoding or "dense") for t in m.tensors]
+    return Manifest(m.role or "target", m.version, m.dtype, tensors, m.mode or "wait", m.cast, m.base_version)
 
 
 def _weights_reply(r: PushResult) -> Any:

@@ -118,8 +118,11 @@ async def upload_weights(request: Request, ctx: AdminCtx, version: Annotated[str
                          role: str = "target", mode: str = "wait", dtype: str | None = None,
                          sha256: Annotated[str | None, Query(description="hex sha256 of the body")] = None,
                          cast: Annotated[bool, Query(description="cast to the served dtype")] = False,
+                         base_version: Annotated[str, Query(description="a delta against this served version")] = "",
                          ) -> dict[str, Any]:
-    """Push weights as a safetensors body (Hugging Face tensor names, the complete set for the role)."""
+    """Push weights as a safetensors body (Hugging Face tensor names, the complete set for the role). With
+    `base_version`, a delta: only the tensors that changed, a sparse one as `NAME:indices` (int32/int64) with
+    `NAME:values`; refused (409) unless that version is served."""
     with tempfile.TemporaryDirectory(prefix="specroll-upload-") as tmp:
         path = Path(tmp) / "upload.safetensors"
         size, digest = await _receive_to_file(request, path)
@@ -129,7 +132,7 @@ async def upload_weights(request: Request, ctx: AdminCtx, version: Annotated[str
             raise PushError(f"checksum mismatch: the body hashes to {digest}, the request says {sha256}")
         tensors = await asyncio.to_thread(_load_file, path)
     return _reply(await unless_disconnected(request, ctx.pushes.push_tensors(role, version, tensors, mode, dtype,
-                                                                             cast)))
+                                                                             cast, base_version)))
 
 
 @router.post("/weights/load")

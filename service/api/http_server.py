@@ -24,6 +24,7 @@ from service.api.http_chat import router as chat_router
 from service.api.http_collective import router as collective_router
 from service.api.http_openai import router as openai_router
 from service.api.http_sglang import router as sglang_router
+from service.api.http_transfer import router as transfer_router
 from service.api.http_vllm import router as vllm_router
 
 logger = logging.getLogger(__name__)
@@ -182,6 +183,7 @@ def create_app(ctx: ServiceContext) -> FastAPI:
     app.include_router(sglang_router)
     app.include_router(admin_router)
     app.include_router(collective_router)
+    app.include_router(transfer_router)
     app.include_router(vllm_router)
     app.openapi = lambda: _openapi(app)  # type: ignore[method-assign]
     app.add_middleware(BodyLimit, limit=ctx.limits.max_request_bytes,  # type: ignore[arg-type]

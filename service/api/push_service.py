@@ -7,6 +7,9 @@ abort | keep); a drafter commit never holds generation back. One push per role a
 A drafter push in mode `with_target` is staged and parked: the next target push publishes both as one atomic
 pair (a trainer that produces policy and drafter together never has the new policy served with the old
 drafter, whose acceptance would collapse). A newer parked drafter replaces an older one.
+
+A delta push (a `base_version`) holds only what changed since the version it names; it is refused (409 /
+FAILED_PRECONDITION, nothing changed) unless that version is the one served when the push takes its role's lock.
 """
 
 from __future__ import annotations
@@ -27,14 +30,18 @@ from service.api.push_protocol import (
     PushResult,
     check_role_version,
     dtype_name,
+    sparse_pairs,
     validate_manifest,
 )
 from service.backend.base import (
+    CAP_DELTA_PUSH,
     PAIR_MODE,
     PushError,
     PushUnsupported,
     RolloutBackend,
+    SparseValues,
     Staged,
+    StaleBase,
     SwapResult,
     WeightSpec,
     check_mode,
@@ -78,10 +85,26 @@ class PushService:
             raise PushUnsupported(self.backend.unsupported(role) or f"this server takes no {role} weights")
         return spec
 
-    def _stage(self, role: str, tensors: Iterable[tuple[str, torch.Tensor]], cast: bool) -> Staged:
+    def _stage(self, role: str, tensors: Iterable[tuple[str, torch.Tensor | SparseValues]], cast: bool,
+               delta: bool = False) -> Staged:
         """Runs off the event loop: the backend checks each tensor (the one weight validation's `stream` half)
-        and copies it beside the serving weights."""
-        return self.backend.stage_weights(role, tensors, cast=cast)
+        and copies it beside the serving weights (`delta`: into a copy of them)."""
+        return self.backend.stage_weights(role, tensors, cast=cast, delta=delta)
+
+    def check_base(self, role: str, base_version: str) -> None:
+        """A delta push may apply: this backend takes deltas for `role`, and `base_version` is the one served."""
+        if not base_version:
+            return
+        if role != "target":
+            raise PushUnsupported(f"delta pushes (base_version) go to the target only; push the {role} in full")
+        info = self.backend.info()
+        if CAP_DELTA_PUSH not in info.capabilities:
+            raise PushUnsupported(f"the {info.backend} backend takes full pushes only (no base_version): it holds "
+                                  "no copy of the serving weights in this process to apply a delta to")
+        served = self.backend.stats().policy_version
+        if served != base_version:
+            raise StaleBase(f"this delta push applies to version {base_version!r}, but the server serves {served!r}"
+                            f": nothing was changed; push against {served!r}, or push in full")
 
     stage_sync = _stage
 
@@ -151,11 +174,13 @@ class PushService:
         manifest.mode = check_mode_or_error(manifest.mode, manifest.role)
         check_role_version(manifest.role, manifest.version)
         validate_manifest(manifest, self.role_spec(manifest.role), self.max_push_bytes)
+        self.check_base(manifest.role, manifest.base_version)
         return await self._locked(manifest.role, start, self._receive(manifest, chunks, start))
 
     async def _receive(self, manifest: Manifest, chunks: AsyncIterator[tuple[int, Any]], start: float) -> PushResult:
+        self.check_base(manifest.role, manifest.base_version)  # again under the lock: no push of it ran between
         receiver: ChunkReceiver[Staged] = ChunkReceiver(
-            manifest, lambda ts: self._stage(manifest.role, ts, manifest.cast))
+            manifest, lambda ts: self._stage(manifest.role, ts, manifest.cast, bool(manifest.base_version)))
         try:
             async for offset, data in chunks:
                 await receiver.afeed(offset, data)
@@ -170,29 +195,38 @@ class PushService:
         return await self._apply(staged, manifest.version, manifest.mode, start)
 
     async def push_tensors(self, role: str, version: str, tensors: dict[str, torch.Tensor], mode: str = "wait",
-                           dtype: str | None = None, cast: bool = False) -> PushResult:
-        """An upload of whole tensors (a safetensors body)."""
+                           dtype: str | None = None, cast: bool = False, base_version: str = "") -> PushResult:
+        """An upload of whole tensors (a safetensors body). With `base_version`, a delta: only what changed, a
+        sparse tensor as the pair `NAME:indices`, `NAME:values` (service/api/push_protocol.py `sparse_pairs`)."""
         start = time.perf_counter()
         check_role_version(role, version)
         mode = check_mode_or_error(mode, role)
         spec = self.role_spec(role)
-        if not tensors:
+        if base_version:
+            check_role_version(role, base_version)
+        if not tensors and not base_version:
             raise PushError("the upload holds no tensors")
+        entries = sparse_pairs(tensors, spec) if base_version else dict(tensors)
         declared = dtype_name(dtype) if dtype else None
-        for name, t in tensors.items():
-            got = dtype_name(str(t.dtype))
+        for name, t in entries.items():
+            got = dtype_name(str((t.values if isinstance(t, SparseValues) else t).dtype))
             if declared is not None and got != declared:
                 raise PushError(f"tensor {name!r} has dtype {got}, but the upload declares {declared}")
         nbytes = sum(t.numel() * t.element_size() for t in tensors.values())
         if nbytes > self.max_push_bytes:
             raise PushError(f"upload of {nbytes} bytes exceeds the server limit of {self.max_push_bytes} bytes")
         try:
-            WeightCheck(spec, cast).declared(Declared(n, str(t.dtype), tuple(t.shape)) for n, t in tensors.items())
+            if entries:
+                WeightCheck(spec, cast).declared(
+                    (Declared(n, str((t.values if isinstance(t, SparseValues) else t).dtype), tuple(t.shape))
+                     for n, t in entries.items()), partial=bool(base_version))
         except PushError as exc:
             raise PushError(f"{role} upload: {exc}") from exc
+        self.check_base(role, base_version)
 
         async def work() -> PushResult:
-            staged = await asyncio.to_thread(self._stage, role, tensors.items(), cast)
+            self.check_base(role, base_version)  # again under the lock: no push of it ran between
+            staged = await asyncio.to_thread(self._stage, role, entries.items(), cast, bool(base_version))
             staged.nbytes = nbytes
             return await self._apply(staged, version, mode, start)
 

@@ -44,6 +44,7 @@ CAP_DRAFTER_PUSH = "drafter_push"  # the drafter has weights a push (or the side
 CAP_RAW_LOGPROBS = "raw_logprobs"
 CAP_TOP_LOGPROBS = "top_logprobs"
 CAP_SEEDS = "seeds"
+CAP_DELTA_PUSH = "delta_push"  # a target push may send only what changed against the served version
 
 
 class NotReady(RuntimeError):
@@ -56,6 +57,10 @@ class PushError(ValueError):
 
 class PushUnsupported(RuntimeError):
     """This backend cannot take this kind of push, e.g. a drafter without weights (409 / FAILED_PRECONDITION)."""
+
+
+class StaleBase(PushUnsupported):
+    """A delta push against a version that is not the one served (409 / FAILED_PRECONDITION); nothing changed."""
 
 
 def check_mode(mode: str | None) -> str:
@@ -146,6 +151,22 @@ class Staged:
     role: str
     nbytes: int
     payload: Any = None
+
+
+@dataclass(frozen=True, slots=True)
+class SparseValues:
+    """A delta push's new values for some elements of one tensor: `indices` (int32 or int64, into the tensor
+    flattened in row-major order, strictly increasing) and `values` (one per index, the push's dtype). It stands
+    in for the whole tensor in the (name, tensor) stream a delta push stages; every other element keeps its
+    serving value."""
+
+    shape: tuple[int, ...]
+    indices: torch.Tensor
+    values: torch.Tensor
+
+    @property
+    def nbytes(self) -> int:
+        return self.indices.numel() * self.indices.element_size() + self.values.numel() * self.values.element_size()
 
 
 @dataclass(frozen=True, slots=True, weakref_slot=True)
@@ -255,21 +276,23 @@ class RolloutBackend(abc.ABC):
     def unsupported(self, role: str) -> str:
         """Why `role` cannot be pushed to on this server ("" if it can)."""
 
-    def stage_weights(self, role: str, tensors: Iterable[tuple[str, torch.Tensor]], *, cast: bool = False
-                      ) -> Staged:
+    def stage_weights(self, role: str, tensors: Iterable[tuple[str, torch.Tensor | SparseValues]], *,
+                      cast: bool = False, delta: bool = False) -> Staged:
         """Copy tensors beside the serving weights, each passing the one weight validation
         (`service/backend/weight_check.py`) before the backend sees it; `cast`: the push asked for its dtype to be
-        cast to the serving one. Blocks; never on the engine thread or an event loop. Raises PushError if they do
-        not fit; the serving weights are untouched."""
+        cast to the serving one. `delta`: the tensors are only what changed (whole tensors, or `SparseValues`),
+        applied to a copy of the serving weights (backends announcing CAP_DELTA_PUSH). Blocks; never on the
+        engine thread or an event loop. Raises PushError if they do not fit; the serving weights are untouched."""
         from service.backend.weight_check import WeightCheck  # it builds on this module's types
 
         spec = self.weight_roles().get(role)
         if spec is None:
             raise PushUnsupported(self.unsupported(role) or f"no weights to push for role {role!r}")
-        return self.stage_checked(role, WeightCheck(spec, cast).stream(tensors))
+        return self.stage_checked(role, WeightCheck(spec, cast).stream(tensors, delta=delta), delta=delta)
 
     @abc.abstractmethod
-    def stage_checked(self, role: str, tensors: Iterable[tuple[str, torch.Tensor]]) -> Staged:
+    def stage_checked(self, role: str, tensors: Iterable[tuple[str, torch.Tensor | SparseValues]], *,
+                      delta: bool = False) -> Staged:
         """`stage_weights` after the validation: the backend's own copy of each tensor (as it streams in)."""
 
     @abc.abstractmethod

@@ -6,17 +6,20 @@ dtypes, shapes: a manifest, safetensors headers); `stream` runs on the tensors a
 builds anything from them. Together they hold a push to: names known to the role's `WeightSpec`, each once,
 every one present, the right shapes, one dtype, the serving dtype unless the push asks for a cast, and finite
 values only (a diverged trainer writes NaN; served, every sample would end at once and reach the buffer as
-training data). Anything else is a `PushError` naming the tensor (400 / INVALID_ARGUMENT).
+training data). A delta push (`delta=True`) holds only what changed: any subset of the names, each a whole
+tensor or `SparseValues` whose indices lie inside the tensor, strictly increasing (so none twice). Anything else
+is a `PushError` naming the tensor (400 / INVALID_ARGUMENT).
 """
 
 from __future__ import annotations
 
+import math
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 
 import torch
 
-from service.backend.base import PushError, WeightSpec
+from service.backend.base import PushError, SparseValues, WeightSpec
 from service.safetensors_io import IGNORED, shape_problems
 
 DTYPES: dict[str, torch.dtype] = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -24,6 +27,7 @@ _SPELLINGS = {"F32": "float32", "BF16": "bfloat16", "F16": "float16", "fp32": "f
               "fp16": "float16", "float": "float32", "half": "float16"}
 _KNOWN = frozenset(_SPELLINGS) | frozenset(DTYPES) | {f"torch.{d}" for d in DTYPES}
 _FINITE_STEP = 1 << 22  # elements checked at a time: isfinite's mask stays small for any tensor size
+INDEX_DTYPES = (torch.int32, torch.int64)
 
 
 def dtype_name(name: str) -> str:
@@ -50,6 +54,28 @@ def _finite(t: torch.Tensor) -> bool:
         return True
     flat = t.reshape(-1)
     return all(bool(torch.isfinite(flat[i : i + _FINITE_STEP]).all()) for i in range(0, flat.numel(), _FINITE_STEP))
+
+
+def sparse_problem(sparse: SparseValues) -> str:
+    """Why a sparse delta cannot be applied to a tensor of its shape ("" if it can)."""
+    idx, values = sparse.indices, sparse.values
+    numel = math.prod(sparse.shape)
+    if idx.dtype not in INDEX_DTYPES:
+        return f"its indices are {str(idx.dtype).removeprefix('torch.')}, not int32 or int64"
+    if idx.dim() != 1 or values.dim() != 1 or idx.numel() != values.numel():
+        return (f"it has {idx.numel()} indices ({idx.dim()}-d) and {values.numel()} values ({values.dim()}-d): "
+                "give one 1-d list of each, as long as each other")
+    if idx.numel() > numel:
+        return f"it has {idx.numel()} indices for a tensor of {numel} elements"
+    if not idx.numel():
+        return ""
+    low, high = int(idx[0]), int(idx[-1])
+    if low < 0 or high >= numel:
+        return f"an index lies outside the tensor's {numel} elements (first {low}, last {high})"
+    if idx.numel() > 1 and not bool((idx[1:] > idx[:-1]).all()):
+        repeated = bool((idx[1:] == idx[:-1]).any())
+        return "an index appears twice" if repeated else "its indices are not in increasing order"
+    return ""
 
 
 class WeightCheck:
@@ -105,23 +131,31 @@ class WeightCheck:
         [(dtype, name)] = dtypes.items()
         return self._dtype(name, dtype, None)
 
-    def stream(self, tensors: Iterable[tuple[str, torch.Tensor]]) -> Iterator[tuple[str, torch.Tensor]]:
+    def stream(self, tensors: Iterable[tuple[str, torch.Tensor | SparseValues]], *, delta: bool = False
+               ) -> Iterator[tuple[str, torch.Tensor | SparseValues]]:
         """The tensors, each checked before it is passed on; raises (in the consumer) at the first bad one, and
-        at the end if any was missing. Buffers the checkpoint may carry (rotary inv_freq) are dropped."""
+        at the end if any was missing (unless `delta`: then any subset, and `SparseValues` too). Buffers the
+        checkpoint may carry (rotary inv_freq) are dropped."""
         shapes: dict[str, tuple[int, ...]] = {}
         dtype: str | None = None
         for name, t in tensors:
             if name in shapes:
                 raise PushError(f"tensor {name!r} arrives twice")
+            sparse = t if isinstance(t, SparseValues) else None
+            if sparse is not None and not delta:
+                raise PushError(f"tensor {name!r} comes as sparse values, which only a delta push may send")
             shapes[name] = tuple(t.shape)
             if IGNORED.search(name):
                 continue
             self._shapes({name: tuple(t.shape)}, partial=True)
-            dtype = self._dtype(name, str(t.dtype), dtype)
-            if not _finite(t):
+            values = t if sparse is None else sparse.values
+            dtype = self._dtype(name, str(values.dtype), dtype)
+            if sparse is not None and (problem := sparse_problem(sparse)):
+                raise PushError(f"sparse delta of tensor {name!r}: {problem}")
+            if not _finite(values):
                 raise PushError(f"tensor {name!r} holds NaN or infinite values: the weights diverged or the bytes "
                                 "are corrupt")
             yield name, t
-        if not shapes:
+        if not shapes and not delta:
             raise PushError("the push holds no tensors")
-        self._shapes(shapes, partial=False)
+        self._shapes(shapes, partial=delta)

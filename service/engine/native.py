@@ -19,6 +19,7 @@ from typing import TYPE_CHECKING
 from service.backend.admission import Admission
 from service.backend.base import (
     CAP_ADAPTIVE_SD,
+    CAP_DELTA_PUSH,
     CAP_DRAFTER_PUSH,
     CAP_RAW_LOGPROBS,
     CAP_SEEDS,
@@ -28,6 +29,7 @@ from service.backend.base import (
     NotReady,
     PushUnsupported,
     RolloutBackend,
+    SparseValues,
     Staged,
     StatsSnapshot,
     SwapResult,
@@ -78,7 +80,7 @@ class NativeBackend(RolloutBackend):
                         time.perf_counter() - t0)
         self._roles = self._stager.roles()  # architectures never change: a push must match them
         tok = engine.tokenizer
-        caps = {CAP_RAW_LOGPROBS, CAP_TOP_LOGPROBS, CAP_SEEDS}
+        caps = {CAP_RAW_LOGPROBS, CAP_TOP_LOGPROBS, CAP_SEEDS, CAP_DELTA_PUSH}
         if engine.drafters:
             caps.add(CAP_ADAPTIVE_SD)
         if "drafter" in self._roles:
@@ -173,8 +175,9 @@ class NativeBackend(RolloutBackend):
             raise PushUnsupported(self._stager.unsupported(role) or f"no weights to push for role {role!r}")
         return self._stager
 
-    def stage_checked(self, role: str, tensors: Iterable[tuple[str, torch.Tensor]]) -> Staged:
-        return self._stager_for(role).stage(role, tensors)
+    def stage_checked(self, role: str, tensors: Iterable[tuple[str, torch.Tensor | SparseValues]], *,
+                      delta: bool = False) -> Staged:
+        return self._stager_for(role).stage(role, tensors, delta)
 
     def commit_weights(self, staged: Staged, version: str, mode: str,
                        drafter: tuple[Staged, str] | None = None) -> Future[SwapResult]:

@@ -5,9 +5,9 @@ CausalLM or an EAGLE head). One path serves a trainer's push, the sidecar and th
 
 Double buffering: the weights a swap replaced become the buffer the next push of that role is loaded into (no
 allocation, no page faults); `allocate_spares` makes that buffer at start, so the first push is as fast as the
-rest. The engine keeps no reference to replaced weights. Staging also lays the weights out for the CPU's kernels
-(service/models/packed.py: float32 stored transposed, oneDNN packs), so `apply` on the engine thread only swaps
-references.
+rest. The engine keeps no reference to replaced weights. A delta push (target only) first copies the serving
+weights into that buffer, then overwrites what the delta names. Staging also lays the weights out for the CPU's
+kernels (service/models/packed.py), so `apply` on the engine thread only swaps references.
 """
 
 from __future__ import annotations
@@ -21,10 +21,17 @@ from typing import TYPE_CHECKING
 import torch
 from torch import nn
 
-from service.backend.base import PushError, PushUnsupported, Staged, WeightSpec
+from service.backend.base import PushError, PushUnsupported, SparseValues, Staged, WeightSpec
 from service.cpu_threads import one_cpu_thread
 from service.models.llama import CausalLM
-from service.models.loader import WeightError, build_model, checkpoint_shapes, load_tensors
+from service.models.loader import (
+    WeightError,
+    build_model,
+    checkpoint_shapes,
+    checkpoint_view,
+    empty_model,
+    load_tensors,
+)
 from service.models.packed import ensure_packed
 
 if TYPE_CHECKING:
@@ -61,6 +68,39 @@ def _load_state(module: nn.Module, tensors: Iterable[tuple[str, torch.Tensor]]) 
             raise PushError(f"tensor {name!r} does not fit the drafter's head")
         dst.copy_(tensor)
         total += tensor.numel() * tensor.element_size()
+    return total
+
+
+@torch.no_grad()
+def copy_serving(serving: CausalLM, spare: CausalLM | None) -> CausalLM:
+    """The spare (allocated when there is none) holding a copy of the serving weights: what a delta applies to.
+    Reading the serving weights while the engine runs is safe: nothing writes them while they serve."""
+    p = next(serving.parameters())
+    module = spare if spare is not None else empty_model(serving.config, p.dtype, p.device)
+    for dst, src in zip(module.parameters(), serving.parameters(), strict=True):
+        dst.copy_(src)
+    return module
+
+
+@torch.no_grad()
+def apply_delta(model: CausalLM, entries: Iterable[tuple[str, torch.Tensor | SparseValues]]) -> int:
+    """Overwrite what a checked delta names: whole tensors, or the elements of `SparseValues`. Returns the
+    bytes it carried."""
+    total = 0
+    for name, t in entries:
+        dst = checkpoint_view(model, name)
+        if isinstance(t, SparseValues):
+            total += t.nbytes
+            if dst is not None:
+                flat = dst if dst.is_contiguous() else dst.contiguous()  # a transposed float32 layout: via a copy
+                flat.view(-1).index_copy_(0, t.indices.to(dst.device, torch.int64), t.values.to(dst.device,
+                                                                                                dst.dtype))
+                if flat is not dst:
+                    dst.copy_(flat)
+        else:
+            total += t.numel() * t.element_size()
+            if dst is not None:
+                dst.copy_(t)
     return total
 
 
@@ -102,7 +142,9 @@ class WeightStager:
             roles["drafter"] = spec_of("drafter", found[1])
         return roles
 
-    def stage(self, role: str, tensors: Iterable[tuple[str, torch.Tensor]]) -> Staged:
+    def stage(self, role: str, tensors: Iterable[tuple[str, torch.Tensor | SparseValues]], delta: bool = False
+              ) -> Staged:
+        """Build `role`'s pushed weights beside the serving ones (`delta`: a copy of them, then the delta)."""
         one_cpu_thread()  # a copy that converts dtypes would give this thread an OpenMP team of its own
         serving = self._serving(role)
         dtype, device = self.engine.dtype, self.engine.device
@@ -114,9 +156,14 @@ class WeightStager:
                 serving, "config", None) or not _placed(spare, dtype, device)):
             spare = None
         try:
-            if isinstance(serving, CausalLM):
+            if delta:
+                if not isinstance(serving, CausalLM):
+                    raise PushUnsupported(f"delta pushes go to the target only; push the {role} in full")
+                module = copy_serving(serving, spare)  # type: ignore[arg-type]
+                nbytes = apply_delta(module, tensors)  # type: ignore[arg-type]
+            elif isinstance(serving, CausalLM):
                 if spare is not None:
-                    nbytes = load_tensors(spare, tensors)
+                    nbytes = load_tensors(spare, tensors)  # type: ignore[arg-type]
                     module: nn.Module = spare
                 else:
                     module = build_model(serving.config, tensors, dtype, device)

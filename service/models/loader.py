@@ -90,6 +90,15 @@ def check_tensors(cfg: ModelConfig, shapes: dict[str, tuple[int, ...]], *, parti
         raise WeightError(f"checkpoint does not match {cfg.architecture}: " + "; ".join(problems))
 
 
+def checkpoint_view(model: CausalLM, name: str) -> torch.Tensor | None:
+    """The part of the model's storage a checkpoint tensor fills (a view to write into), None for a name a
+    load skips (a rotary buffer, a tied checkpoint's lm_head)."""
+    if IGNORED.search(name) or (model.config.tie_word_embeddings and name == "lm_head.weight"):
+        return None
+    param, sl = _target(model, name)
+    return param if sl is None else param[sl]
+
+
 @torch.no_grad()
 def load_tensors(model: CausalLM, tensors: Iterable[tuple[str, torch.Tensor]]) -> int:
     """Copy named checkpoint tensors into the model (casting dtype, moving device). Returns bytes copied."""
@@ -114,14 +123,20 @@ def load_model(path: str | Path, dtype: torch.dtype, device: torch.device) -> Ca
     return build_model(cfg, iter_safetensors(files), dtype, device)
 
 
-def build_model(
-    cfg: ModelConfig, tensors: Iterable[tuple[str, torch.Tensor]], dtype: torch.dtype, device: torch.device
-) -> CausalLM:
-    """A model with uninitialised storage filled from `tensors` (already checked to be complete)."""
+def empty_model(cfg: ModelConfig, dtype: torch.dtype, device: torch.device) -> CausalLM:
+    """A model of `cfg` whose storage is allocated and not filled."""
     with torch.device("meta"):
         model = CausalLM(cfg)
     model = model.to_empty(device=device).to(dtype)
     if cfg.tie_word_embeddings:
         model.lm_head.weight = model.embed_tokens.weight
+    return model
+
+
+def build_model(
+    cfg: ModelConfig, tensors: Iterable[tuple[str, torch.Tensor]], dtype: torch.dtype, device: torch.device
+) -> CausalLM:
+    """A model with uninitialised storage filled from `tensors` (already checked to be complete)."""
+    model = empty_model(cfg, dtype, device)
     load_tensors(model, tensors)
     return model.eval().requires_grad_(False)

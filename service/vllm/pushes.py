@@ -15,7 +15,15 @@ from concurrent.futures import Future
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from service.backend.base import PushError, PushUnsupported, Staged, SwapResult, WeightSpec, check_mode
+from service.backend.base import (
+    PushError,
+    PushUnsupported,
+    SparseValues,
+    Staged,
+    SwapResult,
+    WeightSpec,
+    check_mode,
+)
 from service.config import EngineConfig
 from service.drafter_spec import DrafterItem
 from service.vllm.requests import Versions
@@ -51,11 +59,16 @@ class WeightPushes:
             return drafter_unsupported(self.drafter)
         return ""
 
-    def stage_checked(self, role: str, tensors: Iterable[tuple[str, torch.Tensor]]) -> Staged:
-        """Runs after the one validation (`RolloutBackend.stage_weights`): nothing unchecked reaches a worker."""
+    def stage_checked(self, role: str, tensors: Iterable[tuple[str, torch.Tensor | SparseValues]], *,
+                      delta: bool = False) -> Staged:
+        """Runs after the one validation (`RolloutBackend.stage_weights`): nothing unchecked reaches a worker.
+        Delta pushes are refused (no CAP_DELTA_PUSH): the workers hold the serving weights, this process has no
+        copy of them to apply a delta to."""
         if role not in self._roles:
             raise PushUnsupported(self.unsupported(role) or f"no weights to push for role {role!r}")
-        folder, nbytes = self._files.stage(tensors, self.config.dtype)
+        if delta:
+            raise PushUnsupported("the vLLM backend takes full pushes only (no base_version)")
+        folder, nbytes = self._files.stage(tensors, self.config.dtype)  # type: ignore[arg-type]
         return Staged(role, nbytes, folder)
 
     def commit_weights(self, staged: Staged, version: str, mode: str,

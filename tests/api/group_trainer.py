@@ -9,7 +9,8 @@ the group; `update_weights_from_distributed`: per bucket the /update_weights_fro
 tensor is broadcast from rank 0 with async_op and the handles waited for) and slime/backends/sglang_utils/
 sglang_engine.py (the payloads: dtypes as "float32", flush_cache False, weight_version a string). `die` does the same
 but is killed halfway through the second bucket's broadcast. `client` pushes with our client (client/weights.py);
-`client-wrong` pushes a tensor of a wrong shape with it. The admin token comes from SPECROLL_ADMIN_TOKEN.
+`client-wrong` pushes a tensor of a wrong shape with it. The admin token comes from SPECROLL_ADMIN_TOKEN;
+TRANSFER_BACKEND=nccl runs `client` on CUDA.
 """
 
 from __future__ import annotations
@@ -86,7 +87,10 @@ def slime_push(url: str, state: dict[str, torch.Tensor], version: str, group: st
 def client_push(url: str, state: dict[str, torch.Tensor], version: str, group: str, wrong: bool) -> None:
     from client.weights import GroupPushError, WeightGroup
 
-    g = WeightGroup.join(url, admin_token=TOKEN, group_name=group, timeout_s=60)
+    backend = os.environ.get("TRANSFER_BACKEND", "gloo")  # nccl: the tensors are broadcast from CUDA
+    if backend == "nccl":
+        state = {k: v.cuda() for k, v in state.items()}
+    g = WeightGroup.join(url, admin_token=TOKEN, group_name=group, backend=backend, timeout_s=60)
     try:
         if wrong:
             name = sorted(state)[0]

@@ -94,7 +94,7 @@ def test_trl_control_calls(trl_client, server):
     assert trl_client.get_world_size() == 1
     info = trl_client.get_server_info()
     assert info["model_config"]["logprobs_mode"] == "processed_logprobs"  # what GRPO's IS correction checks
-    assert info["model_config"]["max_model_len"] == 256 and info["weight_transfer_config"] is None
+    assert info["model_config"]["max_model_len"] == 256 and info["weight_transfer_config"] == {"backend": "gloo"}
     trl_client.reset_prefix_cache()
     client = async_client.VLLMClient(server.http_url)
     assert client.get_dtype() == "torch.float32" and client.get_world_size() == 1

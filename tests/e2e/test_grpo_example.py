@@ -50,7 +50,8 @@ def test_grpo_steps_push_weights_and_versions_advance(tiny_model: Path, monkeypa
     config = ServerConfig(http_port=free_port(), grpc_port=free_port(), admin_token=ADMIN)
     with BackgroundServer(engine, config) as server:
         cfg = grpo.GRPOConfig(server=server.grpc_target, admin_token=ADMIN, steps=3, prompts_per_step=2,
-                              group_size=8, max_tokens=48, min_terms=2, max_terms=4, lr=1e-2, seed=3)
+                              group_size=8, max_tokens=48, min_terms=2, max_terms=4, lr=1e-2, seed=3,
+                              push_delta=True)
         records = grpo.run(cfg)
         snapshot = server.server.backend.teacher_snapshot().result(30)
         served, served_version = snapshot.module, snapshot.version
@@ -59,8 +60,9 @@ def test_grpo_steps_push_weights_and_versions_advance(tiny_model: Path, monkeypa
     assert all(r.samples == 16 and len(r.lengths) == 16 and r.trained_samples > 0 for r in records)
     assert all(r.rollout_s > 0 and r.step_s >= r.rollout_s + r.update_s for r in records)
     assert all(r.extra["forward_tokens"] > r.extra["trained_tokens"] > 0 for r in records)  # prompts too
-    # Steps 2 and 3 sampled from pushed weights: the server's logprobs are the ones the trainer computes
-    # with its own copy, so the push delivered exactly the trainer's weights.
+    # Steps 2 and 3 sampled from pushed weights (the second and third push deltas): the server's logprobs are the
+    # ones the trainer computes with its own copy, so the pushes delivered exactly the trainer's weights.
+    assert records[0].extra["push_bytes"] == records[0].extra["full_push_bytes"]  # the first push goes in full
     assert max(r.logprob_max_abs_diff for r in records) < 1e-3
     initial = Policy(tiny_model, lr=0.0).hf_weights()
     assert not torch.equal(served.embed_tokens.weight.detach(), initial["model.embed_tokens.weight"])

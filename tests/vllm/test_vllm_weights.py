@@ -4,9 +4,15 @@ serving and the engine alive."""
 
 from __future__ import annotations
 
+import json
+import os
+import subprocess
+import sys
 import threading
+from pathlib import Path
 
 import pytest
+from safetensors.torch import save_file
 from service_utils import ADMIN, checkpoint_tensors, perturbed, write_checkpoint
 from vllm_utils import MAX_LEN, check_cut_at_push, hf_greedy, hf_of, start_vllm
 
@@ -64,6 +70,8 @@ def test_refused_pushes_leave_the_old_weights_serving(server, vllm_model):
             c.push_weights({k: v for k, v in base.items() if k != name}, "bad2")
         with pytest.raises(FailedPrecondition, match="no weights"):
             c.push_weights(base, "bad3", role="drafter")
+        with pytest.raises(FailedPrecondition, match="full pushes only"):  # deltas: the native backend only
+            c.push_delta(perturbed(base, seed=2), "bad5", base=base, base_version=version)
         assert greedy(c) == before and c.server_info().policy_version == version
     with SpecrollClient(srv.grpc_target) as anon:
         with pytest.raises((Unauthenticated, PermissionDenied)):
@@ -201,3 +209,27 @@ def test_tokens_are_tagged_by_the_weights_that_made_them(server, vllm_model, tmp
     assert all([v.policy_version for v in r.version_spans] in ([old], [old, "tagged"], ["tagged"]) for r in rows)
     new_model = hf_of(write_checkpoint(vllm_model, new, tmp_path / "tagged"))
     check_cut_at_push(rows, old, prompt, hf_of(vllm_model), new_model, MAX_LEN - 3)
+
+
+def test_a_push_over_vllms_weight_transfer_endpoints(server, vllm_model, tmp_path):
+    """vLLM's trainer-engine payloads, packed over gloo (tests/api/transfer_trainer.py), on the vLLM backend."""
+    srv, _ = server
+    base = checkpoint_tensors(vllm_model)
+    new = perturbed(base, seed=9)
+    path = tmp_path / "new.safetensors"
+    save_file({k: v.contiguous() for k, v in new.items()}, str(path))
+    trainer = Path(__file__).resolve().parents[1] / "api" / "transfer_trainer.py"
+    env = {**os.environ, "SPECROLL_ADMIN_TOKEN": ADMIN, "PYTHONPATH": str(Path(__file__).resolve().parents[2])}
+    with SpecrollClient(srv.grpc_target, admin_token=ADMIN) as c:
+        before = greedy(c)
+        run = subprocess.run([sys.executable, str(trainer), "vllm", srv.http_url, str(path), "transfer-v1", "wait",
+                              "60"], env=env, capture_output=True, text=True, timeout=300)
+        assert run.returncode == 0, run.stderr[-3000:]
+        assert json.loads(run.stdout.splitlines()[-1])[-1]["version"] == "transfer-v1"
+        assert c.server_info().policy_version == "transfer-v1"
+        after = greedy(c)
+        assert after != before
+        ref = hf_of(write_checkpoint(vllm_model, new, tmp_path / "ref"))
+        assert after == [hf_greedy(ref, p, 10) for p in PROMPTS]
+        c.push_weights(base, "after-transfer")  # the original weights for the other tests
+        assert greedy(c) == before
