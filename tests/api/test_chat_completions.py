@@ -206,7 +206,7 @@ def test_tools_and_kwargs_reach_the_template_and_bad_input_is_refused(http, tok)
             ({"messages": CHAT, "chat_template_kwargs": {"add_generation_prompt": False}}, "chat_template_kwargs"),
             ({"messages": CHAT, "prompt_token_ids": [1, 99999]}, "out of range"),
             ({"messages": CHAT, "max_tokens": 100000}, "max_tokens"),
-            ({"messages": CHAT, "frequency_penalty": 0.5}, "penalties")):
+            ({"messages": CHAT, "frequency_penalty": 2.5}, "frequency_penalty must be in [-2, 2]")):
         err = post(http, body, status=400)["error"]
         assert words in err["message"] and err["type"] == "invalid_request_error", (body, err)
     r = httpx.post(http.base_url.join("/v1/chat/completions"), json={"messages": CHAT})

@@ -90,7 +90,7 @@ def test_slime_generate_with_custom_params(http):
     assert [x[1] for x in meta["output_token_logprobs"]] == r.json()["output_ids"]
     bad = {**slime_payload(4), "sampling_params": {**SLIME_SP, "custom_params": "x"}}
     assert "custom_params" in http.post("/generate", json=bad).json()["error"]["message"]
-    for key, value in (("frequency_penalty", 0.2), ("regex", "a+"), ("nonsense", 1)):
+    for key, value in (("regex", "a+"), ("nonsense", 1)):
         r = http.post("/generate", json={**slime_payload(4), "sampling_params": {**SLIME_SP, key: value}})
         assert r.status_code == 400 and f"sampling_params.{key}" in r.json()["error"]["message"], r.text
 

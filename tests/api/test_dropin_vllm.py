@@ -143,7 +143,7 @@ def test_skyrl_generate_payload(http):
         assert [c["token"] for c in content] == [f"token_id:{t}" for t in ref["token_ids"]]
         torch.testing.assert_close(torch.tensor([c["logprob"] for c in content]),
                                    torch.tensor(ref["logprobs"]["token_logprobs"]), atol=1e-6, rtol=0)
-    for bad in ({"presence_penalty": 0.3}, {"use_beam_search": True}, {"best_of": 3}, {"nonsense": 1}):
+    for bad in ({"presence_penalty": 3.0}, {"use_beam_search": True}, {"best_of": 3}, {"nonsense": 1}):
         r = http.post("/inference/v1/generate", json={"sampling_params": {"max_tokens": 2, **bad},
                                                       "token_ids": PROMPTS[0]})
         assert r.status_code == 400 and next(iter(bad)) in r.json()["error"]["message"], r.text

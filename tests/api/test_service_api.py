@@ -157,8 +157,8 @@ def test_bad_input_is_refused_with_a_message(client, http):
         r = http.post("/v1/completions", json=body)
         assert r.status_code == 400, (body, r.text)
         assert needle in r.json()["error"]["message"], (body, r.text)
-    r = http.post("/generate", json={"input_ids": [1, 2], "sampling_params": {"frequency_penalty": 0.5}})
-    assert r.status_code == 400 and "frequency_penalty" in r.text
+    r = http.post("/generate", json={"input_ids": [1, 2], "sampling_params": {"frequency_penalty": 2.5}})
+    assert r.status_code == 400 and "frequency_penalty must be in [-2, 2]" in r.text
     r = http.post("/v1/completions", content=b"x" * (17 * 2**20), headers={"content-type": "application/json"})
     assert r.status_code == 413
     chunked = (b"x" * 2**20 for _ in range(17))  # no content-length: counted as it arrives
