@@ -229,3 +229,20 @@ def test_http_delta_uploads(server, client, steps):
                    headers=auth(), timeout=60)
     assert r.status_code == 200 and r.json()["version"] == "h1", r.text
     assert_serves(server, one)
+
+
+def test_the_client_sends_what_changed_bit_for_bit() -> None:
+    old = {"same": torch.ones(8, 8, dtype=torch.bfloat16), "few": torch.zeros(64, dtype=torch.bfloat16),
+           "many": torch.zeros(64, dtype=torch.bfloat16), "new": torch.zeros(2)}
+    new = {k: v.clone() for k, v in old.items()}
+    new["few"][[3, 40]] = torch.tensor([1.0, -0.0], dtype=torch.bfloat16)  # -0.0 == 0.0, but its bits differ
+    new["many"][::5] = 2.0  # 13 of 64: sparse would take 6 * 13 = 78 bytes of 128, more than half
+    plan = {name: sparse for name, _, sparse in wt.plan_delta({k: v for k, v in old.items() if k != "new"}, new)}
+    assert set(plan) == {"few", "many", "new"} and plan["many"] is None and plan["new"] is None
+    index, values = plan["few"]
+    assert index.dtype == torch.int32 and index.tolist() == [3, 40]
+    assert values.view(torch.int16).tolist() == torch.tensor([1.0, -0.0], dtype=torch.bfloat16).view(
+        torch.int16).tolist()
+    [few] = [t for t in wt.delta(old, new) if t.name == "few"]
+    assert few.encoding == "sparse" and bytes(few.data) == bytes(index.view(torch.uint8).numpy()) + bytes(
+        values.view(torch.uint8).numpy())

@@ -297,7 +297,7 @@ def test_a_busy_server_is_looked_at_afresh_every_backoff():
                            metrics=TrainerMetrics(), server=SimpleNamespace(state=lambda: next(answers)),
                            _state=None, _state_at=0.0, _last_round=time.monotonic(), follow_policy=lambda st: None,
                            source=SimpleNamespace(read=lambda n, ms: [], lag=lambda: (0, 0)), take_in=lambda e: None,
-                           due=lambda: True, train_round=lambda: rounds.append(1))
+                           lease=None, due=lambda: True, train_round=lambda: rounds.append(1))
     for name in ("server_state", "gate_open", "tick"):
         setattr(fake, name, getattr(DrafterTrainer, name).__get__(fake))
     for _ in range(3):
