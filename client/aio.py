@@ -25,7 +25,8 @@ logger = logging.getLogger(__name__)
 T = TypeVar("T")
 SERVICE = "specroll.v1.Rollout"
 Prompt = Sequence[int] | str
-_SAMPLING = ("temperature", "top_p", "top_k", "min_p", "seed", "max_tokens")
+_SAMPLING = ("temperature", "top_p", "top_k", "min_p", "seed", "max_tokens", "frequency_penalty", "presence_penalty",
+             "repetition_penalty")
 
 
 def _sample(rid: str, f: Any, chunks: list[TokenChunk]) -> Sample:

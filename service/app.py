@@ -51,7 +51,6 @@ class ServerConfig:
     limits: Limits = field(default_factory=Limits)
     shutdown_grace_s: float = 5.0
     buffer: BufferConfig | None = None  # rollout buffer; None: Redis at redis_url, else in memory
-    reuse_weight_buffers: bool = True  # keep replaced weights as the buffer for the next push
     backend: str = "native"  # native | vllm
     vllm: Any = None  # service.vllm.config.VllmConfig for --backend vllm (None: defaults)
     admission: AdmissionLimits = field(default_factory=AdmissionLimits)  # the bounded queue of work
@@ -75,7 +74,7 @@ def build_backend(engine_config: EngineConfig, config: ServerConfig, metrics: Me
         return VllmBackend(engine_config, config.vllm, metrics, hooks, admission)
     from service.engine.native import NativeBackend
 
-    return NativeBackend(engine_config, metrics, hooks, admission, config.reuse_weight_buffers)
+    return NativeBackend(engine_config, metrics, hooks, admission)
 
 
 class SpecrollServer:

@@ -117,7 +117,11 @@ def cmd_serve(args: argparse.Namespace) -> int:
     from service.buffer.config import buffer_config_from_args
     from service.vllm.config import vllm_config_from_args
 
-    engine_config = _engine_config(args, compile_background=not args.compile_before_serving)
+    if args.free_replaced_weights and args.weight_spare not in ("free", None):
+        raise ValueError(f"--free-replaced-weights is --weight-spare free; it contradicts --weight-spare "
+                         f"{args.weight_spare}")
+    spare = "free" if args.free_replaced_weights else args.weight_spare or "start"
+    engine_config = _engine_config(args, compile_background=not args.compile_before_serving, weight_spare=spare)
     if args.max_upload_gb <= 0:
         raise ValueError(f"--max-upload-gb must be > 0, got {args.max_upload_gb}")
     limits = Limits(max_tokens=args.max_tokens_per_request, max_n=args.max_n,
@@ -128,7 +132,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
         host=args.host, http_port=args.http_port, grpc_port=args.grpc_port,
         admin_token=read_secret(args, "admin_token"), api_token=read_secret(args, "api_token"),
         redis_url=args.redis_url, served_model_name=args.served_model_name,
-        load_root=args.load_root, limits=limits, reuse_weight_buffers=not args.free_replaced_weights,
+        load_root=args.load_root, limits=limits,
         buffer=buffer_config_from_args(args),
         admission=AdmissionLimits(args.max_waiting_seqs, args.max_pending_tokens, args.retry_after),
         backend=args.backend,
@@ -139,6 +143,8 @@ def cmd_serve(args: argparse.Namespace) -> int:
 
 
 def _serve_args(p: argparse.ArgumentParser) -> None:
+    from service.config import WEIGHT_SPARES
+
     p.add_argument("--backend", default=_env("backend", "native"), choices=["native", "vllm"],
                    help="the engine behind the APIs: native (PyTorch, CPU or one GPU, adaptive speculation) or "
                         "vllm (GPUs, tensor/pipeline parallel; needs the specroll[vllm] extra)")
@@ -180,9 +186,15 @@ def _serve_args(p: argparse.ArgumentParser) -> None:
                    default=_env("compile_before_serving", "") not in ("", "0", "false"),
                    help="native backend on CPU: compile the forwards before answering (default: answer at once "
                         "with eager forwards, compile in the background and switch when done)")
+    p.add_argument("--weight-spare", default=_env("weight_spare"), choices=list(WEIGHT_SPARES),
+                   help="native backend: the buffer a weight push is loaded into. start (default): a copy of the "
+                        "weights made at start, so the first push is as fast as the rest; on-demand: made by the "
+                        "first push; both keep the weights a push replaced as the next push's buffer (memory: "
+                        "twice the weights). free: a new buffer per push, the replaced weights freed after its "
+                        "swap (slower pushes, twice the weights only during one)")
     p.add_argument("--free-replaced-weights", action="store_true",
                    default=_env("free_replaced_weights", "") not in ("", "0", "false"),
-                   help="free weights a push replaced instead of keeping them as the next push's buffer")
+                   help="the same as --weight-spare free")
     p.add_argument("--stream-interval", type=int, default=int(_env("stream_interval", "8")),
                    help="gRPC Generate streams a sample's tokens in chunks of this many (1: every step); "
                         "fewer, larger messages leave more CPU to decoding")

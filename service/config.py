@@ -31,6 +31,9 @@ SUPPORTED_ARCHITECTURES = {
     "Qwen3ForCausalLM": "qwen3",
 }
 DTYPES = ("float32", "bfloat16", "float16")
+# When the native engine allocates the buffer a weight push is loaded into (docs/weights.md): at start, at the
+# first push (then kept), or at every push (freed after its swap)
+WEIGHT_SPARES = ("start", "on-demand", "free")
 
 
 class ConfigError(ValueError):
@@ -189,6 +192,8 @@ class EngineConfig:
     # Append one JSON line per decode step to this file: the strategy's choice, its cost and what it believed
     # (service/engine/trace.py; native backend)
     strategy_trace: str | None = None
+    # The buffer a weight push is loaded into, one of WEIGHT_SPARES (native backend; docs/weights.md)
+    weight_spare: str = "start"
     extra: dict[str, Any] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
@@ -213,6 +218,8 @@ class EngineConfig:
             raise ConfigError(f"spec_k must be in [0, 15], got {self.spec_k}")
         if not (self.device == "cpu" or self.device.startswith("cuda")):
             raise ConfigError(f"device must be 'cpu' or 'cuda[:N]', got {self.device!r}")
+        if self.weight_spare not in WEIGHT_SPARES:
+            raise ConfigError(f"weight_spare must be one of {', '.join(WEIGHT_SPARES)}, got {self.weight_spare!r}")
 
     def resolve_max_model_len(self, context: int, cache_holds: int | None, cache: str) -> int:
         """Set max_model_len, when not given, from the checkpoint's `context` length, capped by what the KV cache

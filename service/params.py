@@ -18,9 +18,16 @@ class SamplingParams:
     """Per-request sampling settings.
 
     Logprob definition: `logprobs` returned for each token are log-probabilities under the distribution the
-    token was actually drawn from, i.e. after temperature, top-k, top-p and min-p (for temperature 0 the
-    same processing with temperature 1). `raw_logprobs=True` also returns log_softmax of the unprocessed
-    logits. `top_logprobs=k` returns the k most likely tokens of the processed distribution.
+    token was actually drawn from, i.e. after the penalties, temperature, top-k, top-p and min-p (for
+    temperature 0 the same processing with temperature 1). `raw_logprobs=True` also returns log_softmax of the
+    unprocessed logits (no penalties either). `top_logprobs=k` returns the k most likely tokens of the processed
+    distribution.
+
+    Penalties (vLLM's and OpenAI's definitions, applied to the logits before the temperature): a token's logit
+    loses `frequency_penalty` times its count in the output so far and `presence_penalty` once if it occurs
+    there; with `repetition_penalty` r, a token that occurs in the prompt or the output has a positive logit
+    divided by r and a negative one multiplied by r. The output so far is every token sampled before the
+    position, so under speculative decoding a drafted position counts the drafts before it.
     """
 
     n: int = 1
@@ -34,6 +41,9 @@ class SamplingParams:
     ignore_eos: bool = False
     top_logprobs: int = 0
     raw_logprobs: bool = False
+    frequency_penalty: float = 0.0
+    presence_penalty: float = 0.0
+    repetition_penalty: float = 1.0
 
     def __post_init__(self) -> None:
         _check_types(self)
@@ -54,6 +64,10 @@ class SamplingParams:
             (self.max_tokens >= 1, f"max_tokens must be >= 1, got {self.max_tokens}"),
             (self.top_logprobs >= 0, f"top_logprobs must be >= 0, got {self.top_logprobs}"),
             (self.seed is None or 0 <= self.seed < 2**63, f"seed must be in [0, 2^63), got {self.seed}"),
+            (-2 <= self.frequency_penalty <= 2,
+             f"frequency_penalty must be in [-2, 2], got {self.frequency_penalty}"),
+            (-2 <= self.presence_penalty <= 2, f"presence_penalty must be in [-2, 2], got {self.presence_penalty}"),
+            (self.repetition_penalty > 0, f"repetition_penalty must be > 0, got {self.repetition_penalty}"),
         ]
         for ok, message in checks:
             if not ok:
@@ -63,10 +77,15 @@ class SamplingParams:
     def greedy(self) -> bool:
         return self.temperature == 0.0
 
+    @property
+    def penalised(self) -> bool:
+        """Whether any penalty changes the logits (each at its neutral value changes nothing)."""
+        return self.frequency_penalty != 0 or self.presence_penalty != 0 or self.repetition_penalty != 1
+
 
 MAX_INT32 = 2**31 - 1
 _INTS = ("n", "top_k", "max_tokens", "top_logprobs")
-_REALS = ("temperature", "top_p", "min_p")
+_REALS = ("temperature", "top_p", "min_p", "frequency_penalty", "presence_penalty", "repetition_penalty")
 _BOOLS = ("ignore_eos", "raw_logprobs")
 
 

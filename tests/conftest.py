@@ -1,4 +1,4 @@
-"""Shared pytest fixtures: tiny checkpoints, a real Redis server, and marker-based auto-skips."""
+"""Shared pytest fixtures: tiny checkpoints, a real server and a real Redis server, and marker-based auto-skips."""
 
 from __future__ import annotations
 
@@ -20,10 +20,12 @@ import ci_reporting
 import pytest
 import torch
 from ci_reporting import in_ci
-from helpers import make_checkpoint, set_checkpoint_root, stop_process
+from helpers import default_checkpoint, make_checkpoint, set_checkpoint_root, stop_process
 from probes import wait_for
 from redis_utils import redis_ping
+from service_utils import running, start_server
 
+from service.app import BackgroundServer
 from service.netutil import free_port
 
 torch.set_num_threads(int(os.environ["OMP_NUM_THREADS"]))
@@ -71,10 +73,25 @@ def checkpoint_factory(checkpoint_dir: Path) -> Callable[..., Path]:
     return make_checkpoint
 
 
+@pytest.fixture(scope="session")
+def model_dir(checkpoint_dir: Path) -> Path:
+    """The tiny Qwen2 most tests serve (helpers.default_checkpoint); a module that serves another overrides it."""
+    return default_checkpoint()
+
+
+@pytest.fixture(scope="module")
+def server(model_dir: Path) -> Iterator[BackgroundServer]:
+    """A real server (gRPC and HTTP on free loopback ports) on `model_dir` with the default limits, per module.
+
+    A module that needs other settings defines its own: ``yield from running(start_server(model_dir, ...))``.
+    """
+    yield from running(start_server(model_dir))
+
+
 @pytest.fixture(scope="session", params=[True, False], ids=["tied", "untied"])
 def tiny_qwen2(request: pytest.FixtureRequest, checkpoint_dir: Path) -> Path:
     """Tiny Qwen2 checkpoint (GQA, non-zero q/k/v biases), tied and untied embeddings."""
-    return make_checkpoint("qwen2", tied=request.param)
+    return default_checkpoint(tied=request.param)
 
 
 @pytest.fixture(scope="session", params=[True, False], ids=["tied", "untied"])

@@ -1,4 +1,4 @@
-"""Test helpers: tiny random Hugging Face checkpoints, tokenizers and free ports.
+"""Test helpers: tiny random Hugging Face checkpoints (and the named ones most tests use), tokenizers, processes.
 
 Checkpoints are written with ``transformers``' ``save_pretrained`` (safetensors) so they exercise the
 same on-disk format as real hub checkpoints. They are cached per process (and per root directory)
@@ -172,6 +172,21 @@ def make_checkpoint(
         _build_checkpoint(target, params)
     _cache[cache_id] = target
     return target
+
+
+def default_checkpoint(*, tied: bool = True) -> Path:
+    """The tiny Qwen2 most tests serve (GQA, random biases, a 512-token vocabulary); `tied=False` unties embeddings."""
+    return make_checkpoint("qwen2", tied=tied)
+
+
+def peaked_checkpoint(seed: int = 1) -> Path:
+    """A Qwen2 peaked enough (init_std 0.3) for varied, non-looping greedy output that other roundings keep."""
+    return make_checkpoint("qwen2", tied=True, init_std=0.3, seed=seed)
+
+
+def trainer_target_checkpoint() -> Path:
+    """The Qwen2 target (init_std 0.1) the drafter-trainer tests serve and distil drafters against."""
+    return make_checkpoint("qwen2", tied=True, init_std=0.1, seed=3)
 
 
 def _build_checkpoint(target: Path, p: dict[str, Any]) -> None:

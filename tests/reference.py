@@ -34,6 +34,25 @@ def processed_probs(logits: torch.Tensor, temperature=1.0, top_k=0, top_p=1.0, m
     return p / p.sum()
 
 
+def penalised(logits: torch.Tensor, prompt: list[int], output: list[int], frequency_penalty: float = 0.0,
+              presence_penalty: float = 0.0, repetition_penalty: float = 1.0) -> torch.Tensor:
+    """One row of logits [V] after vLLM's penalties, token by token (float32, as the engine computes them):
+    repetition on every token of the prompt and the output, then frequency times the token's count in the
+    output, then presence once per token the output holds."""
+    x = logits.float().clone()
+    counts: dict[int, int] = {}
+    for t in output:
+        counts[t] = counts.get(t, 0) + 1
+    r = torch.tensor(repetition_penalty, dtype=torch.float32)
+    for t in set(prompt) | set(counts):
+        if repetition_penalty != 1.0:
+            x[t] = x[t] / r if x[t] > 0 else x[t] * r
+    for t, c in counts.items():
+        x[t] = x[t] - torch.tensor(frequency_penalty, dtype=torch.float32) * c
+        x[t] = x[t] - torch.tensor(presence_penalty, dtype=torch.float32)
+    return x
+
+
 def chi_square_pvalue(samples: list[int] | np.ndarray, probs: np.ndarray) -> float:
     """Pearson chi-square of observed token counts against probs; bins with tiny expectation are pooled.
     Samples outside the support make the p-value 0."""
@@ -52,9 +71,9 @@ def chi_square_pvalue(samples: list[int] | np.ndarray, probs: np.ndarray) -> flo
     return float(chisquare(obs, exp).pvalue)
 
 
-def exact_joint(path, prompt, kw, length: int = 3) -> np.ndarray:
+def exact_joint(path, prompt, kw, length: int = 3, penalties: dict | None = None) -> np.ndarray:
     """P(t1, .., t_length) (2 or 3 tokens) by enumeration over a tiny vocabulary, with plain decoding's
-    processing, from transformers' logits."""
+    processing, from transformers' logits (with `penalties`: `penalised` by each prefix first)."""
     from transformers import AutoModelForCausalLM
 
     model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
@@ -63,6 +82,8 @@ def exact_joint(path, prompt, kw, length: int = 3) -> np.ndarray:
     def next_probs(prefixes):
         with torch.no_grad():
             logits = model(torch.tensor([prompt + list(p) for p in prefixes])).logits[:, -1]
+        if penalties:
+            logits = [penalised(row, prompt, list(p), **penalties) for row, p in zip(logits, prefixes, strict=True)]
         return [processed_probs(row, **kw) for row in logits]
 
     p1 = next_probs([()])[0]

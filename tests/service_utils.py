@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import shutil
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -28,6 +29,14 @@ def start_server(model: Path | str, *, limits: Limits | None = None, engine_kw: 
     config = ServerConfig(http_port=free_port(), grpc_port=free_port(), admin_token=ADMIN,
                           limits=limits or Limits(max_tokens=MAX_MODEL_LEN), **kw)
     return BackgroundServer(engine_config(model, **(engine_kw or {})), config).start()
+
+
+def running(srv: BackgroundServer) -> Iterator[BackgroundServer]:
+    """Yield `srv`, then stop it: a server fixture is one line, ``yield from running(start_server(...))``."""
+    try:
+        yield srv
+    finally:
+        srv.stop()
 
 
 def checkpoint_tensors(model_dir: Path) -> dict[str, torch.Tensor]:

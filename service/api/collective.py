@@ -7,13 +7,12 @@ against the served model's WeightSpec with the one weight validation before it r
 and feeds it to a staging thread that builds the spare weights; the bucket that completes the checkpoint commits
 the push (mode wait | abort | keep), and only then does anything serve.
 
-A refused bucket closes the group: the trainer broadcasts it anyway, and its bytes must never be read as the next
-bucket's. A broadcast that fails (the trainer died, the group timed out) discards the push and closes the group;
-the old weights serve on and the next group can start at once.
+A refused bucket closes the group (the trainer broadcasts it anyway; its bytes must never be read as the next
+bucket's). A failed broadcast (trainer died, group timed out) discards the push and closes the group; the old
+weights serve on.
 
-vLLM's weight-transfer protocol (what TRL and vLLM's trainer engine call) runs on the same groups: one engine
-per server; `start` opens the push, each `update` is a bucket, `finish` commits it. Its buckets may be packed:
-the tensors' bytes concatenated into chunks that close once they pass a size both sides know (`packed_chunks`).
+vLLM's weight-transfer protocol (TRL, vLLM's trainer engine) runs on the same groups: `start` opens the push,
+each `update` is a bucket (maybe packed into chunks of a size both sides know: `packed_chunks`), `finish` commits.
 """
 
 from __future__ import annotations

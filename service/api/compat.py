@@ -21,9 +21,10 @@ from service.api.generation import InvalidRequest
 SGLANG_PAUSE = {"abort": "abort", "retract": "keep", "in_place": "keep"}
 VLLM_PAUSE = {"abort": "abort", "wait": "wait", "keep": "keep"}
 
+# The penalties every API passes to SamplingParams (which validates them).
+PENALTIES = ("frequency_penalty", "presence_penalty", "repetition_penalty")
 # vLLM sampling fields with no effect here at these values (vLLM's defaults); others are refused naming the field.
 VLLM_NEUTRAL: dict[str, tuple[Any, ...]] = {
-    "repetition_penalty": (1, 1.0), "presence_penalty": (0, 0.0), "frequency_penalty": (0, 0.0),
     "use_beam_search": (False,), "min_tokens": (0,), "include_stop_str_in_output": (False,),
     "prompt_logprobs": (), "logit_bias": ({},), "allowed_token_ids": (), "bad_words": ([],),
     "truncate_prompt_tokens": (), "structured_outputs": (), "guided_json": (), "guided_regex": (),
@@ -36,7 +37,6 @@ VLLM_IGNORED = frozenset({"skip_special_tokens", "spaces_between_special_tokens"
                           "stream_options", "kv_transfer_params", "extra_args", "session_id", "features"})
 # SGLang sampling fields with no effect here at these values.
 SGLANG_NEUTRAL: dict[str, tuple[Any, ...]] = {
-    "repetition_penalty": (1, 1.0), "frequency_penalty": (0, 0.0), "presence_penalty": (0, 0.0),
     "min_new_tokens": (0,), "json_schema": (), "regex": (), "ebnf": (), "logit_bias": ({},),
 }
 SGLANG_IGNORED = frozenset({"skip_special_tokens", "spaces_between_special_tokens", "no_stop_trim",
@@ -49,10 +49,12 @@ def check_neutral(fields: Mapping[str, Any], neutral: Mapping[str, tuple[Any, ..
         value = fields.get(key)
         if value is None or any(value == v and type(value) is type(v) for v in ok):
             continue
-        if key in ("frequency_penalty", "presence_penalty", "repetition_penalty"):
-            raise InvalidRequest(f"{where}{key}={value!r} is not supported by this server: penalties are not "
-                                 f"implemented (send {ok[-1]})")
         raise InvalidRequest(f"{where}{key}={value!r} is not supported by this server")
+
+
+def penalties(fields: Mapping[str, Any]) -> dict[str, Any]:
+    """The penalty fields a request gives (absent or null: the default), for `make_params`."""
+    return {key: fields[key] for key in PENALTIES if fields.get(key) is not None}
 
 
 def check_known(fields: Mapping[str, Any], known: frozenset[str] | set[str], where: str) -> None:

@@ -61,7 +61,8 @@ class RolloutServicer(pb2_grpc.RolloutServicer):  # type: ignore[misc]
 
     def _params(self, request: Any) -> Any:
         p = request.params
-        opt = {f: getattr(p, f) for f in ("temperature", "top_p", "top_k", "min_p", "seed", "max_tokens")
+        opt = {f: getattr(p, f) for f in ("temperature", "top_p", "top_k", "min_p", "seed", "max_tokens",
+                                          "frequency_penalty", "presence_penalty", "repetition_penalty")
                if p.HasField(f)}
         return make_params(self.ctx.limits, n=request.n or 1, stop_token_ids=list(p.stop_token_ids),
                            ignore_eos=p.ignore_eos, top_logprobs=p.top_logprobs, raw_logprobs=p.raw_logprobs, **opt)

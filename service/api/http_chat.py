@@ -74,8 +74,7 @@ class ChatRequest(SamplingFields):
 
 def _unsupported(req: ChatRequest) -> None:
     choice = req.tool_choice
-    for ok, what in ((req.presence_penalty == 0 and req.frequency_penalty == 0, "presence/frequency penalties"),
-                     (not req.logit_bias, "logit_bias"),
+    for ok, what in ((not req.logit_bias, "logit_bias"),
                      (not req.continue_final_message, "continue_final_message"),
                      (req.chat_template is None, "a chat_template in the request (the model's own is used)"),
                      (req.response_format in (None, {"type": "text"}), "response_format other than text"),
@@ -237,7 +236,8 @@ async def chat_completions(req: ChatRequest, ctx: ApiCtx, request: Request) -> A
     stop = make_stop(req.stop, ctx.limits)
     params = make_params(ctx.limits, n=req.n, temperature=req.temperature, top_p=req.top_p, top_k=req.top_k,
                          min_p=req.min_p, seed=req.seed, max_tokens=max_tokens, stop_token_ids=req.stop_token_ids,
-                         ignore_eos=req.ignore_eos, top_logprobs=(req.top_logprobs or 0) if req.logprobs else 0)
+                         ignore_eos=req.ignore_eos, top_logprobs=(req.top_logprobs or 0) if req.logprobs else 0,
+                         **req.penalties())
     prompt = ctx.validate(prompt, params)
     base = req.request_id or uuid.uuid4().hex
     gen = Generation(ctx.backend, ctx.tokenizer(), prompt, params, base, req.group_id, req.metadata, stop,

@@ -1,11 +1,12 @@
 """POST /v1/completions, compatible with OpenAI's API (and its official Python client).
 
-Extensions (send them with the client's ``extra_body``): top_k, min_p, stop_token_ids, ignore_eos, group_id,
-request_id, metadata. Every choice also carries ``token_ids``, ``prompt_token_ids``, ``rollout_id`` and
-``version_spans``; the response carries ``prompt_token_ids``. vLLM's fields: ``return_tokens_as_token_ids``
-names tokens "token_id:N" in logprobs; at ``logprobs=0`` each top_logprobs entry holds the sampled token (vLLM's
-convention); vLLM sampling fields with no effect here are accepted at their neutral value (`compat.py`).
-Logprobs are those of the distribution each token was drawn from (after temperature, top-k, top-p, min-p).
+Extensions (send them with the client's ``extra_body``): top_k, min_p, repetition_penalty, stop_token_ids,
+ignore_eos, group_id, request_id, metadata. Every choice also carries ``token_ids``, ``prompt_token_ids``,
+``rollout_id`` and ``version_spans``; the response carries ``prompt_token_ids``. vLLM's fields:
+``return_tokens_as_token_ids`` names tokens "token_id:N" in logprobs; at ``logprobs=0`` each top_logprobs entry
+holds the sampled token (vLLM's convention); vLLM sampling fields with no effect here are accepted at their
+neutral value (`compat.py`). Logprobs are those of the distribution each token was drawn from (after the
+penalties, temperature, top-k, top-p, min-p).
 """
 
 from __future__ import annotations
@@ -48,8 +49,9 @@ class SamplingFields(BaseModel):
     stop: str | list[str] | None = None
     stream: bool = False
     stream_options: dict[str, Any] | None = None
-    presence_penalty: float = 0.0
-    frequency_penalty: float = 0.0
+    presence_penalty: float | None = None
+    frequency_penalty: float | None = None
+    repetition_penalty: float | None = None  # vLLM's extra
     logit_bias: dict[str, float] | None = None
     user: str | None = None
     top_k: int | None = None
@@ -59,6 +61,10 @@ class SamplingFields(BaseModel):
     group_id: str | None = None
     request_id: str | None = None
     metadata: dict[str, str] | None = None
+
+    def penalties(self) -> dict[str, float | None]:
+        return {"frequency_penalty": self.frequency_penalty, "presence_penalty": self.presence_penalty,
+                "repetition_penalty": self.repetition_penalty}
 
 
 class CompletionRequest(SamplingFields):
@@ -80,8 +86,7 @@ def _unsupported(req: CompletionRequest) -> None:
                      (not req.logit_bias, "logit_bias"), (req.suffix is None, "suffix")):
         if not ok:
             raise InvalidRequest(f"{what} is not supported by this server")
-    check_neutral({"presence_penalty": req.presence_penalty, "frequency_penalty": req.frequency_penalty,
-                   **(req.model_extra or {})}, VLLM_NEUTRAL, "")
+    check_neutral(req.model_extra or {}, VLLM_NEUTRAL, "")
 
 
 async def _prompts(ctx: ServiceContext, prompt: Any) -> list[list[int]]:
@@ -144,7 +149,8 @@ async def completions(req: CompletionRequest, ctx: ApiCtx, request: Request) -> 
     stop = make_stop(req.stop, ctx.limits)
     params = make_params(ctx.limits, n=req.n, temperature=req.temperature, top_p=req.top_p, top_k=req.top_k,
                          min_p=req.min_p, seed=req.seed, max_tokens=req.max_tokens,
-                         stop_token_ids=req.stop_token_ids, ignore_eos=req.ignore_eos, top_logprobs=req.logprobs or 0)
+                         stop_token_ids=req.stop_token_ids, ignore_eos=req.ignore_eos, top_logprobs=req.logprobs or 0,
+                         **req.penalties())
     prompts = [ctx.validate(p, params) for p in await _prompts(ctx, req.prompt)]
     base = req.request_id or uuid.uuid4().hex
     tok = ctx.tokenizer()

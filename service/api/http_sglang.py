@@ -20,6 +20,7 @@ from fastapi.responses import JSONResponse, StreamingResponse
 from pydantic import BaseModel, ConfigDict
 
 from service.api.compat import (
+    PENALTIES,
     SGLANG_IGNORED,
     SGLANG_NEUTRAL,
     SGLANG_PAUSE,
@@ -27,6 +28,7 @@ from service.api.compat import (
     check_neutral,
     loads,
     pause_mode,
+    penalties,
     reset_prefix_cache,
 )
 from service.api.compat import pause as compat_pause
@@ -48,7 +50,7 @@ from service.params import SamplingParams
 router = APIRouter(tags=["sglang"])
 
 _KNOWN = frozenset({"temperature", "top_p", "top_k", "min_p", "max_new_tokens", "stop_token_ids", "n",
-                    "sampling_seed", "stop", "ignore_eos"}) | SGLANG_IGNORED | set(SGLANG_NEUTRAL)
+                    "sampling_seed", "stop", "ignore_eos", *PENALTIES}) | SGLANG_IGNORED | set(SGLANG_NEUTRAL)
 
 
 class GenerateRequest(BaseModel):
@@ -75,7 +77,7 @@ def _params(ctx: ServiceContext, sp: Any) -> tuple[Any, list[str]]:
     params = make_params(ctx.limits, n=sp.get("n"), temperature=sp.get("temperature"), top_p=sp.get("top_p"),
                          top_k=sp.get("top_k"), min_p=sp.get("min_p"), seed=sp.get("sampling_seed"),
                          max_tokens=sp.get("max_new_tokens", 128), stop_token_ids=sp.get("stop_token_ids"),
-                         ignore_eos=sp.get("ignore_eos"))
+                         ignore_eos=sp.get("ignore_eos"), **penalties(sp))
     return params, stop
 
 

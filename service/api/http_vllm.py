@@ -15,7 +15,15 @@ from typing import Annotated, Any
 from fastapi import APIRouter, Query, Request
 from pydantic import BaseModel, ConfigDict
 
-from service.api.compat import VLLM_IGNORED, VLLM_NEUTRAL, check_known, check_neutral, reset_prefix_cache
+from service.api.compat import (
+    PENALTIES,
+    VLLM_IGNORED,
+    VLLM_NEUTRAL,
+    check_known,
+    check_neutral,
+    penalties,
+    reset_prefix_cache,
+)
 from service.api.context import ServiceContext
 from service.api.deps import AdminCtx, ApiCtx
 from service.api.disconnect import unless_disconnected
@@ -24,7 +32,7 @@ from service.api.generation import Generation, InvalidRequest, Sample, check_pro
 router = APIRouter(tags=["vllm"])
 
 _SAMPLING = frozenset({"n", "temperature", "top_p", "top_k", "min_p", "seed", "max_tokens", "stop",
-                       "stop_token_ids", "ignore_eos", "logprobs"}) | VLLM_IGNORED | set(VLLM_NEUTRAL)
+                       "stop_token_ids", "ignore_eos", "logprobs", *PENALTIES}) | VLLM_IGNORED | set(VLLM_NEUTRAL)
 
 
 def token_name(token_id: int) -> str:
@@ -68,7 +76,7 @@ def vllm_params(ctx: ServiceContext, sp: dict[str, Any], where: str) -> tuple[An
     params = make_params(ctx.limits, n=sp.get("n"), temperature=sp.get("temperature"), top_p=sp.get("top_p"),
                          top_k=sp.get("top_k"), min_p=sp.get("min_p"), seed=sp.get("seed"),
                          max_tokens=sp.get("max_tokens", 16), stop_token_ids=sp.get("stop_token_ids"),
-                         ignore_eos=sp.get("ignore_eos"), top_logprobs=want or 0)
+                         ignore_eos=sp.get("ignore_eos"), top_logprobs=want or 0, **penalties(sp))
     return params, make_stop(sp.get("stop"), ctx.limits), want
 
 

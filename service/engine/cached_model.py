@@ -18,7 +18,7 @@ from service.engine.kv_cache import KVCache
 from service.engine.sampler import int_tensor
 from service.models import attention
 from service.models.llama import AttnMeta, CausalLM
-from service.models.packed import pack_linears
+from service.models.packed import ensure_packed
 from service.models.rope import Rope
 
 logger = logging.getLogger(__name__)
@@ -58,7 +58,8 @@ class CachedModel:
 
     @model.setter
     def model(self, model: CausalLM) -> None:
-        pack_linears(model)
+        # Pushed weights come laid out already (service/engine/weights.py stages them so): nothing to do here then
+        ensure_packed(model)
         self._model = model
 
     def build_meta(self, slot_lo: int, starts: list[int], q_lens: list[int], pack: bool = False,

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import logging
 import threading
+import time
 import weakref
 from collections.abc import Iterable
 from concurrent.futures import Future
@@ -54,14 +55,13 @@ logger = logging.getLogger(__name__)
 
 class NativeBackend(RolloutBackend):
     def __init__(self, config: EngineConfig, metrics: Metrics | None = None, hooks: Hooks | None = None,
-                 admission: Admission | None = None, reuse_weight_buffers: bool = True) -> None:
+                 admission: Admission | None = None) -> None:
         if not config.model:
             raise ValueError("EngineConfig.model must name a model folder (the CLI resolves the default model)")
         self.config = config
         self.hooks = hooks or Hooks()
         self.loop = EngineLoop(self._load, metrics, self.hooks, admission)
         self.admission = self.loop.admission
-        self._reuse = reuse_weight_buffers
         self._stager: WeightStager | None = None
         self._info: BackendInfo | None = None
         self._roles: dict[str, WeightSpec] = {}
@@ -71,8 +71,13 @@ class NativeBackend(RolloutBackend):
     def _load(self) -> tuple[LLMEngine, WeightStager]:
         """Engine thread: build the engine, its weight stager and what never changes while it serves."""
         engine = LLMEngine(self.config)
-        self._stager = WeightStager(engine, self._reuse)
+        self._stager = WeightStager(engine, self.config.weight_spare != "free")
         self._stager.lent = self._is_lent
+        if self.config.weight_spare == "start":
+            t0 = time.perf_counter()
+            nbytes = self._stager.allocate_spares()
+            logger.info("weight spare allocated at start: %.1f MB in %.2f s (--weight-spare start)", nbytes / 1e6,
+                        time.perf_counter() - t0)
         self._roles = self._stager.roles()  # architectures never change: a push must match them
         tok = engine.tokenizer
         caps = {CAP_RAW_LOGPROBS, CAP_TOP_LOGPROBS, CAP_SEEDS, CAP_DELTA_PUSH}
@@ -157,6 +162,11 @@ class NativeBackend(RolloutBackend):
         self._loaded()
         assert self._stager is not None
         return self._stager.unsupported(role)
+
+    @property
+    def stager(self) -> WeightStager | None:
+        """The engine's weight stager once loaded (its spares are read by tests and diagnostics)."""
+        return self._stager
 
     def _stager_for(self, role: str) -> WeightStager:
         self._loaded()

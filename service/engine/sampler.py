@@ -1,8 +1,9 @@
 """Logit processing and sampling, vectorised over rows with per-row parameters.
 
 Processing (the distribution a token is drawn from, and whose logprob we return):
-    logits / temperature -> keep top_k -> keep smallest set with mass >= top_p -> drop p < min_p * p_max
-    -> renormalise.  Greedy rows (temperature 0) are processed with temperature 1 and take the argmax.
+    penalties (engine/penalties.py) -> logits / temperature -> keep top_k -> keep smallest set with mass >= top_p
+    -> drop p < min_p * p_max -> renormalise.  Greedy rows (temperature 0) are processed with temperature 1 and
+    take the argmax of the penalised logits.
 Randomness is counter-based: the uniform for a row is a hash of (sequence seed, output position, stream),
 so a seeded sequence samples the same tokens whatever else shares its batch, with no per-row generator.
 """
@@ -14,6 +15,7 @@ from dataclasses import dataclass, replace
 
 import torch
 
+from service.engine.penalties import Penalties
 from service.engine.sequence import Sequence
 
 _M32 = 0xFFFFFFFF
@@ -70,15 +72,23 @@ class SamplingBatch:
     # Steps a batch can skip (each a pass over [rows, vocab] at a full batch; the defaults skip nothing)
     any_greedy: bool = True  # False: no row takes an argmax
     unit_temperature: bool = False  # True: every row's temperature is 1.0 (x / 1.0 == x)
+    penalties: Penalties | None = None  # None: no row has a penalty
 
     @classmethod
     def build(cls, seqs: list[Sequence], vocab_size: int, device: torch.device) -> SamplingBatch:
         """The batch of these sequences' parameters, at their current output positions."""
         params = [s.params for s in seqs]
-        return cls.of([p.temperature for p in params], [p.top_p for p in params], [p.top_k for p in params],
-                      [p.min_p for p in params], [s.seed for s in seqs], [len(s.output_token_ids) for s in seqs],
-                      vocab_size, device, need_raw=any(p.raw_logprobs for p in params),
-                      num_top_logprobs=max((p.top_logprobs for p in params), default=0))
+        sb = cls.of([p.temperature for p in params], [p.top_p for p in params], [p.top_k for p in params],
+                    [p.min_p for p in params], [s.seed for s in seqs], [len(s.output_token_ids) for s in seqs],
+                    vocab_size, device, need_raw=any(p.raw_logprobs for p in params),
+                    num_top_logprobs=max((p.top_logprobs for p in params), default=0))
+        sb.penalties = Penalties.build(seqs, vocab_size, device)
+        return sb
+
+    def penalised(self, logits: torch.Tensor, drafted: torch.Tensor | None = None) -> torch.Tensor:
+        """Logits [N, V] with the rows' penalties at their next position (after `drafted` [N, j] of this step's
+        drafts), or the same tensor where no row has a penalty."""
+        return logits if self.penalties is None else self.penalties.apply(logits, drafted)
 
     @classmethod
     def of(cls, temps: list[float], top_ps: list[float], top_ks: list[int], min_ps: list[float], seeds: list[int],
@@ -129,7 +139,10 @@ class SamplingRows:
         if self._last is None or seq_ids != self._seq_ids:
             self._last, self._seq_ids = SamplingBatch.build(seqs, self.vocab_size, self.device), seq_ids
             return self._last
-        return replace(self._last, counters=int_tensor([len(s.output_token_ids) for s in seqs], self.device))
+        pen = self._last.penalties
+        self._last = replace(self._last, counters=int_tensor([len(s.output_token_ids) for s in seqs], self.device),
+                             penalties=None if pen is None else pen.advanced(seqs))
+        return self._last
 
 
 def process_logits(logits: torch.Tensor, sb: SamplingBatch) -> torch.Tensor:
@@ -171,19 +184,21 @@ class SampleResult:
 
 def sample(logits: torch.Tensor, sb: SamplingBatch) -> SampleResult:
     """Draw one token per row from float32 logits [N, V]."""
-    logprobs = process_logits(logits, sb)
+    penalised = sb.penalised(logits)
+    logprobs = process_logits(penalised, sb)
     if sb.all_greedy:
-        tokens = logits.argmax(-1)
+        tokens = penalised.argmax(-1)
     else:
         drawn = sample_from(logprobs.exp(), uniforms(sb.seed_keys, sb.counters, STREAM_SAMPLE))
-        tokens = torch.where(sb.greedy, logits.argmax(-1), drawn) if sb.any_greedy else drawn
+        tokens = torch.where(sb.greedy, penalised.argmax(-1), drawn) if sb.any_greedy else drawn
     return finish_sample(tokens, logprobs, logits, sb)
 
 
 def finish_sample(
     tokens: torch.Tensor, logprobs: torch.Tensor, logits: torch.Tensor, sb: SamplingBatch
 ) -> SampleResult:
-    """Gather the returned logprobs for chosen tokens [N] from processed logprobs [N, V]."""
+    """Gather the returned logprobs for chosen tokens [N] from processed logprobs [N, V] (raw ones from the
+    unprocessed `logits`: no penalties either)."""
     chosen = logprobs.gather(-1, tokens[:, None]).squeeze(-1)
     raw = logits.log_softmax(-1).gather(-1, tokens[:, None]).squeeze(-1) if sb.need_raw else None
     top_ids = top_values = None
@@ -192,9 +207,14 @@ def finish_sample(
     return SampleResult(tokens, chosen, raw, top_ids, top_values)
 
 
-def draw_draft(logits: torch.Tensor, sb: SamplingBatch, j: int) -> tuple[torch.Tensor, torch.Tensor]:
+def draw_draft(logits: torch.Tensor, sb: SamplingBatch, j: int,
+               drafted: list[torch.Tensor] | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """Draft position j: draw a token [B] from the processed draft distribution q [B, V] (the draft's own
-    random stream). Greedy rows propose the argmax deterministically, so their q is one-hot."""
+    random stream), penalised like the target's after the tokens `drafted` before it ([B] each). Greedy rows
+    propose the argmax deterministically, so their q is one-hot. (Penalising the draft only raises acceptance:
+    verification reads q, whatever it is.)"""
+    if sb.penalties is not None:
+        logits = sb.penalised(logits, torch.stack(drafted, 1) if drafted else None)
     q = process_logits(logits, replace(sb, counters=sb.counters + j) if j else sb).exp()
     drawn = sample_from(q, uniforms(sb.seed_keys, sb.counters + j, STREAM_DRAFT))
     if not sb.any_greedy:

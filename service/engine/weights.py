@@ -4,8 +4,10 @@ Two roles: `target` (the policy, a CausalLM) and `drafter` (whichever drafter ha
 CausalLM or an EAGLE head). One path serves a trainer's push, the sidecar and the in-process drafter trainer.
 
 Double buffering: the weights a swap replaced become the buffer the next push of that role is loaded into (no
-allocation, no page faults). The engine keeps no reference to replaced weights. A delta push (target only) first
-copies the serving weights into that buffer, then overwrites what the delta names.
+allocation, no page faults); `allocate_spares` makes that buffer at start, so the first push is as fast as the
+rest. The engine keeps no reference to replaced weights. A delta push (target only) first copies the serving
+weights into that buffer, then overwrites what the delta names. Staging also lays the weights out for the CPU's
+kernels (service/models/packed.py), so `apply` on the engine thread only swaps references.
 """
 
 from __future__ import annotations
@@ -30,6 +32,7 @@ from service.models.loader import (
     empty_model,
     load_tensors,
 )
+from service.models.packed import ensure_packed
 
 if TYPE_CHECKING:
     from service.engine.llm_engine import LLMEngine
@@ -168,6 +171,7 @@ class WeightStager:
             else:
                 module = spare if spare is not None else copy.deepcopy(serving)
                 nbytes = _load_state(module, tensors)
+            ensure_packed(module)  # here, not on the engine thread: its swap then only swaps references
         except WeightError as exc:
             self._keep(role, spare)
             raise PushError(f"{role} weights: {exc}") from exc
@@ -175,6 +179,25 @@ class WeightStager:
             self._keep(role, spare)  # not serving: its contents do not matter, its memory does
             raise
         return Staged(role, nbytes, module.eval().requires_grad_(False))
+
+    def allocate_spares(self) -> int:
+        """Make each role's spare now (a copy of the serving weights, its pages touched) rather than at the first
+        push. Returns the bytes allocated."""
+        total = 0
+        for role in self.roles():
+            with self._lock:
+                if role in self._spare:
+                    continue
+            serving = self._serving(role)
+            spare = copy.deepcopy(serving).eval().requires_grad_(False)  # copies leave packs behind (packed.py)
+            total += sum(p.numel() * p.element_size() for p in spare.parameters())
+            self._keep(role, spare)
+        return total
+
+    def spare(self, role: str) -> nn.Module | None:
+        """The buffer the next push of `role` loads into, if one is kept (read-only: for tests and stats)."""
+        with self._lock:
+            return self._spare.get(role)
 
     def apply(self, staged: Staged, version: str) -> None:
         """Engine thread, between two steps: serve the staged weights; the replaced ones become the spare."""

@@ -6,7 +6,9 @@ process, `calibrate` times both on that model's own layers for one row count per
 more), and each class runs the faster one from then on (`Linear.packed_for`). Float32 weights are stored transposed
 plus a packed copy while they fit `FLOAT32_COPY_BYTES`; bf16 weights keep their layout. The kernels accumulate in
 other orders, so results are not bit-identical (logprobs agree within 1e-5); drafting and verification read one
-consistent distribution. docs/design-notes.md has the figures.
+consistent distribution. docs/design-notes.md has the figures. Each layer remembers which state of its weight
+(storage and version counter) it was laid out for, so `ensure_packed` on a model already prepared (a pushed one,
+staged off the engine thread) costs nothing, and one whose weights changed in place is laid out again.
 """
 
 from __future__ import annotations
@@ -52,6 +54,7 @@ class Linear(nn.Linear):
 
     packed: torch.Tensor | None = None
     packed_for: tuple[bool, ...] = ()  # per row class: whether the packed copy serves it
+    laid_out_for: tuple[torch.UntypedStorage, int] | None = None  # the weight state its layout and pack are of
 
     def __getstate__(self) -> dict:
         """Copies (`copy.deepcopy`, pickling) leave the packed copy behind: an opaque oneDNN tensor has no
@@ -59,6 +62,7 @@ class Linear(nn.Linear):
         state = super().__getstate__()
         state.pop("packed", None)
         state.pop("packed_for", None)
+        state.pop("laid_out_for", None)
         return state
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -164,18 +168,56 @@ def _choose(layers: list[Linear], timer: Timer | None) -> tuple[bool, ...]:
     return _chosen[key]
 
 
+def _weight_state(m: Linear) -> tuple[torch.UntypedStorage, int] | None:
+    """Which weight a layout is of: its storage and version counter (an in-place copy bumps it); None where the
+    tensor keeps no counter (created in inference mode: never taken as laid out). The layer holds that storage,
+    so weights replaced out of place can never reuse its address and pass for the laid-out ones."""
+    try:
+        return m.weight.untyped_storage(), m.weight._version
+    except RuntimeError:
+        return None
+
+
+def _laid_out(m: Linear) -> bool:
+    held, now = m.laid_out_for, _weight_state(m)
+    return held is not None and now is not None and held[1] == now[1] and held[0].data_ptr() == now[0].data_ptr()
+
+
+def prepared(model: nn.Module) -> bool:
+    """Whether every `Linear` of `model` is laid out for the weights it holds now (`pack_linears` ran since they
+    last changed)."""
+    return all(_laid_out(m) for m in model.modules() if isinstance(m, Linear))
+
+
+def ensure_packed(model: nn.Module) -> bool:
+    """`pack_linears` unless `model` is `prepared` already; returns whether it had to lay anything out."""
+    if prepared(model):
+        return False
+    pack_linears(model)
+    return True
+
+
 def pack_linears(model: nn.Module, timer: Timer | None = None) -> int:
     """Lay out the weights of `model`'s `Linear` layers on CPU (see the module's docstring). Returns how many
     layers got a packed copy; other devices and dtypes are left as they are, packs of earlier weights dropped."""
     layers = [m for m in model.modules() if isinstance(m, Linear)]
     for m in layers:
-        m.packed = None
+        if not _laid_out(m):
+            m.packed = None  # of weights since replaced
     cpu = [m for m in layers if m.weight.device.type == "cpu"]
     fp32 = [m for m in cpu if m.weight.dtype == torch.float32]
     with torch.no_grad():
         for m in fp32:
             if not m.weight.t().is_contiguous():
                 m.weight.data = m.weight.detach().t().contiguous().t()  # [out, in] view of an [in, out] buffer
+    count = _pack_groups(cpu, fp32, timer)
+    for m in layers:
+        m.laid_out_for = _weight_state(m)
+    logger.debug("laid out %d linear layers, %d with a packed copy", len(layers), count)
+    return count
+
+
+def _pack_groups(cpu: list[Linear], fp32: list[Linear], timer: Timer | None) -> int:
     if not onednn_available():
         return 0
     groups = []
@@ -197,5 +239,4 @@ def pack_linears(model: nn.Module, timer: Timer | None = None) -> int:
                     _pack(m)
                 m.packed_for = packed_for
             count += len(group)
-    logger.debug("packed %d of %d linear layers", count, len(layers))
     return count

@@ -1,9 +1,9 @@
 """specroll's sampling parameters as vLLM's, with the same meaning or a clear refusal.
 
 The engine runs with `logprobs_mode="processed_logprobs"`: the logprob returned for each token is that of the
-distribution it was drawn from (after temperature, top-k, top-p, min-p), as on the native backend. What vLLM
-cannot return with that meaning is refused here, before anything reaches vLLM (an exception inside its
-workers kills its engine).
+distribution it was drawn from (after the penalties, temperature, top-k, top-p, min-p), as on the native
+backend. What vLLM cannot return with that meaning is refused here, before anything reaches vLLM (an exception
+inside its workers kills its engine).
 """
 
 from __future__ import annotations
@@ -32,6 +32,11 @@ def check_params(params: SamplingParams, speculating: bool = False, cpu: bool = 
     if params.greedy and (params.top_p < 1 or params.top_k or params.min_p):
         raise SamplingError("greedy decoding (temperature 0) with top_p/top_k/min_p: the vLLM backend returns "
                             "logprobs of the untruncated distribution there; drop the truncation")
+    if speculating and params.penalised:
+        raise SamplingError("frequency_penalty, presence_penalty or repetition_penalty with speculative decoding on "
+                            "the vLLM backend: the start-up self-check that proves this server's verification exact "
+                            "covers unpenalised requests only, so penalised ones are not served unproven; use a "
+                            "server started with --spec off (penalties pass to vLLM there) or the native backend")
     if speculating and params.min_p > 0:
         raise SamplingError("min_p with speculative decoding on: vLLM does not apply min_p when it verifies "
                             "drafts, so tokens would come from another distribution; drop min_p, or use a server "
@@ -60,4 +65,5 @@ def to_vllm(params: SamplingParams, index: int, vllm: Any) -> Any:
         seed=None if seed is None else seed % 2**63, max_tokens=params.max_tokens,
         stop_token_ids=list(params.stop_token_ids), ignore_eos=params.ignore_eos,
         logprobs=params.top_logprobs, detokenize=False, output_kind=RequestOutputKind.DELTA,
-        skip_special_tokens=False)
+        skip_special_tokens=False, frequency_penalty=params.frequency_penalty,
+        presence_penalty=params.presence_penalty, repetition_penalty=params.repetition_penalty)

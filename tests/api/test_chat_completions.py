@@ -11,11 +11,11 @@ from pathlib import Path
 
 import httpx
 import pytest
-from helpers import make_checkpoint
+from helpers import default_checkpoint, make_checkpoint
 from hypothesis import HealthCheck, Phase, given, settings
 from hypothesis import strategies as st
 from probes import wait_for
-from service_utils import start_server
+from service_utils import running, start_server
 
 from service.api.generation import Limits
 from service.app import BackgroundServer
@@ -46,9 +46,8 @@ def model_dir(tmp_path_factory) -> Path:
 
 @pytest.fixture(scope="module")
 def server(model_dir) -> Iterator[BackgroundServer]:
-    srv = start_server(model_dir, api_token=KEY, limits=Limits(max_tokens=256), engine_kw={"max_model_len": 1024})
-    yield srv
-    srv.stop()
+    yield from running(start_server(model_dir, api_token=KEY, limits=Limits(max_tokens=256),
+                                    engine_kw={"max_model_len": 1024}))
 
 
 @pytest.fixture(scope="module")
@@ -206,7 +205,7 @@ def test_tools_and_kwargs_reach_the_template_and_bad_input_is_refused(http, tok)
             ({"messages": CHAT, "chat_template_kwargs": {"add_generation_prompt": False}}, "chat_template_kwargs"),
             ({"messages": CHAT, "prompt_token_ids": [1, 99999]}, "out of range"),
             ({"messages": CHAT, "max_tokens": 100000}, "max_tokens"),
-            ({"messages": CHAT, "frequency_penalty": 0.5}, "penalties")):
+            ({"messages": CHAT, "frequency_penalty": 2.5}, "frequency_penalty must be in [-2, 2]")):
         err = post(http, body, status=400)["error"]
         assert words in err["message"] and err["type"] == "invalid_request_error", (body, err)
     r = httpx.post(http.base_url.join("/v1/chat/completions"), json={"messages": CHAT})
@@ -237,7 +236,7 @@ def test_odd_conversations_are_answered_never_with_a_server_error(http, messages
 
 
 def test_a_model_without_a_template_is_refused(tmp_path):
-    srv = start_server(make_checkpoint("qwen2", tied=True))
+    srv = start_server(default_checkpoint())
     try:
         r = httpx.post(srv.http_url + "/v1/chat/completions", json={"messages": CHAT}, timeout=60)
         assert r.status_code == 400 and "no chat template" in r.json()["error"]["message"]

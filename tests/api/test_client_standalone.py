@@ -11,7 +11,7 @@ import textwrap
 from pathlib import Path
 
 import pytest
-from helpers import make_checkpoint
+from helpers import default_checkpoint
 from service_utils import start_server
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -55,7 +55,7 @@ def test_client_installs_and_talks_to_a_server_without_the_server_package(tmp_pa
                 pytest.fail(f"pip could not fetch the client's dependencies in CI:\n{pip.stderr[-2000:]}")
             pytest.skip(f"no package index reachable for grpcio/protobuf: {pip.stderr.strip().splitlines()[-1]}")
         pytest.fail(f"pip install ./client failed:\n{pip.stderr[-3000:]}")
-    srv = start_server(make_checkpoint("qwen2", tied=True))
+    srv = start_server(default_checkpoint())
     try:
         out = subprocess.run([str(py), "-c", SCRIPT, srv.grpc_target], env=env, cwd=tmp_path, capture_output=True,
                              text=True, timeout=120)

@@ -17,7 +17,7 @@ from collections.abc import Iterator
 
 import httpx
 import pytest
-from helpers import make_checkpoint, stop_process
+from helpers import default_checkpoint, stop_process
 from probes import wait_for
 from service_utils import start_server
 from test_dropin_sglang import SLIME_SP, num_requests_from_load
@@ -38,7 +38,7 @@ def router_command(port: int, workers: list[str]) -> list[str]:
 @pytest.fixture(scope="module")
 def fleet() -> Iterator[tuple[str, list[BackgroundServer]]]:
     pytest.importorskip("sglang_router", reason="needs sglang-router (pip install sglang-router)")
-    model = make_checkpoint("qwen2", tied=True)
+    model = default_checkpoint()
     servers = [start_server(model, control_auth="none", engine_kw={"enforce_eager": True}) for _ in range(2)]
     port = free_port()
     proc = subprocess.Popen(router_command(port, [s.http_url for s in servers]), stdout=subprocess.DEVNULL,

@@ -21,9 +21,8 @@ from typing import Any
 import httpx
 import pytest
 from fastapi.testclient import TestClient
-from helpers import make_checkpoint
 from probes import wait_for
-from service_utils import ADMIN, auth, start_server
+from service_utils import ADMIN, auth, running, start_server
 
 from service.api.auth import Auth
 from service.api.http_server import create_app
@@ -37,15 +36,8 @@ SLIME_SP = {"temperature": 0.9, "top_p": 0.9, "top_k": -1, "max_new_tokens": 200
 
 
 @pytest.fixture(scope="module")
-def model_dir():
-    return make_checkpoint("qwen2", tied=True)
-
-
-@pytest.fixture(scope="module")
 def server(model_dir) -> Iterator[BackgroundServer]:
-    srv = start_server(model_dir, control_auth="none", engine_kw={"enforce_eager": True})
-    yield srv
-    srv.stop()
+    yield from running(start_server(model_dir, control_auth="none", engine_kw={"enforce_eager": True}))
 
 
 @pytest.fixture(scope="module")
@@ -90,7 +82,7 @@ def test_slime_generate_with_custom_params(http):
     assert [x[1] for x in meta["output_token_logprobs"]] == r.json()["output_ids"]
     bad = {**slime_payload(4), "sampling_params": {**SLIME_SP, "custom_params": "x"}}
     assert "custom_params" in http.post("/generate", json=bad).json()["error"]["message"]
-    for key, value in (("frequency_penalty", 0.2), ("regex", "a+"), ("nonsense", 1)):
+    for key, value in (("regex", "a+"), ("nonsense", 1)):
         r = http.post("/generate", json={**slime_payload(4), "sampling_params": {**SLIME_SP, key: value}})
         assert r.status_code == 400 and f"sampling_params.{key}" in r.json()["error"]["message"], r.text
 

@@ -21,9 +21,8 @@ from typing import Any
 import httpx
 import pytest
 import torch
-from helpers import make_checkpoint
 from probes import wait_for
-from service_utils import start_server
+from service_utils import running, start_server
 
 from service.app import BackgroundServer
 
@@ -33,10 +32,8 @@ SEED = 4321
 
 
 @pytest.fixture(scope="module")
-def server() -> Iterator[BackgroundServer]:
-    srv = start_server(make_checkpoint("qwen2", tied=True), control_auth="none", engine_kw={"enforce_eager": True})
-    yield srv
-    srv.stop()
+def server(model_dir: Path) -> Iterator[BackgroundServer]:
+    yield from running(start_server(model_dir, control_auth="none", engine_kw={"enforce_eager": True}))
 
 
 @pytest.fixture(scope="module")
@@ -143,7 +140,7 @@ def test_skyrl_generate_payload(http):
         assert [c["token"] for c in content] == [f"token_id:{t}" for t in ref["token_ids"]]
         torch.testing.assert_close(torch.tensor([c["logprob"] for c in content]),
                                    torch.tensor(ref["logprobs"]["token_logprobs"]), atol=1e-6, rtol=0)
-    for bad in ({"presence_penalty": 0.3}, {"use_beam_search": True}, {"best_of": 3}, {"nonsense": 1}):
+    for bad in ({"presence_penalty": 3.0}, {"use_beam_search": True}, {"best_of": 3}, {"nonsense": 1}):
         r = http.post("/inference/v1/generate", json={"sampling_params": {"max_tokens": 2, **bad},
                                                       "token_ids": PROMPTS[0]})
         assert r.status_code == 400 and next(iter(bad)) in r.json()["error"]["message"], r.text

@@ -4,14 +4,11 @@ sends no chunks for them, and each sample arrives whole when it ends, split by t
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Iterator
 from typing import Any
 
 import grpc
-import pytest
 import torch
-from helpers import make_checkpoint
-from service_utils import ADMIN, checkpoint_tensors, perturbed, start_server
+from service_utils import ADMIN, checkpoint_tensors, perturbed
 
 from client import AsyncSpecrollClient, SpecrollClient
 from client.protogen import pb2, pb2_grpc
@@ -21,18 +18,6 @@ from service.params import SamplingParams, VersionSpan
 
 PROMPT = [5, 17, 42, 99, 7]
 METADATA = (("authorization", f"Bearer {ADMIN}"),)
-
-
-@pytest.fixture(scope="module")
-def model_dir():
-    return make_checkpoint("qwen2", tied=True)
-
-
-@pytest.fixture(scope="module")
-def server(model_dir) -> Iterator[BackgroundServer]:
-    srv = start_server(model_dir)
-    yield srv
-    srv.stop()
 
 
 def test_whole_chunks_split_a_sample_by_its_version_spans() -> None:

@@ -13,15 +13,13 @@ import grpc
 import httpx
 import pytest
 import torch
-from helpers import make_checkpoint
+from helpers import default_checkpoint
 from safetensors.torch import save
-from service_utils import ADMIN, auth, checkpoint_tensors, perturbed
+from service_utils import ADMIN, auth, checkpoint_tensors, perturbed, running, start_server
 
 from client import AsyncSpecrollClient
 from service.api.generation import Limits
-from service.app import BackgroundServer, ServerConfig
-from service.config import EngineConfig
-from service.netutil import free_port
+from service.app import BackgroundServer
 from service.protogen import pb2
 
 LONG_LEN = 4096
@@ -32,7 +30,7 @@ N_LONG = 8
 
 @pytest.fixture(scope="module")
 def base_dir() -> Path:
-    return make_checkpoint("qwen2", tied=False)
+    return default_checkpoint(tied=False)
 
 
 @pytest.fixture(scope="module")
@@ -42,11 +40,8 @@ def new(base_dir) -> dict[str, torch.Tensor]:
 
 @pytest.fixture(scope="module")
 def server(base_dir) -> Iterator[BackgroundServer]:
-    config = ServerConfig(http_port=free_port(), grpc_port=free_port(), admin_token=ADMIN,
-                          limits=Limits(max_tokens=LONG_LEN))
-    srv = BackgroundServer(EngineConfig(model=str(base_dir), max_model_len=LONG_LEN, max_num_seqs=16), config).start()
-    yield srv
-    srv.stop()
+    yield from running(start_server(base_dir, limits=Limits(max_tokens=LONG_LEN),
+                                    engine_kw={"max_model_len": LONG_LEN, "max_num_seqs": 16}))
 
 
 async def _until(c: AsyncSpecrollClient, cond: Callable[[Any], bool], what: str) -> None:
@@ -219,21 +214,22 @@ def test_upload_without_checksum_refuses_mixed_dtypes_and_corrupt_values(server,
 
 
 def test_streamed_upload_over_the_limit_is_413(base_dir):
-    config = ServerConfig(http_port=free_port(), grpc_port=free_port(), admin_token=ADMIN,
-                          limits=Limits(max_tokens=64, max_upload_bytes=2**20))
-    with BackgroundServer(EngineConfig(model=str(base_dir), max_model_len=128, max_num_seqs=4), config) as srv:
+    srv = start_server(base_dir, limits=Limits(max_tokens=64, max_upload_bytes=2**20),
+                       engine_kw={"max_model_len": 128, "max_num_seqs": 4})
+    try:
         chunked = (b"\0" * 2**18 for _ in range(8))  # no content-length: counted as it streams in
         r = httpx.post(srv.http_url + "/weights/upload", params={"version": "big"}, content=chunked, headers=auth(),
                        timeout=60)
         assert r.status_code == 413 and "exceeds the limit" in r.json()["error"]["message"]
         assert httpx.get(srv.http_url + "/health").status_code == 200
+    finally:
+        srv.stop()
 
 
 def test_a_shutdown_stores_the_started_samples_only(base_dir, redis_server, tmp_path):
     """At a shutdown the running samples end as aborted rollouts with their tokens; the queued ones that never
     started end too (their clients get a final message) but are no rollouts: nothing empty reaches the buffer."""
     import redis
-    from service_utils import start_server
 
     from service.buffer import BufferConfig
     from service.buffer.codec import decode_entry

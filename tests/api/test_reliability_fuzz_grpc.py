@@ -19,8 +19,7 @@ import grpc
 import pytest
 from google.protobuf import descriptor as pbd
 from google.protobuf.message import Message
-from helpers import make_checkpoint
-from service_utils import ADMIN, start_server
+from service_utils import ADMIN, running, start_server
 
 from service.api.generation import Limits
 from service.app import BackgroundServer
@@ -166,11 +165,9 @@ def _metadata(rng: random.Random) -> tuple[tuple[str, str], ...]:
 
 
 @pytest.fixture(scope="module")
-def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[BackgroundServer]:
+def server(model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[BackgroundServer]:
     load_root: Path = tmp_path_factory.mktemp("load-root")
-    srv = start_server(make_checkpoint("qwen2", tied=True), limits=LIMITS, load_root=str(load_root))
-    yield srv
-    srv.stop()
+    yield from running(start_server(model_dir, limits=LIMITS, load_root=str(load_root)))
 
 
 def _call(channel: grpc.Channel, method: pbd.MethodDescriptor, request: Message | bytes | list,

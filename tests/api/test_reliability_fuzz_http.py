@@ -17,12 +17,11 @@ import httpx
 import pytest
 import requests
 import schemathesis
-from helpers import make_checkpoint
 from hypothesis import HealthCheck, Phase, given, settings
 from hypothesis import strategies as st
 from hypothesis.errors import Unsatisfiable
 from schemathesis import GenerationMode
-from service_utils import auth, start_server
+from service_utils import auth, running, start_server
 
 from service.api.generation import Limits
 from service.app import BackgroundServer
@@ -48,12 +47,9 @@ class FuzzLog:
 
 
 @pytest.fixture(scope="module")
-def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[BackgroundServer]:
-    model = make_checkpoint("qwen2", tied=True)
+def server(model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[BackgroundServer]:
     load_root: Path = tmp_path_factory.mktemp("load-root")
-    srv = start_server(model, limits=LIMITS, load_root=str(load_root))
-    yield srv
-    srv.stop()
+    yield from running(start_server(model_dir, limits=LIMITS, load_root=str(load_root)))
 
 
 def _fuzz_operation(op: schemathesis.APIOperation, base_url: str, session: requests.Session, log: FuzzLog,

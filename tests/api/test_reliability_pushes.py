@@ -11,8 +11,8 @@ from typing import Any
 import httpx
 import pytest
 import torch
-from helpers import make_checkpoint
-from service_utils import ADMIN, checkpoint_tensors, engine_config, perturbed, start_server, write_checkpoint
+from helpers import default_checkpoint
+from service_utils import ADMIN, checkpoint_tensors, engine_config, perturbed, running, start_server, write_checkpoint
 
 from client import AsyncSpecrollClient, Sample, SpecrollError
 from service.app import BackgroundServer
@@ -28,7 +28,7 @@ N_STREAMS = 12
 
 @pytest.fixture(scope="module")
 def base_dir() -> Path:
-    return make_checkpoint("qwen2", tied=False)
+    return default_checkpoint(tied=False)
 
 
 @pytest.fixture(scope="module")
@@ -38,9 +38,7 @@ def base(base_dir: Path) -> dict[str, torch.Tensor]:
 
 @pytest.fixture(scope="module")
 def server(base_dir: Path) -> Iterator[BackgroundServer]:
-    srv = start_server(base_dir)
-    yield srv
-    srv.stop()
+    yield from running(start_server(base_dir))
 
 
 def greedy_reference(model_dir: Path, tensors: dict[str, torch.Tensor], dst: Path) -> list[int]:

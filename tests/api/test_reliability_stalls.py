@@ -13,8 +13,7 @@ from collections.abc import Iterator
 
 import httpx
 import pytest
-from helpers import make_checkpoint
-from service_utils import MAX_MODEL_LEN, auth, start_server
+from service_utils import MAX_MODEL_LEN, auth, running, start_server
 
 from service.api.generation import Limits
 from service.app import BackgroundServer
@@ -25,15 +24,8 @@ LIMITS = Limits(max_tokens=MAX_MODEL_LEN, header_timeout_s=1.0, text_bytes_per_t
 
 
 @pytest.fixture(scope="module")
-def model_dir():
-    return make_checkpoint("qwen2", tied=True)
-
-
-@pytest.fixture(scope="module")
 def server(model_dir) -> Iterator[BackgroundServer]:
-    srv = start_server(model_dir, limits=LIMITS)
-    yield srv
-    srv.stop()
+    yield from running(start_server(model_dir, limits=LIMITS))
 
 
 def words(nbytes: int) -> str:

@@ -5,19 +5,17 @@ one bad request never failing the others."""
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import grpc
 import httpx
 import pytest
-from helpers import make_checkpoint
-from service_utils import ADMIN, MAX_MODEL_LEN, auth, start_server
+from helpers import default_checkpoint
+from service_utils import ADMIN, MAX_MODEL_LEN, auth
 
 from client import AsyncSpecrollClient
 from client.errors import InvalidArgument
-from service.app import BackgroundServer
 from service.config import EngineConfig
 from service.engine.llm_engine import LLMEngine
 from service.params import SamplingError, SamplingParams
@@ -27,14 +25,7 @@ GOOD: dict[str, Any] = {"temperature": 1.0, "seed": 9, "max_tokens": 40, "ignore
 
 @pytest.fixture(scope="module")
 def model_dir() -> Path:
-    return make_checkpoint("qwen2", tied=False)
-
-
-@pytest.fixture(scope="module")
-def server(model_dir) -> Iterator[BackgroundServer]:
-    srv = start_server(model_dir)
-    yield srv
-    srv.stop()
+    return default_checkpoint(tied=False)
 
 
 def test_top_logprobs_over_vocab_fails_only_its_own_request(server):

@@ -8,7 +8,7 @@ import subprocess
 import sys
 
 import httpx
-from helpers import make_checkpoint
+from helpers import default_checkpoint
 from probes import wait_for
 from service_utils import ADMIN
 
@@ -17,7 +17,7 @@ from service.netutil import free_port
 
 
 def test_serve_subprocess_end_to_end(tmp_path):
-    model = make_checkpoint("qwen2", tied=True)
+    model = default_checkpoint()
     http_port, grpc_port = free_port(), free_port()
     env = dict(os.environ, SPECROLL_ADMIN_TOKEN=ADMIN, SPECROLL_GRPC_PORT=str(grpc_port))
     cmd = [sys.executable, "-m", "service.cli", "serve", "--model", str(model), "--http-port", str(http_port),

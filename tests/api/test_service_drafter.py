@@ -13,18 +13,13 @@ from client import AsyncSpecrollClient, FailedPrecondition, InvalidArgument, Sam
 
 
 @pytest.fixture(scope="module")
-def target_dir():
-    return make_checkpoint("qwen2", tied=True)
-
-
-@pytest.fixture(scope="module")
 def draft_dir():
     return make_checkpoint("qwen2", tied=True, num_layers=1, hidden_size=32, intermediate_size=64, num_heads=2,
                            seed=11)
 
 
-def test_drafter_push_swaps_between_steps(target_dir, draft_dir):
-    srv = start_server(target_dir, engine_kw={"drafter": str(draft_dir), "spec": "fixed", "spec_k": 3})
+def test_drafter_push_swaps_between_steps(model_dir, draft_dir):
+    srv = start_server(model_dir, engine_kw={"drafter": str(draft_dir), "spec": "fixed", "spec_k": 3})
     draft = checkpoint_tensors(draft_dir)
     try:
         async def run() -> tuple[list[Sample], object]:
@@ -64,20 +59,20 @@ def test_drafter_push_swaps_between_steps(target_dir, draft_dir):
         srv.stop()
 
 
-def test_drafter_push_without_draft_model_is_refused(target_dir):
-    srv = start_server(target_dir, engine_kw={"drafter": "suffix"})
+def test_drafter_push_without_draft_model_is_refused(model_dir):
+    srv = start_server(model_dir, engine_kw={"drafter": "suffix"})
     try:
         with SpecrollClient(srv.grpc_target, admin_token=ADMIN) as c, \
                 pytest.raises(FailedPrecondition, match="no draft model"):
-            c.push_weights(checkpoint_tensors(target_dir), "d1", role="drafter")
+            c.push_weights(checkpoint_tensors(model_dir), "d1", role="drafter")
     finally:
         srv.stop()
 
 
-def test_drafter_paired_with_the_next_target_push_publishes_atomically(target_dir, draft_dir):
+def test_drafter_paired_with_the_next_target_push_publishes_atomically(model_dir, draft_dir):
     """mode with_target parks a drafter; the next target push serves both from the same step on."""
-    srv = start_server(target_dir, engine_kw={"drafter": str(draft_dir), "spec": "fixed", "spec_k": 3})
-    target, draft = checkpoint_tensors(target_dir), checkpoint_tensors(draft_dir)
+    srv = start_server(model_dir, engine_kw={"drafter": str(draft_dir), "spec": "fixed", "spec_k": 3})
+    target, draft = checkpoint_tensors(model_dir), checkpoint_tensors(draft_dir)
     try:
         with SpecrollClient(srv.grpc_target, admin_token=ADMIN) as c:
             before = c.server_info().drafter_version

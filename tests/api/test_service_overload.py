@@ -8,7 +8,6 @@ import asyncio
 import grpc
 import httpx
 import pytest
-from helpers import make_checkpoint
 from probes import metric, wait_for
 from service_utils import ADMIN, auth, start_server
 
@@ -16,13 +15,8 @@ from client import Overloaded, SpecrollClient
 from service.backend.admission import AdmissionLimits
 
 
-@pytest.fixture(scope="module")
-def model():
-    return make_checkpoint("qwen2", tied=True)
-
-
-def test_queue_bound_refuses_cleanly_and_admitted_work_completes(model):
-    srv = start_server(model, engine_kw={"max_num_seqs": 4}, admission=AdmissionLimits(max_waiting_seqs=6))
+def test_queue_bound_refuses_cleanly_and_admitted_work_completes(model_dir):
+    srv = start_server(model_dir, engine_kw={"max_num_seqs": 4}, admission=AdmissionLimits(max_waiting_seqs=6))
     url = srv.http_url
     admission = srv.server.backend.admission
     try:
@@ -69,8 +63,8 @@ def test_queue_bound_refuses_cleanly_and_admitted_work_completes(model):
         srv.stop()
 
 
-def test_multi_prompt_request_is_admitted_whole_or_not_at_all(model):
-    srv = start_server(model, engine_kw={"max_num_seqs": 2},
+def test_multi_prompt_request_is_admitted_whole_or_not_at_all(model_dir):
+    srv = start_server(model_dir, engine_kw={"max_num_seqs": 2},
                        admission=AdmissionLimits(max_waiting_seqs=0, max_pending_tokens=60))
     url = srv.http_url
     admission = srv.server.backend.admission
@@ -103,9 +97,9 @@ def test_multi_prompt_request_is_admitted_whole_or_not_at_all(model):
         srv.stop()
 
 
-def test_flood_beyond_the_bound_gets_answers_not_hangs(model):
+def test_flood_beyond_the_bound_gets_answers_not_hangs(model_dir):
     """400 concurrent requests against a queue of 16: each is either served in full or refused with 503."""
-    srv = start_server(model, engine_kw={"max_num_seqs": 8}, admission=AdmissionLimits(max_waiting_seqs=16))
+    srv = start_server(model_dir, engine_kw={"max_num_seqs": 8}, admission=AdmissionLimits(max_waiting_seqs=16))
     url = srv.http_url
     try:
         async def scenario() -> list[httpx.Response]:
@@ -130,9 +124,9 @@ def test_flood_beyond_the_bound_gets_answers_not_hangs(model):
         srv.stop()
 
 
-def test_non_streaming_clients_that_disconnect_leave_no_work_behind(model):
+def test_non_streaming_clients_that_disconnect_leave_no_work_behind(model_dir):
     """20 non-streaming requests on both HTTP APIs whose clients hang up: their engine requests are aborted."""
-    srv = start_server(model)
+    srv = start_server(model_dir)
     url = srv.http_url
     admission = srv.server.backend.admission
     try:

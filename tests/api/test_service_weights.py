@@ -13,7 +13,7 @@ import grpc
 import httpx
 import pytest
 import torch
-from helpers import make_checkpoint
+from helpers import default_checkpoint
 from safetensors.torch import save
 from service_utils import (
     ADMIN,
@@ -23,6 +23,7 @@ from service_utils import (
     checkpoint_tensors,
     engine_config,
     perturbed,
+    running,
     start_server,
     write_checkpoint,
 )
@@ -47,7 +48,7 @@ PROBE_PARAMS: dict[str, Any] = {"temperature": 0.9, "seed": 5, "max_tokens": 12,
 
 @pytest.fixture(scope="module")
 def base_dir() -> Path:
-    return make_checkpoint("qwen2", tied=False)
+    return default_checkpoint(tied=False)
 
 
 @pytest.fixture(scope="module")
@@ -67,9 +68,7 @@ def new_dir(base_dir, new, tmp_path_factory) -> Path:
 
 @pytest.fixture(scope="module")
 def server(base_dir) -> Iterator[BackgroundServer]:
-    srv = start_server(base_dir)
-    yield srv
-    srv.stop()
+    yield from running(start_server(base_dir))
 
 
 @pytest.fixture(scope="module")

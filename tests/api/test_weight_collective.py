@@ -17,9 +17,18 @@ from typing import Any
 import httpx
 import pytest
 import torch
-from helpers import make_checkpoint
+from helpers import default_checkpoint
 from safetensors.torch import save_file
-from service_utils import ADMIN, auth, checkpoint_tensors, engine_config, perturbed, start_server, write_checkpoint
+from service_utils import (
+    ADMIN,
+    auth,
+    checkpoint_tensors,
+    engine_config,
+    perturbed,
+    running,
+    start_server,
+    write_checkpoint,
+)
 
 from client import SpecrollClient
 from service.app import BackgroundServer
@@ -34,14 +43,12 @@ ROOT = Path(__file__).resolve().parents[2]
 
 @pytest.fixture(scope="module")
 def base_dir() -> Path:
-    return make_checkpoint("qwen2", tied=False)
+    return default_checkpoint(tied=False)
 
 
 @pytest.fixture(scope="module")
 def server(base_dir: Path) -> Iterator[BackgroundServer]:
-    srv = start_server(base_dir)
-    yield srv
-    srv.stop()
+    yield from running(start_server(base_dir))
 
 
 def trainer(how: str, srv: BackgroundServer, weights: dict[str, torch.Tensor], version: str, tmp: Path,

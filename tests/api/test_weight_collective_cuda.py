@@ -14,9 +14,9 @@ from typing import Any
 
 import pytest
 import torch
-from helpers import make_checkpoint
+from helpers import default_checkpoint
 from safetensors.torch import save_file
-from service_utils import ADMIN, checkpoint_tensors, engine_config, perturbed, start_server, write_checkpoint
+from service_utils import ADMIN, checkpoint_tensors, engine_config, perturbed, running, start_server, write_checkpoint
 
 from client import SpecrollClient
 from service.app import BackgroundServer
@@ -37,14 +37,12 @@ pytestmark = pytest.mark.skipif(
 
 @pytest.fixture(scope="module")
 def base_dir() -> Path:
-    return make_checkpoint("qwen2", tied=False)
+    return default_checkpoint(tied=False)
 
 
 @pytest.fixture(scope="module")
 def server(base_dir: Path) -> Iterator[BackgroundServer]:
-    srv = start_server(base_dir, engine_kw={"device": "cuda:0"})
-    yield srv
-    srv.stop()
+    yield from running(start_server(base_dir, engine_kw={"device": "cuda:0"}))
 
 
 def run(python: Path | str, script: str, *args: str) -> subprocess.CompletedProcess[str]:

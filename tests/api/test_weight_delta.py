@@ -15,9 +15,9 @@ import grpc
 import httpx
 import pytest
 import torch
-from helpers import make_checkpoint
+from helpers import default_checkpoint
 from safetensors.torch import save
-from service_utils import ADMIN, auth, checkpoint_tensors, start_server, write_checkpoint
+from service_utils import ADMIN, auth, checkpoint_tensors, running, start_server, write_checkpoint
 
 from client import FailedPrecondition, SpecrollClient
 from client import weights as wt
@@ -50,7 +50,7 @@ def stepped(tensors: dict[str, torch.Tensor], seed: int) -> dict[str, torch.Tens
 
 @pytest.fixture(scope="module")
 def base_dir() -> Path:
-    return make_checkpoint("qwen2", tied=False)
+    return default_checkpoint(tied=False)
 
 
 @pytest.fixture(scope="module")
@@ -63,9 +63,7 @@ def steps(base_dir: Path) -> list[dict[str, torch.Tensor]]:
 
 @pytest.fixture(scope="module")
 def server(base_dir: Path) -> Iterator[BackgroundServer]:
-    srv = start_server(base_dir, engine_kw=EAGER)
-    yield srv
-    srv.stop()
+    yield from running(start_server(base_dir, engine_kw=EAGER))
 
 
 @pytest.fixture(scope="module")
@@ -231,3 +229,20 @@ def test_http_delta_uploads(server, client, steps):
                    headers=auth(), timeout=60)
     assert r.status_code == 200 and r.json()["version"] == "h1", r.text
     assert_serves(server, one)
+
+
+def test_the_client_sends_what_changed_bit_for_bit() -> None:
+    old = {"same": torch.ones(8, 8, dtype=torch.bfloat16), "few": torch.zeros(64, dtype=torch.bfloat16),
+           "many": torch.zeros(64, dtype=torch.bfloat16), "new": torch.zeros(2)}
+    new = {k: v.clone() for k, v in old.items()}
+    new["few"][[3, 40]] = torch.tensor([1.0, -0.0], dtype=torch.bfloat16)  # -0.0 == 0.0, but its bits differ
+    new["many"][::5] = 2.0  # 13 of 64: sparse would take 6 * 13 = 78 bytes of 128, more than half
+    plan = {name: sparse for name, _, sparse in wt.plan_delta({k: v for k, v in old.items() if k != "new"}, new)}
+    assert set(plan) == {"few", "many", "new"} and plan["many"] is None and plan["new"] is None
+    index, values = plan["few"]
+    assert index.dtype == torch.int32 and index.tolist() == [3, 40]
+    assert values.view(torch.int16).tolist() == torch.tensor([1.0, -0.0], dtype=torch.bfloat16).view(
+        torch.int16).tolist()
+    [few] = [t for t in wt.delta(old, new) if t.name == "few"]
+    assert few.encoding == "sparse" and bytes(few.data) == bytes(index.view(torch.uint8).numpy()) + bytes(
+        values.view(torch.uint8).numpy())

@@ -20,10 +20,19 @@ from typing import Any
 import httpx
 import pytest
 import torch
-from helpers import make_checkpoint
+from helpers import default_checkpoint
 from probes import metric, wait_for
 from safetensors.torch import save_file
-from service_utils import ADMIN, auth, checkpoint_tensors, engine_config, perturbed, start_server, write_checkpoint
+from service_utils import (
+    ADMIN,
+    auth,
+    checkpoint_tensors,
+    engine_config,
+    perturbed,
+    running,
+    start_server,
+    write_checkpoint,
+)
 
 from client import AsyncSpecrollClient, Sample, SpecrollClient
 from service.app import BackgroundServer
@@ -42,14 +51,12 @@ pytestmark = pytest.mark.skipif(not VENV_PYTHON.exists(), reason="the trainers n
 
 @pytest.fixture(scope="module")
 def base_dir() -> Path:
-    return make_checkpoint("qwen2", tied=False)
+    return default_checkpoint(tied=False)
 
 
 @pytest.fixture(scope="module")
 def server(base_dir: Path) -> Iterator[BackgroundServer]:
-    srv = start_server(base_dir)
-    yield srv
-    srv.stop()
+    yield from running(start_server(base_dir))
 
 
 def saved(weights: dict[str, torch.Tensor], path: Path) -> str:

@@ -16,9 +16,18 @@ from typing import Any
 import httpx
 import pytest
 import torch
-from helpers import make_checkpoint
+from helpers import default_checkpoint
 from safetensors.torch import save, save_file
-from service_utils import ADMIN, auth, checkpoint_tensors, engine_config, perturbed, start_server, write_checkpoint
+from service_utils import (
+    ADMIN,
+    auth,
+    checkpoint_tensors,
+    engine_config,
+    perturbed,
+    running,
+    start_server,
+    write_checkpoint,
+)
 
 from client import SpecrollClient
 from client.errors import InvalidArgument, PermissionDenied, SpecrollError
@@ -33,7 +42,7 @@ VICTIM = "model.layers.1.mlp.down_proj.weight"
 
 @pytest.fixture(scope="module")
 def base_dir() -> Path:
-    return make_checkpoint("qwen2", tied=False)
+    return default_checkpoint(tied=False)
 
 
 @pytest.fixture(scope="module")
@@ -49,9 +58,7 @@ def dirs(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path]:
 
 @pytest.fixture(scope="module")
 def server(base_dir: Path, dirs: tuple[Path, Path]) -> Iterator[BackgroundServer]:
-    srv = start_server(base_dir, load_root=str(dirs[0]))
-    yield srv
-    srv.stop()
+    yield from running(start_server(base_dir, load_root=str(dirs[0])))
 
 
 def _with(tensors: dict[str, torch.Tensor], name: str, value: torch.Tensor) -> dict[str, torch.Tensor]:

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import asyncio
 
-from helpers import make_checkpoint
+from helpers import default_checkpoint
 from service_utils import start_server
 
 from bench.load import KINDS, run_load
@@ -14,7 +14,7 @@ MAX_TOKENS = 8
 
 
 def test_load_bench_small_run_has_no_errors_and_no_truncation() -> None:
-    server = start_server(make_checkpoint("qwen2", tied=True))
+    server = start_server(default_checkpoint())
     try:
         result = asyncio.run(run_load(server.http_url, server.grpc_target, concurrency=REQUESTS, requests=REQUESTS,
                                       max_tokens=MAX_TOKENS, timeout_s=120.0))

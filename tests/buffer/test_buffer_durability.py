@@ -11,9 +11,8 @@ import threading
 from pathlib import Path
 
 import httpx
-import pytest
 import redis
-from helpers import make_checkpoint, stop_process
+from helpers import stop_process
 from probes import wait_for
 from redis_utils import OwnRedis
 from service_utils import ADMIN
@@ -66,18 +65,13 @@ def stream_ids(url: str) -> list[str]:
         r.close()
 
 
-@pytest.fixture(scope="module")
-def model() -> Path:
-    return make_checkpoint("qwen2", tied=True)
-
-
-def test_kill9_with_redis_down_loses_no_received_rollout(model, tmp_path):
+def test_kill9_with_redis_down_loses_no_received_rollout(model_dir, tmp_path):
     """Redis goes down, clients keep receiving rollouts, the server is killed -9 at once: every received
     rollout is replayed into Redis by the next start, exactly once."""
     own = OwnRedis(tmp_path)
     own.start()
     spool = tmp_path / "spool"
-    srv = Serve(model, own.url, spool, tmp_path / "serve.log")
+    srv = Serve(model_dir, own.url, spool, tmp_path / "serve.log")
     received: list[str] = []
     try:
         with SpecrollClient(srv.target, admin_token=ADMIN) as c:
@@ -98,7 +92,7 @@ def test_kill9_with_redis_down_loses_no_received_rollout(model, tmp_path):
         srv.stop()
     assert len(received) == 113 and len(set(received)) == 113
     own.start()
-    srv = Serve(model, own.url, spool, tmp_path / "serve2.log")
+    srv = Serve(model_dir, own.url, spool, tmp_path / "serve2.log")
     try:
         wait_for(lambda: len(stream_ids(own.url)) >= 113, 60, "spool replayed after the restart")
         ids = stream_ids(own.url)
@@ -108,12 +102,12 @@ def test_kill9_with_redis_down_loses_no_received_rollout(model, tmp_path):
         own.stop()
 
 
-def test_kill9_under_streaming_load_loses_no_received_rollout(model, tmp_path):
+def test_kill9_under_streaming_load_loses_no_received_rollout(model_dir, tmp_path):
     """Clients stream rollouts continuously (Redis up) and the server is killed -9 in the middle: every
     rollout a client received a final message for is in Redis."""
     own = OwnRedis(tmp_path)
     own.start()
-    srv = Serve(model, own.url, tmp_path / "spool", tmp_path / "serve.log")
+    srv = Serve(model_dir, own.url, tmp_path / "spool", tmp_path / "serve.log")
     received: list[str] = []
     lock = threading.Lock()
 

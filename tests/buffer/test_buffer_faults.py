@@ -13,7 +13,6 @@ import httpx
 import pytest
 import redis
 from fs_utils import fill
-from helpers import make_checkpoint
 from probes import metric, wait_for
 from redis_utils import OwnRedis
 from service_utils import ADMIN, start_server
@@ -24,12 +23,7 @@ from service.buffer.codec import spool_rollout
 from service.protogen import pb2
 
 
-@pytest.fixture(scope="module")
-def model():
-    return make_checkpoint("qwen2", tied=True)
-
-
-def test_full_spool_disk_with_redis_down_never_stops_generation(model, tiny_fs, tmp_path):
+def test_full_spool_disk_with_redis_down_never_stops_generation(model_dir, tiny_fs, tmp_path):
     """Redis down and the spool's disk full: every request still gets all its final messages, the records
     that found no room are counted as lost (exactly those are missing later), /ready and the metrics say
     the disk is full. Redis back: the spool and the queue are replayed. Space freed: the buffer spools
@@ -40,7 +34,7 @@ def test_full_spool_disk_with_redis_down_never_stops_generation(model, tiny_fs, 
     stream = "test:diskfull"
     cfg = BufferConfig(redis_url=own.url, stream=stream, spool_dir=str(tiny_fs / "spool"), queue_max=16,
                        socket_timeout_s=0.3, spool_segment_bytes=16 << 10)
-    srv = start_server(model, buffer=cfg)
+    srv = start_server(model_dir, buffer=cfg)
     buffer = srv.server.buffer
     assert isinstance(buffer, RedisBuffer)
     received: list[str] = []

@@ -7,7 +7,6 @@ import uuid
 
 import pytest
 import redis
-from helpers import make_checkpoint
 from probes import metric, wait_for
 from redis_utils import OwnRedis
 from service_utils import ADMIN, start_server
@@ -16,15 +15,10 @@ from client import SpecrollClient
 from service.buffer import BufferConfig, decode_entry
 
 
-@pytest.fixture(scope="module")
-def model():
-    return make_checkpoint("qwen2", tied=True)
-
-
-def test_1000_rollouts_land_in_the_stream_with_rewards_joined(model, redis_server, tmp_path):
+def test_1000_rollouts_land_in_the_stream_with_rewards_joined(model_dir, redis_server, tmp_path):
     stream = f"test:{uuid.uuid4().hex[:8]}"
     cfg = BufferConfig(redis_url=redis_server, stream=stream, spool_dir=str(tmp_path / "spool"), maxlen=5000)
-    srv = start_server(model, buffer=cfg)
+    srv = start_server(model_dir, buffer=cfg)
     r = redis.Redis.from_url(redis_server)
     try:
         with SpecrollClient(srv.grpc_target, admin_token=ADMIN) as c:
@@ -65,13 +59,13 @@ def test_1000_rollouts_land_in_the_stream_with_rewards_joined(model, redis_serve
         r.close()
 
 
-def test_redis_outage_spools_then_replays_in_order(model, tmp_path):
+def test_redis_outage_spools_then_replays_in_order(model_dir, tmp_path):
     own = OwnRedis(tmp_path)
     own.start()
     stream = "test:outage"
     cfg = BufferConfig(redis_url=own.url, stream=stream, spool_dir=str(tmp_path / "spool"), queue_max=16,
                        socket_timeout_s=0.3)
-    srv = start_server(model, buffer=cfg)
+    srv = start_server(model_dir, buffer=cfg)
     buffer = srv.server.buffer
     # The order the server handed rollouts to the buffer (the hooks thread calls this just before the buffer).
     # Not finished_at: wall-clock stamps a few hundred microseconds apart came out of order once in CI.
@@ -111,11 +105,11 @@ def test_redis_outage_spools_then_replays_in_order(model, tmp_path):
         own.stop()
 
 
-def test_unwritten_rollouts_survive_a_server_restart_in_the_spool(model, tmp_path):
+def test_unwritten_rollouts_survive_a_server_restart_in_the_spool(model_dir, tmp_path):
     own = OwnRedis(tmp_path)
     cfg = BufferConfig(redis_url=own.url, stream="test:restart", spool_dir=str(tmp_path / "spool"),
                        socket_timeout_s=0.2, close_timeout_s=0.5)
-    srv = start_server(model, buffer=cfg)  # Redis is not even running
+    srv = start_server(model_dir, buffer=cfg)  # Redis is not even running
     try:
         with SpecrollClient(srv.grpc_target, admin_token=ADMIN) as c:
             c.generate([[1, 2, 3]], n=8, max_tokens=4, temperature=1.0)
@@ -124,7 +118,7 @@ def test_unwritten_rollouts_survive_a_server_restart_in_the_spool(model, tmp_pat
     finally:
         srv.stop()
     own.start()
-    srv = start_server(model, buffer=cfg)
+    srv = start_server(model_dir, buffer=cfg)
     try:
         r = redis.Redis.from_url(own.url)
         wait_for(lambda: r.xlen("test:restart") == 8 and r.get(cfg.rewards_prefix + "x:0") == b"1.5", 30,

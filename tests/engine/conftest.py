@@ -5,13 +5,13 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
-from helpers import make_checkpoint
+from helpers import make_checkpoint, peaked_checkpoint
 
 
 @pytest.fixture(scope="session")
 def target() -> Path:
-    """A Qwen2 target peaked enough (init_std 0.3) for greedy runs to be stable under other roundings."""
-    return make_checkpoint("qwen2", tied=True, init_std=0.3, seed=1)
+    """The peaked Qwen2 target (helpers.peaked_checkpoint): greedy runs stay the same under other roundings."""
+    return peaked_checkpoint()
 
 
 @pytest.fixture(scope="session")

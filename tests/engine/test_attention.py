@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from helpers import make_checkpoint
+from helpers import default_checkpoint
 from test_model_parity import check_logits_every_step
 
 from service.models import attention, attention_cpp
@@ -194,4 +194,4 @@ def test_engine_matches_transformers_with_either_kernel(kernels, monkeypatch):
     monkeypatch.setattr(attention, "choose", lambda *args, **kw: (kernels[0], kernels[0], kernels[1], kernels[1]) * 2)
     lengths = (100, 1, 60, 90, 37, 110)
     assert len(lengths) * max(lengths) > attention.TINY_ROWS_X_KEYS
-    check_logits_every_step(make_checkpoint("qwen2", tied=True), steps=6, lengths=lengths)
+    check_logits_every_step(default_checkpoint(), steps=6, lengths=lengths)

@@ -16,7 +16,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from helpers import assert_same, assert_same_up_to_near_ties, make_checkpoint
+from helpers import assert_same, assert_same_up_to_near_ties, make_checkpoint, peaked_checkpoint
 
 from service.config import EngineConfig
 from service.engine import compiled
@@ -64,7 +64,7 @@ def test_compiled_before_the_first_request_and_never_again_for_a_push(target, dr
     engine.generate(many, SamplingParams(temperature=1.0, max_tokens=48, seed=3, ignore_eos=True))
     engine.generate(PROMPTS[:1], SamplingParams(temperature=1.0, max_tokens=30, seed=1))
     assert engine.stats.spec_drafts > 0
-    other = make_checkpoint("qwen2", tied=True, init_std=0.3, seed=2)
+    other = peaked_checkpoint(seed=2)
     engine.swap_target(load_model(other, torch.float32, torch.device("cpu")), "1")
     got = engine.generate(PROMPTS, GREEDY)
     engine_on(target, False, drafter=f"{draft},suffix")

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from helpers import make_checkpoint
+from helpers import peaked_checkpoint
 
 from service.config import EngineConfig
 from service.engine.llm_engine import LLMEngine
@@ -16,7 +16,7 @@ PROMPTS = [[5, 6, 7], list(range(40, 70)), [300]]
 
 
 def generate(device: str, **kw):
-    path = make_checkpoint("qwen2", tied=True, init_std=0.3, seed=1)
+    path = peaked_checkpoint()
     engine = LLMEngine(EngineConfig(model=str(path), device=device, max_model_len=256, **kw))
     return engine, engine.generate(PROMPTS, SamplingParams(temperature=0, max_tokens=40, ignore_eos=True))
 

@@ -7,7 +7,7 @@ import dataclasses
 from pathlib import Path
 
 import pytest
-from helpers import make_checkpoint
+from helpers import default_checkpoint
 
 from drafter_trainer.build import NothingToTrain, trainable
 from service.config import ConfigError, EngineConfig
@@ -55,7 +55,7 @@ def test_the_trainer_trains_the_first_drafter_with_weights(tmp_path: Path) -> No
 
 
 def test_the_engine_leaves_its_callers_config_as_it_was() -> None:
-    config = EngineConfig(model=str(make_checkpoint("qwen2", tied=True)), drafter="auto,suffix", max_model_len=64,
+    config = EngineConfig(model=str(default_checkpoint()), drafter="auto,suffix", max_model_len=64,
                           max_num_seqs=2, kv_cache_memory_gb=0.01, enforce_eager=True)
     before = dataclasses.replace(config)
     engine = LLMEngine(config)

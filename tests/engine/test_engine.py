@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from helpers import make_checkpoint
+from helpers import default_checkpoint, make_checkpoint
 
 from service.config import EngineConfig
 from service.engine.llm_engine import LLMEngine
@@ -15,7 +15,7 @@ from service.params import SamplingError, SamplingParams
 
 @pytest.fixture(scope="module")
 def engine():
-    return LLMEngine(EngineConfig(model=str(make_checkpoint("qwen2", tied=True)), max_model_len=256, max_num_seqs=40))
+    return LLMEngine(EngineConfig(model=str(default_checkpoint()), max_model_len=256, max_num_seqs=40))
 
 
 def rand_prompts(n, vocab=512, seed=0, lo=2, hi=24):

@@ -5,7 +5,7 @@ request's output changes (lossless)."""
 from __future__ import annotations
 
 import pytest
-from helpers import make_checkpoint
+from helpers import default_checkpoint
 
 from service.config import EngineConfig
 from service.engine.llm_engine import LLMEngine
@@ -19,7 +19,7 @@ HOG_TOKENS = 60
 
 @pytest.fixture(scope="module")
 def engine() -> LLMEngine:
-    return LLMEngine(EngineConfig(model=str(make_checkpoint("qwen2", tied=True)), max_model_len=128,
+    return LLMEngine(EngineConfig(model=str(default_checkpoint()), max_model_len=128,
                                   max_num_seqs=SLOTS, enforce_eager=True))
 
 

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from helpers import assert_same, assert_same_up_to_near_ties, make_checkpoint
+from helpers import assert_same, assert_same_up_to_near_ties, make_checkpoint, peaked_checkpoint
 from reference import chi_square_pvalue, exact_joint
 
 from service.config import EngineConfig
@@ -165,7 +165,7 @@ def test_cuda_graphs_match_eager(target, draft, spec, dtype, atol):
 
 @pytest.mark.cuda
 def test_cuda_graphs_follow_a_weight_push(target, tmp_path):
-    other_path = make_checkpoint("qwen2", tied=True, init_std=0.3, seed=2)
+    other_path = peaked_checkpoint(seed=2)
     engine = engine_on("cuda", target, False)
     before = engine.generate(PROMPTS, GREEDY)
     pushed = engine_on("cuda", other_path, True)

@@ -6,7 +6,7 @@ import json
 
 import pytest
 import torch
-from helpers import make_checkpoint
+from helpers import default_checkpoint, make_checkpoint
 
 from service.config import ConfigError, EngineConfig
 from service.engine.llm_engine import LLMEngine
@@ -92,7 +92,7 @@ def test_greedy_generation_matches_transformers(family):
 
 
 def test_bfloat16_runs_and_mostly_agrees():
-    path = make_checkpoint("qwen2", tied=True)
+    path = default_checkpoint()
     prompts = prompts_of((5, 12), 512, seed=3)
     sp = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
     a = LLMEngine(EngineConfig(model=str(path), dtype="bfloat16", max_model_len=64)).generate(prompts, sp)
@@ -114,7 +114,7 @@ def test_unsupported_architecture_is_named(tmp_path):
 def test_missing_and_misshaped_tensors_are_named(tmp_path):
     from safetensors.torch import load_file, save_file
 
-    path = make_checkpoint("qwen2", tied=False)
+    path = default_checkpoint(tied=False)
     tensors = load_file(str(path / "model.safetensors"))
     cfg = (path / "config.json").read_text()
     for case, edit, pattern in [

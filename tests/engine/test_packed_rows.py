@@ -8,7 +8,7 @@ import itertools
 
 import pytest
 import torch
-from helpers import make_checkpoint
+from helpers import make_checkpoint, peaked_checkpoint
 
 import service.engine.cached_model as cached_model_module
 import service.engine.speculative.passes as passes_module
@@ -69,7 +69,7 @@ def test_the_engine_packs_a_verify_pass_with_the_same_tokens_and_logprobs(monkey
     """A suffix table verifies at the depth of its longest match, for every row: with rows it has nothing
     for, the pass runs packed (every forward with packing recorded), the LM head runs on its real positions
     alone, and it gives what the padded pass gives."""
-    target = make_checkpoint("qwen2", tied=True, init_std=0.3, seed=1)
+    target = peaked_checkpoint()
     prompts = [[1, 2, 3, 4, 5, 6, 7, 8], [9, 8, 7, 6], [100, 200, 300], [7, 7, 7, 7, 7, 7]]
     params = SamplingParams(n=4, temperature=1.0, max_tokens=40, seed=11, ignore_eos=True)
     outs, widths = {}, {}

@@ -11,7 +11,7 @@ import logging
 import uuid
 
 import pytest
-from helpers import make_checkpoint
+from helpers import trainer_target_checkpoint
 from service_utils import ADMIN, checkpoint_tensors, perturbed, start_server, write_checkpoint
 from trainer_utils import pump, server_tokens_per_step
 
@@ -26,7 +26,7 @@ K = 4
 
 @pytest.fixture(scope="module")
 def target():
-    return make_checkpoint("qwen2", tied=True, init_std=0.1, seed=3)
+    return trainer_target_checkpoint()
 
 
 def setup(target, drafter, redis_server, tmp_path, **trainer_kw):

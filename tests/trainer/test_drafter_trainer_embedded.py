@@ -11,7 +11,7 @@ import time
 
 import pytest
 import torch
-from helpers import make_checkpoint
+from helpers import make_checkpoint, trainer_target_checkpoint
 from service_utils import ADMIN, checkpoint_tensors, perturbed, start_server, write_checkpoint
 from trainer_utils import server_tokens_per_step
 
@@ -36,7 +36,7 @@ def embedded(tmp_path) -> BufferConfig:
 
 @pytest.mark.parametrize("kind", ["draft", "eagle"])
 def test_in_process_trainer_improves_the_served_drafter(kind, tmp_path):
-    target = make_checkpoint("qwen2", tied=True, init_std=0.1, seed=3)
+    target = trainer_target_checkpoint()
     if kind == "draft":
         drafter = str(write_checkpoint(target, perturbed(checkpoint_tensors(target), seed=5, scale=1.0),
                                        tmp_path / "draft"))

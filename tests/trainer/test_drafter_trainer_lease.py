@@ -12,7 +12,7 @@ import uuid
 
 import pytest
 import redis
-from helpers import make_checkpoint
+from helpers import trainer_target_checkpoint
 from probes import wait_for
 from service_utils import ADMIN, checkpoint_tensors, perturbed, start_server, write_checkpoint
 
@@ -73,7 +73,7 @@ def checkpoint_state(ckpt) -> dict:
 
 def test_two_sidecars_on_one_group_one_trains_and_a_lost_lease_stops_the_old_holder(redis_server, tmp_path,
                                                                                     caplog):
-    target = make_checkpoint("qwen2", tied=True, init_std=0.1, seed=3)
+    target = trainer_target_checkpoint()
     draft = write_checkpoint(target, perturbed(checkpoint_tensors(target), seed=5, scale=1.0), tmp_path / "draft")
     stream = f"lease:{uuid.uuid4().hex[:8]}"
     srv = start_server(target, buffer=BufferConfig(redis_url=redis_server, stream=stream,

@@ -8,7 +8,7 @@ import uuid
 
 import pytest
 import redis
-from helpers import make_checkpoint
+from helpers import trainer_target_checkpoint
 from probes import wait_for
 from service_utils import ADMIN, checkpoint_tensors, perturbed, start_server, write_checkpoint
 from trainer_utils import pump
@@ -74,7 +74,7 @@ def test_well_formed_entries_decode():
 
 
 def test_poison_entries_in_a_batch_are_dead_lettered_and_the_rest_trained_and_acked(redis_server, tmp_path):
-    target = make_checkpoint("qwen2", tied=True, init_std=0.1, seed=3)
+    target = trainer_target_checkpoint()
     draft = write_checkpoint(target, perturbed(checkpoint_tensors(target), seed=5, scale=1.0), tmp_path / "draft")
     stream = f"poison:{uuid.uuid4().hex[:8]}"
     srv = start_server(target, buffer=BufferConfig(redis_url=redis_server, stream=stream,

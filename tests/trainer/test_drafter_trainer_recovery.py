@@ -16,7 +16,7 @@ from pathlib import Path
 
 import httpx
 import redis
-from helpers import make_checkpoint
+from helpers import trainer_target_checkpoint
 from probes import wait_for
 from service_utils import ADMIN, checkpoint_tensors, perturbed, start_server, write_checkpoint
 
@@ -74,7 +74,7 @@ def mid_batch(proc: subprocess.Popen[bytes], ckpt: Path, r: redis.Redis, stream:
 
 
 def test_kill9_mid_batch_restart_trains_every_rollout_exactly_once(redis_server, tmp_path):
-    target = make_checkpoint("qwen2", tied=True, init_std=0.1, seed=3)
+    target = trainer_target_checkpoint()
     draft = write_checkpoint(target, perturbed(checkpoint_tensors(target), seed=5, scale=1.0), tmp_path / "draft")
     stream = f"recovery:{uuid.uuid4().hex[:8]}"
     srv = start_server(target, buffer=BufferConfig(redis_url=redis_server, stream=stream,

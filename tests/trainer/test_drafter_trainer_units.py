@@ -9,7 +9,7 @@ from types import SimpleNamespace
 
 import pytest
 import torch
-from helpers import make_checkpoint
+from helpers import default_checkpoint, make_checkpoint
 from safetensors.torch import load_file
 
 from drafter_trainer.batch import build_batch, sampling_batch
@@ -201,7 +201,7 @@ def test_the_default_rate_is_low_for_a_loaded_drafter_and_high_for_a_new_head():
     from drafter_trainer.config import add_args, from_args
     from drafter_trainer.trainer import DrafterTrainer
 
-    model_dir = make_checkpoint("qwen2", tied=True)
+    model_dir = default_checkpoint()
     target_cfg = load_model(model_dir, torch.float32, CPU).config
     loaded = build_student(str(make_checkpoint("qwen2", tied=False, seed=5)), None, 512, 64, CPU)
     new_head = build_student("eagle", target_cfg, 512, 64, CPU)
@@ -216,7 +216,7 @@ def test_the_default_rate_is_low_for_a_loaded_drafter_and_high_for_a_new_head():
 
 
 def test_hf_tensors_round_trip_and_checkpoint_with_optimizer(tmp_path):
-    path = make_checkpoint("qwen2", tied=False)
+    path = default_checkpoint(tied=False)
     model = load_model(path, torch.float32, CPU)
     original = load_file(str(path / "model.safetensors"))
     tensors = hf_state_dict(model)
@@ -246,7 +246,7 @@ def test_eagle_heads_are_pushed_over_grpc_like_draft_models():
     from client import SpecrollClient
     from client.errors import InvalidArgument
 
-    model_dir = make_checkpoint("qwen2", tied=True)
+    model_dir = default_checkpoint()
     cfg = load_model(model_dir, torch.float32, CPU).config
     student = EagleStudent(init_head(cfg, seed=3), cfg.vocab_size, 64, CPU)
     srv = start_server(model_dir, engine_kw={"drafter": "eagle"})
@@ -297,7 +297,7 @@ def test_a_busy_server_is_looked_at_afresh_every_backoff():
                            metrics=TrainerMetrics(), server=SimpleNamespace(state=lambda: next(answers)),
                            _state=None, _state_at=0.0, _last_round=time.monotonic(), follow_policy=lambda st: None,
                            source=SimpleNamespace(read=lambda n, ms: [], lag=lambda: (0, 0)), take_in=lambda e: None,
-                           due=lambda: True, train_round=lambda: rounds.append(1))
+                           lease=None, due=lambda: True, train_round=lambda: rounds.append(1))
     for name in ("server_state", "gate_open", "tick"):
         setattr(fake, name, getattr(DrafterTrainer, name).__get__(fake))
     for _ in range(3):

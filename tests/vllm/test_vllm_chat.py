@@ -10,6 +10,7 @@ from pathlib import Path
 
 import httpx
 import pytest
+from service_utils import running
 from vllm_utils import start_vllm
 
 from service.chat_template import ChatTemplates
@@ -34,9 +35,7 @@ def chat_dir(vllm_model: Path, tmp_path_factory) -> Path:
 
 @pytest.fixture(scope="module")
 def server(chat_dir):
-    srv = start_vllm(chat_dir)
-    yield srv
-    srv.stop()
+    yield from running(start_vllm(chat_dir))
 
 
 def test_chat_on_vllm_is_completions_on_the_rendered_prompt(server, chat_dir):

@@ -9,7 +9,7 @@ import uuid
 import pytest
 from helpers import make_checkpoint
 from probes import metric, metric_lines
-from service_utils import ADMIN, checkpoint_tensors, perturbed
+from service_utils import ADMIN, checkpoint_tensors, perturbed, running
 from trainer_utils import pump
 from vllm_utils import TINY, start_vllm
 
@@ -40,9 +40,7 @@ def stream() -> str:
 def server(pair, redis_server, stream, tmp_path_factory):
     target, draft = pair
     buffer = BufferConfig(redis_url=redis_server, stream=stream, spool_dir=str(tmp_path_factory.mktemp("spool")))
-    srv = start_vllm(target, drafter=str(draft), spec="fixed", k=3, buffer=buffer)
-    yield srv
-    srv.stop()
+    yield from running(start_vllm(target, drafter=str(draft), spec="fixed", k=3, buffer=buffer))
 
 
 def run(srv, c: SpecrollClient, prompts: list[list[int]] = PROMPTS) -> tuple[list[list[int]], float]:

@@ -18,7 +18,7 @@ import numpy as np
 import pytest
 import torch
 from probes import metric_lines
-from reference import chi_square_pvalue, exact_joint, processed_probs
+from reference import chi_square_pvalue, exact_joint, penalised, processed_probs
 from vllm_utils import MAX_LEN, hf_greedy, start_vllm
 
 from client import SpecrollClient
@@ -367,3 +367,33 @@ def test_what_vllm_cannot_return_exactly_is_refused(server):
             c.generate_one([1, 2], max_tokens=2, temperature=0.005)
         alive = c.generate_one([1, 2], max_tokens=3, temperature=0.0, ignore_eos=True)
         assert len(alive.samples[0].token_ids) == 3
+
+
+def test_penalties_pass_to_vllm_without_speculation_and_are_refused_with_it(server, vllm_model, hf):
+    """Without a drafter vLLM applies the penalties as the native engine does (greedy tokens equal, sampled
+    logprobs those of the recompute's penalised distribution); with one they are refused (the self-check covers
+    unpenalised verification only)."""
+    from client.errors import InvalidArgument
+
+    kind, srv = server
+    pen = {"frequency_penalty": 1.25, "presence_penalty": 0.5, "repetition_penalty": 1.5}
+    with SpecrollClient(srv.grpc_target) as c:
+        if kind != "off":
+            with pytest.raises(InvalidArgument, match="repetition_penalty with speculative decoding"):
+                c.generate_one([1, 2], max_tokens=2, temperature=0.0, **pen)
+            return
+        greedy = [d.samples[0].token_ids for d in c.generate(PROMPTS, max_tokens=NEW, temperature=0.0,
+                                                                ignore_eos=True, **pen)]
+        sampled = c.generate(PROMPTS, n=2, max_tokens=8, temperature=0.7, ignore_eos=True, **pen)
+    native = LLMEngine(EngineConfig(model=str(vllm_model), max_model_len=MAX_LEN, drafter="none",
+                                    enforce_eager=True))
+    outs = native.generate(PROMPTS, SamplingParams(temperature=0.0, max_tokens=NEW, ignore_eos=True, **pen))
+    assert greedy == [o.outputs[0].token_ids for o in outs]
+    assert greedy != [hf_greedy(hf, p, NEW) for p in PROMPTS]  # the penalties changed the tokens
+    for prompt, done in zip(PROMPTS, sampled, strict=True):
+        for s in done.samples:
+            with torch.no_grad():
+                logits = hf(torch.tensor([list(prompt) + list(s.token_ids)])).logits[0]
+            for j, tok in enumerate(s.token_ids):
+                row = penalised(logits[len(prompt) - 1 + j], list(prompt), list(s.token_ids[:j]), **pen)
+                assert abs(float(processed_probs(row, temperature=0.7)[tok].log()) - s.logprobs[j]) < 1e-3

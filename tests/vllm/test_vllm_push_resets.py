@@ -11,7 +11,7 @@ import threading
 from pathlib import Path
 
 import pytest
-from service_utils import ADMIN, checkpoint_tensors, engine_config, perturbed, start_server, write_checkpoint
+from service_utils import ADMIN, checkpoint_tensors, engine_config, perturbed, running, start_server, write_checkpoint
 from vllm_utils import check_cut_at_push, hf_greedy, hf_of
 
 from client import SpecrollClient
@@ -54,8 +54,7 @@ def server(vllm_model, tmp_path_factory):
         save(cache_path(config, vcfg, vllm_drafter(config.drafter, Path(vllm_model)), vllm.__version__), PROFILE)
         srv = start_server(vllm_model, engine_kw=engine_kw, backend="vllm", limits=Limits(max_tokens=LEN),
                            vllm=vcfg)
-    yield srv
-    srv.stop()
+    yield from running(srv)
 
 
 @pytest.mark.parametrize("mode", ["keep", "wait", "abort"])

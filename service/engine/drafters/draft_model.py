@@ -103,7 +103,7 @@ class DraftModelDrafter(Drafter):
             if j:
                 hidden = self.cached.forward_rows(tokens[-1][:, None], [p + j - 1 for p in positions])[0]
                 logits = self._logits(hidden[:, 0])
-            tok, q = draw_draft(logits, sb, j)
+            tok, q = draw_draft(logits, sb, j, tokens)
             tokens.append(tok)
             probs.append(q)
         return DraftProposal(

@@ -156,7 +156,7 @@ class EagleDrafter(Drafter):
                 meta, _ = self.cached.build_meta(0, [s.num_tokens - 2 + j for s in seqs], [1] * B)
                 emb = target.embed_tokens(draft_tokens[-1])[:, None]
                 feature = self.head(emb, feature[:, None], meta, self.cached.cache.k, self.cached.cache.v)[:, 0]
-            tok, q = draw_draft(self._draft_logits(feature), sb, j)
+            tok, q = draw_draft(self._draft_logits(feature), sb, j, draft_tokens)
             draft_tokens.append(tok)
             draft_probs.append(q)
         for s in seqs:

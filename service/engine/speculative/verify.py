@@ -1,7 +1,8 @@
 """Lossless speculative verification, vectorised over the batch.
 
 For each row: draft tokens x_1..x_k were drawn from q_1..q_k (one-hot for deterministic drafters), the
-target gave p_1..p_{k+1} (processed exactly as in plain decoding). Accept x_j with probability
+target gave p_1..p_{k+1} (processed exactly as in plain decoding; a penalised row's p_j counts the drafts before
+position j, `Penalties.at_positions`). Accept x_j with probability
 min(1, p_j(x_j) / q_j(x_j)); at the first rejection j draw from normalize(max(0, p_j - q_j)); if all k are
 accepted draw a bonus token from p_{k+1}. Positions past a row's draft length count as rejections with
 q = 0, which makes the "residual" simply p: the row falls back to plain sampling there.
@@ -87,7 +88,8 @@ def verify(target_logits: torch.Tensor, draft: DraftProposal, sb: SamplingBatch)
     B, K1, V = target_logits.shape
     k = K1 - 1
     dev = target_logits.device
-    target_logprobs = process_logits(target_logits, sb)  # [B, k + 1, V]: each row's parameters at every position
+    penalised = target_logits if sb.penalties is None else sb.penalties.at_positions(target_logits, draft.tokens)
+    target_logprobs = process_logits(penalised, sb)  # [B, k + 1, V]: each row's parameters at every position
     positions = torch.arange(k, device=dev)
     in_draft = positions[None, :] < draft.lengths[:, None]  # [B, k]
     x = draft.tokens
@@ -106,7 +108,7 @@ def verify(target_logits: torch.Tensor, draft: DraftProposal, sb: SamplingBatch)
     u_all = uniforms(sb.seed_keys, sb.counters[:, None] + offsets, streams)  # [B, 2k + 1]
     u = u_all[:, :k]
     accepted = (u * q_x <= p_x) & in_draft  # u <= p/q without dividing by q
-    target_argmax = target_logits.argmax(-1) if sb.any_greedy else None  # [B, k + 1]
+    target_argmax = penalised.argmax(-1) if sb.any_greedy else None  # [B, k + 1]
     if target_argmax is not None:
         accepted = torch.where(sb.greedy[:, None], (x == target_argmax[:, :k]) & in_draft, accepted)
     num_accepted = accepted.to(torch.int64).cumprod(1).sum(1)  # [B]

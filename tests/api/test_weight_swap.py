@@ -1,0 +1,143 @@
+"""The swap of a weight push on a real server: staged weights come laid out for the CPU's kernels (float32
+stored transposed, oneDNN packs), so the engine thread only swaps references; a reused spare is laid out anew
+(stale packs would serve the old weights); `--weight-spare` decides when the push buffer is made."""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+from helpers import make_checkpoint
+from service_utils import ADMIN, checkpoint_tensors, perturbed, start_server, write_checkpoint
+
+from client import SpecrollClient
+from service.app import BackgroundServer
+from service.cli import build_parser, cmd_serve
+from service.config import ConfigError, EngineConfig
+from service.models import packed
+
+EAGER = {"enforce_eager": True, "drafter": "none"}
+PROMPTS = [[5, 6, 7], [9, 8, 7, 6, 5, 4, 3, 2, 1, 11], [300, 2]]
+GREEDY: dict[str, Any] = {"temperature": 0.0, "max_tokens": 12, "ignore_eos": True, "raw_logprobs": True}
+SAMPLED: dict[str, Any] = {"temperature": 0.9, "seed": 4, "max_tokens": 12, "ignore_eos": True,
+                           "raw_logprobs": True}
+
+
+@pytest.fixture(scope="module")
+def every_row_class_packed() -> Iterator[None]:
+    """Every row class runs the packed copies where oneDNN is here, whatever this machine's timing would pick:
+    a stale pack then shows in the outputs."""
+    with pytest.MonkeyPatch.context() as mp:
+        if packed.onednn_available():
+            mp.setattr(packed, "_choose", lambda layers, timer: (True,) * (len(packed.ROW_CLASSES) + 1))
+        yield
+
+
+@pytest.fixture(scope="module")
+def base_dir() -> Path:
+    return make_checkpoint("qwen2", tied=False, dtype=torch.float32)
+
+
+@pytest.fixture(scope="module")
+def pushes(base_dir) -> list[dict[str, torch.Tensor]]:
+    base = checkpoint_tensors(base_dir)
+    return [perturbed(base, seed=1), perturbed(base, seed=2)]
+
+
+def _serving(srv: BackgroundServer) -> torch.nn.Module:
+    return srv.server.backend.loop.engine.runner.model
+
+
+def _outputs(srv: BackgroundServer) -> list[tuple[list[int], list[float], list[float]]]:
+    """One request at a time: the batches, hence the kernels' row counts and roundings, are the same on both."""
+    with SpecrollClient(srv.grpc_target, admin_token=ADMIN) as c:
+        comps = [c.generate([p], **params)[0] for params in (GREEDY, SAMPLED) for p in PROMPTS]
+    return [(s.token_ids, s.logprobs, s.raw_logprobs) for comp in comps for s in comp.samples]
+
+
+def test_a_float32_push_is_laid_out_before_its_swap(every_row_class_packed, base_dir, pushes, monkeypatch):
+    """Staged weights, a new module (first push) and then the replaced ones (the spare), are laid out before the
+    commit; the engine thread lays out nothing."""
+    srv = start_server(base_dir, engine_kw={**EAGER, "weight_spare": "on-demand"})
+    try:
+        backend = srv.server.backend
+        laid_out_on: list[str] = []
+        real = packed.pack_linears
+
+        def counted(model: torch.nn.Module, timer: Any = None) -> int:
+            laid_out_on.append(threading.current_thread().name)
+            return real(model, timer)
+
+        monkeypatch.setattr(packed, "pack_linears", counted)
+        replaced = _serving(srv)
+        for i, weights in enumerate(pushes):
+            staged = backend.stage_weights("target", weights.items())
+            module = staged.payload
+            assert (module is replaced) == (i == 1)  # the second push loads into the weights the first replaced
+            layers = [m for m in module.modules() if isinstance(m, packed.Linear)]
+            assert layers and packed.prepared(module)
+            assert all(m.weight.t().is_contiguous() for m in layers)  # float32: stored transposed
+            if packed.onednn_available():
+                assert all(m.packed is not None for m in layers)
+            replaced = _serving(srv)
+            backend.commit_weights(staged, f"v{i}", "keep").result(120)
+            assert _serving(srv) is module
+        assert len(laid_out_on) == 2 and "specroll-engine" not in laid_out_on, laid_out_on
+    finally:
+        srv.stop()
+
+
+def test_back_to_back_float32_pushes_serve_exactly_the_pushed_weights(every_row_class_packed, base_dir, pushes,
+                                                                      tmp_path):
+    """Spare made at start: the first push loads into it, the second into the weights the first replaced (laid
+    out for the start weights until that push lays them out again). Outputs then equal a fresh server's on the
+    pushed weights: greedy and sampled tokens, logprobs and raw logprobs."""
+    srv = start_server(base_dir, engine_kw={**EAGER, "weight_spare": "start"})
+    try:
+        stager = srv.server.backend.stager
+        spare, original = stager.spare("target"), _serving(srv)
+        assert spare is not None and spare is not original
+        with SpecrollClient(srv.grpc_target, admin_token=ADMIN) as c:
+            first = c.push_weights(pushes[0], "p1", mode="keep")
+            assert _serving(srv) is spare and stager.spare("target") is original
+            second = c.push_weights(pushes[1], "p2", mode="keep")
+            assert _serving(srv) is original and stager.spare("target") is spare
+        assert first.swap_seconds >= 0 and second.swap_seconds >= 0  # the server reports its hold
+        got = _outputs(srv)
+    finally:
+        srv.stop()
+    fresh = start_server(write_checkpoint(base_dir, pushes[1], tmp_path / "p2"), engine_kw=EAGER)
+    try:
+        want = _outputs(fresh)
+    finally:
+        fresh.stop()
+    assert got == want
+
+
+@pytest.mark.parametrize("policy", ["on-demand", "free"])
+def test_without_a_spare_at_start_the_first_push_makes_its_buffer(base_dir, pushes, policy):
+    srv = start_server(base_dir, engine_kw={**EAGER, "weight_spare": policy})
+    try:
+        stager = srv.server.backend.stager
+        assert stager.spare("target") is None
+        original = _serving(srv)
+        with SpecrollClient(srv.grpc_target, admin_token=ADMIN) as c:
+            c.push_weights(pushes[0], "p1", mode="keep")
+        assert _serving(srv) is not original
+        assert stager.spare("target") is (original if policy == "on-demand" else None)
+    finally:
+        srv.stop()
+
+
+def test_the_weight_spare_setting_is_checked():
+    with pytest.raises(ConfigError, match="weight_spare must be one of start, on-demand, free"):
+        EngineConfig(model="m", weight_spare="twice")
+    args = build_parser().parse_args(["serve", "--weight-spare", "start", "--free-replaced-weights"])
+    with pytest.raises(ValueError, match="contradicts --weight-spare start"):
+        cmd_serve(args)
+    with pytest.raises(SystemExit):
+        build_parser().parse_args(["serve", "--weight-spare", "later"])
