@@ -1,19 +1,13 @@
 """Weight pushes against their raw limits: every path side by side with the bare transport of the same bytes.
 
-Per checkpoint (a Qwen2-architecture model of each `--sizes-mb` in each `--dtypes`, made with our initialiser, no
-downloads) one `specroll serve` subprocess and one bare-transport subprocess; each round pushes the same weights
-over every path, each followed at once by its raw limit on the same bytes (which path goes first rotates per
-round):
-
-- gRPC `PushWeights` (the client, hashing included) vs a bare grpc.aio stream of the same chunks;
-- HTTP `/weights/upload` (a safetensors body with its checksum) vs a bare uvicorn body stream;
-- `/update_weights_from_disk` (the file in the page cache) vs a memcpy of the same bytes;
-- the collective path (`/init_weights_update_group` + `/update_weights_from_distributed`, client.weights
-  `WeightGroup`) vs a bare gloo broadcast of the same tensors.
-
-Then one gRPC push (mode keep) while greedy streams generate: the swap hold (server-measured) and the largest gap
-between two tokens around it against their median gap. Prints one JSON line (GB/s per round, median ratios to
-each raw limit, swap holds, loadavg at start and end) and writes a PNG next to `--png` when matplotlib is there.
+Per checkpoint (a Qwen2 model of each `--sizes-mb` in each `--dtypes`, our initialiser, no downloads) one
+`specroll serve` and one bare-transport subprocess; each round pushes the same weights over every path, each
+paired with its raw limit on the same bytes (the order alternates): gRPC `PushWeights` (client hashing included)
+vs a bare grpc.aio stream; HTTP `/weights/upload` vs a bare uvicorn body; `/update_weights_from_disk` (file in
+the page cache) vs memcpy; the collective path (client.weights `WeightGroup`) vs a bare gloo broadcast. Then one
+gRPC push (mode keep) while greedy streams generate: the swap hold (server-measured) and the largest token gap
+around it. Prints one JSON line (GB/s per round, median ratios to each raw limit, swap holds, loadavg) and writes
+a PNG to `--png` when matplotlib is there.
 
     python -m bench.weight_push [--sizes-mb 256 1024] [--dtypes bfloat16 float32] [--rounds 3] [--png out.png]
 """
