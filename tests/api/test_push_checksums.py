@@ -13,9 +13,9 @@ import httpx
 import numpy as np
 import pytest
 import torch
-from helpers import make_checkpoint
+from helpers import default_checkpoint
 from safetensors.torch import save
-from service_utils import ADMIN, auth, checkpoint_tensors, perturbed, start_server, write_checkpoint
+from service_utils import ADMIN, auth, checkpoint_tensors, perturbed, running, start_server, write_checkpoint
 
 from client import SpecrollClient, checksums
 from client import weights as wt
@@ -29,7 +29,7 @@ GREEDY: dict[str, Any] = {"temperature": 0.0, "max_tokens": 12, "ignore_eos": Tr
 
 @pytest.fixture(scope="module")
 def base_dir() -> Path:
-    return make_checkpoint("qwen2", tied=False)
+    return default_checkpoint(tied=False)
 
 
 @pytest.fixture(scope="module")
@@ -39,9 +39,7 @@ def new(base_dir) -> dict[str, torch.Tensor]:
 
 @pytest.fixture(scope="module")
 def server(base_dir) -> Iterator[BackgroundServer]:
-    srv = start_server(base_dir)
-    yield srv
-    srv.stop()
+    yield from running(start_server(base_dir))
 
 
 @pytest.fixture(scope="module")
