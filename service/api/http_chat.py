@@ -78,8 +78,9 @@ def _unsupported(req: ChatRequest) -> None:
                      (not req.continue_final_message, "continue_final_message"),
                      (req.chat_template is None, "a chat_template in the request (the model's own is used)"),
                      (req.response_format in (None, {"type": "text"}), "response_format other than text"),
-                     (choice in (None, "auto", "none"), f"tool_choice={choice!r} (no constrained decoding: "
-                                                        "use auto or none)"),
+                     (choice in (None, "auto", "none"), f"tool_choice={choice!r} (forcing a tool call would "
+                                                        "sample from another distribution than the policy's: use "
+                                                        "auto or none)"),
                      (req.top_logprobs in (None, 0) or req.logprobs, "top_logprobs without logprobs=true")):
         if not ok:
             raise InvalidRequest(f"{what} is not supported by this server")
