@@ -11,7 +11,7 @@ from service.api.auth import AuthError
 from service.api.disconnect import ClientGone
 from service.api.generation import InvalidRequest, ServiceError
 from service.backend.admission import Overloaded
-from service.backend.base import NotReady, PushError, PushUnsupported
+from service.backend.base import NotReady, PushError, PushTooLarge, PushUnsupported
 
 logger = logging.getLogger(__name__)
 
@@ -26,6 +26,7 @@ class Status:
 # First match wins: subclasses before their bases (PushError and InvalidRequest are ValueErrors).
 TABLE: tuple[tuple[type[BaseException], Status], ...] = (
     (InvalidRequest, Status(400, "invalid_request_error", grpc.StatusCode.INVALID_ARGUMENT)),
+    (PushTooLarge, Status(413, "invalid_request_error", grpc.StatusCode.INVALID_ARGUMENT)),
     (PushError, Status(400, "invalid_request_error", grpc.StatusCode.INVALID_ARGUMENT)),
     (ValueError, Status(400, "invalid_request_error", grpc.StatusCode.INVALID_ARGUMENT)),
     (PermissionError, Status(403, "permission_error", grpc.StatusCode.PERMISSION_DENIED)),

@@ -41,6 +41,7 @@ from service.backend.base import (
     CAP_DELTA_PUSH,
     PAIR_MODE,
     PushError,
+    PushTooLarge,
     PushUnsupported,
     RolloutBackend,
     SparseValues,
@@ -238,7 +239,16 @@ class PushService:
         if not head.tensors:
             raise PushError("the upload holds no tensors")
         declared = dtype_name(dtype) if dtype else dtype_name(head.tensors[0].dtype)
+        if not dtype:  # a header names a dtype per tensor: one push holds one
+            for t in head.tensors[1:]:
+                if dtype_name(t.dtype) != declared:
+                    raise PushError(f"the push mixes dtypes: tensor {t.name!r} has dtype {dtype_name(t.dtype)}, "
+                                    f"others {declared} (a push holds one dtype)")
         manifest = Manifest(role, version, declared, head.tensors, mode, cast, checksum=None)
+        size = len(head.raw) + manifest.total_bytes
+        if size > self.max_push_bytes:  # the body would pass the upload limit: refuse before it streams in
+            raise PushTooLarge(f"request body exceeds the limit of {self.max_push_bytes} bytes: its safetensors "
+                               f"header declares {size}")
         validate_manifest(manifest, spec, self.max_push_bytes)
         if whole is not None:
             whole[0].update(head.raw)

@@ -55,6 +55,10 @@ class PushError(ValueError):
     """A weight push that does not fit what the role serves (400 / INVALID_ARGUMENT)."""
 
 
+class PushTooLarge(PushError):
+    """An uploaded body whose header declares more bytes than the upload limit (413 / INVALID_ARGUMENT)."""
+
+
 class PushUnsupported(RuntimeError):
     """This backend cannot take this kind of push, e.g. a drafter without weights (409 / FAILED_PRECONDITION)."""
 

@@ -213,11 +213,13 @@ def test_upload_without_checksum_refuses_mixed_dtypes_and_corrupt_values(server,
     assert asyncio.run(_info(server)).policy_version == before
 
 
-def test_streamed_upload_over_the_limit_is_413(base_dir):
-    srv = start_server(base_dir, limits=Limits(max_tokens=64, max_upload_bytes=2**20),
+def test_streamed_upload_over_the_limit_is_413(base_dir, new):
+    body = save({k: v.contiguous() for k, v in new.items()})  # a valid upload: its header passes, its size not
+    srv = start_server(base_dir, limits=Limits(max_tokens=64, max_upload_bytes=len(body) // 2),
                        engine_kw={"max_model_len": 128, "max_num_seqs": 4})
     try:
-        chunked = (b"\0" * 2**18 for _ in range(8))  # no content-length: counted as it streams in
+        step = 2**16
+        chunked = (body[i : i + step] for i in range(0, len(body), step))  # no content-length: counted as it streams
         r = httpx.post(srv.http_url + "/weights/upload", params={"version": "big"}, content=chunked, headers=auth(),
                        timeout=60)
         assert r.status_code == 413 and "exceeds the limit" in r.json()["error"]["message"]
