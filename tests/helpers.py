@@ -258,3 +258,18 @@ def assert_same_up_to_near_ties(a, b, atol: float) -> None:
         torch.testing.assert_close(lx[:n], ly[:n], atol=atol, rtol=0)
         if n < len(tx):
             assert abs(lx[n] - ly[n]) < atol, f"diverged at {n} without a near-tie: {lx[n]} vs {ly[n]}"
+
+
+def perturbed_copy(src: Path, dst: Path, scale: float, seed: int = 0) -> Path:
+    """A copy of a checkpoint with relative Gaussian noise on every tensor: a draft model that mostly agrees."""
+    import torch
+    from safetensors.torch import load_file, save_file
+
+    if (dst / "config.json").exists():
+        return dst
+    shutil.copytree(src, dst)
+    g = torch.Generator().manual_seed(seed)
+    for f in dst.glob("*.safetensors"):
+        tensors = load_file(str(f))
+        save_file({n: t + scale * t.std() * torch.randn(t.shape, generator=g) for n, t in tensors.items()}, str(f))
+    return dst

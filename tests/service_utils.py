@@ -67,3 +67,30 @@ def write_checkpoint(src_dir: Path, tensors: dict[str, torch.Tensor], dst_dir: P
 
 def auth(token: str = ADMIN) -> dict[str, str]:
     return {"authorization": f"Bearer {token}"}
+
+
+# What a pushed server is compared by: greedy tokens and logprobs of one probe prompt.
+PROBE = [9, 8, 7, 6]
+GREEDY: dict[str, Any] = {"temperature": 0.0, "max_tokens": 8, "ignore_eos": True}
+Outputs = tuple[list[int], list[float]]
+
+
+def served(c: Any) -> Outputs:
+    """The probe through a running server (a `SpecrollClient`)."""
+    s = c.generate_one(PROBE, **GREEDY).samples[0]
+    return s.token_ids, s.logprobs
+
+
+def fresh(base_dir: Path, weights: dict[str, torch.Tensor], tmp: Path, **engine_kw: Any) -> Outputs:
+    """The probe on an engine started afresh on `weights` (what a server that took them must serve)."""
+    from service.engine.llm_engine import LLMEngine
+    from service.params import SamplingParams
+
+    engine = LLMEngine(engine_config(write_checkpoint(base_dir, weights, tmp), **engine_kw))
+    [out] = engine.generate([PROBE], SamplingParams(**GREEDY))
+    return list(out.outputs[0].token_ids), list(out.outputs[0].logprobs)
+
+
+def assert_same(got: Outputs, want: Outputs) -> None:
+    assert got[0] == want[0]
+    assert torch.allclose(torch.tensor(got[1]), torch.tensor(want[1]), atol=1e-5, rtol=0), (got[1], want[1])

@@ -12,7 +12,6 @@ import subprocess
 import sys
 from collections.abc import Iterator
 from pathlib import Path
-from typing import Any
 
 import httpx
 import pytest
@@ -21,22 +20,19 @@ from helpers import default_checkpoint
 from safetensors.torch import save_file
 from service_utils import (
     ADMIN,
+    assert_same,
     auth,
     checkpoint_tensors,
-    engine_config,
+    fresh,
     perturbed,
     running,
+    served,
     start_server,
-    write_checkpoint,
 )
 
 from client import SpecrollClient
 from service.app import BackgroundServer
-from service.engine.llm_engine import LLMEngine
-from service.params import SamplingParams
 
-PROBE = [9, 8, 7, 6]
-GREEDY: dict[str, Any] = {"temperature": 0.0, "max_tokens": 8, "ignore_eos": True}
 TRAINER = Path(__file__).with_name("group_trainer.py")
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -58,22 +54,6 @@ def trainer(how: str, srv: BackgroundServer, weights: dict[str, torch.Tensor], v
     env = {**os.environ, "SPECROLL_ADMIN_TOKEN": ADMIN, "PYTHONPATH": str(ROOT)}
     return subprocess.run([sys.executable, str(TRAINER), how, srv.http_url, str(path), version, group], env=env,
                           capture_output=True, text=True, timeout=300)
-
-
-def served(c: SpecrollClient) -> tuple[list[int], list[float]]:
-    s = c.generate_one(PROBE, **GREEDY).samples[0]
-    return s.token_ids, s.logprobs
-
-
-def fresh(base_dir: Path, weights: dict[str, torch.Tensor], tmp: Path) -> tuple[list[int], list[float]]:
-    engine = LLMEngine(engine_config(write_checkpoint(base_dir, weights, tmp)))
-    [out] = engine.generate([PROBE], SamplingParams(**GREEDY))
-    return list(out.outputs[0].token_ids), list(out.outputs[0].logprobs)
-
-
-def assert_same(got: tuple[list[int], list[float]], want: tuple[list[int], list[float]]) -> None:
-    assert got[0] == want[0]
-    assert torch.allclose(torch.tensor(got[1]), torch.tensor(want[1]), atol=1e-5, rtol=0), (got[1], want[1])
 
 
 def test_slime_and_client_trainers_push_over_gloo(server, base_dir, tmp_path):

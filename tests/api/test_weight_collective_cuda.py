@@ -10,24 +10,19 @@ import subprocess
 import sys
 from collections.abc import Iterator
 from pathlib import Path
-from typing import Any
 
 import pytest
 import torch
 from helpers import default_checkpoint
 from safetensors.torch import save_file
-from service_utils import ADMIN, checkpoint_tensors, engine_config, perturbed, running, start_server, write_checkpoint
+from service_utils import ADMIN, checkpoint_tensors, fresh, perturbed, running, served, start_server
 
 from client import SpecrollClient
 from service.app import BackgroundServer
-from service.engine.llm_engine import LLMEngine
-from service.params import SamplingParams
 
 ROOT = Path(__file__).resolve().parents[2]
 HERE = Path(__file__).parent
 VENV_PYTHON = ROOT / ".venv-vllm" / "bin" / "python"
-PROBE = [9, 8, 7, 6]
-GREEDY: dict[str, Any] = {"temperature": 0.0, "max_tokens": 8, "ignore_eos": True}
 
 pytestmark = pytest.mark.skipif(
     not (torch.cuda.is_available() and torch.cuda.device_count() >= 2 and torch.distributed.is_nccl_available()),
@@ -53,11 +48,9 @@ def run(python: Path | str, script: str, *args: str) -> subprocess.CompletedProc
 
 
 def check_serves(c: SpecrollClient, base_dir: Path, weights: dict[str, torch.Tensor], tmp: Path) -> None:
-    s = c.generate_one(PROBE, **GREEDY).samples[0]
-    engine = LLMEngine(engine_config(write_checkpoint(base_dir, weights, tmp), device="cuda:0"))
-    [out] = engine.generate([PROBE], SamplingParams(**GREEDY))
-    assert s.token_ids == list(out.outputs[0].token_ids)
-    assert torch.allclose(torch.tensor(s.logprobs), torch.tensor(list(out.outputs[0].logprobs)), atol=1e-4, rtol=0)
+    got, want = served(c), fresh(base_dir, weights, tmp, device="cuda:0")
+    assert got[0] == want[0]
+    assert torch.allclose(torch.tensor(got[1]), torch.tensor(want[1]), atol=1e-4, rtol=0)
 
 
 def test_client_group_push_over_nccl(server, base_dir, tmp_path):

@@ -25,22 +25,19 @@ from probes import metric, wait_for
 from safetensors.torch import save_file
 from service_utils import (
     ADMIN,
+    assert_same,
     auth,
     checkpoint_tensors,
-    engine_config,
+    fresh,
     perturbed,
     running,
+    served,
     start_server,
-    write_checkpoint,
 )
 
 from client import AsyncSpecrollClient, Sample, SpecrollClient
 from service.app import BackgroundServer
-from service.engine.llm_engine import LLMEngine
-from service.params import SamplingParams
 
-PROBE = [9, 8, 7, 6]
-GREEDY: dict[str, Any] = {"temperature": 0.0, "max_tokens": 8, "ignore_eos": True}
 ROOT = Path(__file__).resolve().parents[2]
 TRAINER = Path(__file__).with_name("transfer_trainer.py")
 VENV_PYTHON = ROOT / ".venv-vllm" / "bin" / "python"
@@ -74,22 +71,6 @@ def trainer(*args: str, wait: bool = True) -> Any:
 
 def lines(out: str) -> list[Any]:
     return [json.loads(line) for line in out.splitlines() if line.startswith(("{", "["))]
-
-
-def served(c: SpecrollClient) -> tuple[list[int], list[float]]:
-    s = c.generate_one(PROBE, **GREEDY).samples[0]
-    return s.token_ids, s.logprobs
-
-
-def fresh(base_dir: Path, weights: dict[str, torch.Tensor], tmp: Path) -> tuple[list[int], list[float]]:
-    engine = LLMEngine(engine_config(write_checkpoint(base_dir, weights, tmp)))
-    [out] = engine.generate([PROBE], SamplingParams(**GREEDY))
-    return list(out.outputs[0].token_ids), list(out.outputs[0].logprobs)
-
-
-def assert_same(got: tuple[list[int], list[float]], want: tuple[list[int], list[float]]) -> None:
-    assert got[0] == want[0]
-    assert torch.allclose(torch.tensor(got[1]), torch.tensor(want[1]), atol=1e-5, rtol=0), (got[1], want[1])
 
 
 def failed_pushes(srv: BackgroundServer) -> float:

@@ -10,9 +10,9 @@ from __future__ import annotations
 
 import pytest
 import torch
-from helpers import make_checkpoint, peaked_checkpoint
+from helpers import peaked_checkpoint
 from reference import chi_square_pvalue, exact_joint, penalised, processed_probs
-from test_spec_decode import assisted, assisted_rows, perturbed_copy
+from test_spec_decode import assisted, assisted_rows
 
 from service.config import EngineConfig
 from service.engine.llm_engine import LLMEngine
@@ -132,17 +132,6 @@ def test_logprobs_with_penalties_are_those_of_the_penalised_distribution(target,
 
 # -- the sampled distribution -------------------------------------------------------------------------
 JOINT_PENALTIES = dict(frequency_penalty=1.0, presence_penalty=0.5, repetition_penalty=1.5)
-
-
-@pytest.fixture(scope="module")
-def tiny_drafters(tiny_vocab_model, tmp_path_factory):
-    root = tmp_path_factory.mktemp("tiny-drafters")
-    return {
-        "suffix": "suffix",
-        "agree": str(perturbed_copy(tiny_vocab_model, root / "agree", 0.05)),
-        "disagree": str(make_checkpoint("llama", tied=False, vocab_size=16, seed=99, init_std=0.3)),
-        "eagle": "eagle",
-    }
 
 
 @pytest.mark.slow

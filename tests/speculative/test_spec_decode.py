@@ -5,31 +5,17 @@ from __future__ import annotations
 import copy
 import dataclasses
 import json
-import shutil
 
 import pytest
 import torch
-from helpers import make_checkpoint, peaked_checkpoint
+from helpers import make_checkpoint, peaked_checkpoint, perturbed_copy
 from reference import chi_square_pvalue, exact_joint, processed_probs
-from safetensors.torch import load_file, save_file
 
 from service.config import EngineConfig, ModelConfig
 from service.engine import strategy_driver
 from service.engine.llm_engine import LLMEngine
 from service.engine.strategy import PLAIN, AdaptiveStrategy, Strategy
 from service.params import SamplingParams
-
-
-def perturbed_copy(src, dst, scale: float, seed: int = 0):
-    """A copy of a checkpoint with relative Gaussian noise on every tensor: a draft model that mostly agrees."""
-    if (dst / "config.json").exists():
-        return dst
-    shutil.copytree(src, dst)
-    g = torch.Generator().manual_seed(seed)
-    for f in dst.glob("*.safetensors"):
-        tensors = load_file(str(f))
-        save_file({n: t + scale * t.std() * torch.randn(t.shape, generator=g) for n, t in tensors.items()}, str(f))
-    return dst
 
 
 @pytest.fixture(scope="module")
@@ -556,17 +542,6 @@ def test_a_draft_model_assisted_by_the_suffix_table_is_lossless(target, drafters
 
 # -- the sampled distribution -------------------------------------------------------------------------
 SETTINGS = {"t1.0": dict(temperature=1.0), "t0.7-p0.9": dict(temperature=0.7, top_p=0.9), "k5": dict(top_k=5)}
-
-
-@pytest.fixture(scope="module")
-def tiny_drafters(tiny_vocab_model, tmp_path_factory):
-    root = tmp_path_factory.mktemp("tiny-drafters")
-    return {
-        "suffix": "suffix",
-        "agree": str(perturbed_copy(tiny_vocab_model, root / "agree", 0.05)),
-        "disagree": str(make_checkpoint("llama", tied=False, vocab_size=16, seed=99, init_std=0.3)),
-        "eagle": "eagle",
-    }
 
 
 @pytest.mark.slow
