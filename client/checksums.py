@@ -1,6 +1,6 @@
 """The integrity checks a weight push may carry, one per push (the manifest's `checksum` field).
 
-xxh3_128 (the default) and crc32c run at memory speed; sha256 runs at about 1 GB/s and stays accepted because
+xxh3_128 (the default) and crc32c run at memory speed; sha256 is several times slower and stays accepted because
 clients that predate the field send it. Client and server use this one table, so a name means the same hash on
 both sides; every kind is hex-encoded, one digest per tensor (per body for an HTTP upload).
 """

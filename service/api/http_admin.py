@@ -133,7 +133,7 @@ async def upload_weights(request: Request, ctx: AdminCtx, version: Annotated[str
     """Push weights as a safetensors body (Hugging Face tensor names, the complete set for the role). With
     `base_version`, a delta: only the tensors that changed, a sparse one as `NAME:indices` (int32/int64) with
     `NAME:values`; refused (409) unless that version is served. At most one checksum of the whole body
-    (xxh3_128 and crc32c run at memory speed, sha256 at about 1 GB/s)."""
+    (xxh3_128 and crc32c run at memory speed, sha256 several times slower: docs/weights.md)."""
     digest = _body_digest({"sha256": sha256, "xxh3_128": xxh3_128, "crc32c": crc32c})
     if not base_version:
         length = request.headers.get("content-length")
