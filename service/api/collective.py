@@ -8,8 +8,9 @@ and feeds it to a staging thread that builds the spare weights; the bucket that 
 the push (mode wait | abort | keep), and only then does anything serve.
 
 A refused bucket closes the group (the trainer broadcasts it anyway; its bytes must never be read as the next
-bucket's). A failed broadcast (trainer died, group timed out) discards the push and closes the group; the old
-weights serve on.
+bucket's). A failed broadcast (trainer died, group timed out, a size other than announced) discards the push and
+closes the group; the old weights serve on. Gloo groups are received in a child process (collective_child.py):
+gloo aborts the process a mismatched broadcast reaches. NCCL groups (CUDA) are received here: NCCL does not abort.
 
 vLLM's weight-transfer protocol (TRL, vLLM's trainer engine) runs on the same groups: `start` opens the push,
 each `update` is a bucket (maybe packed into chunks of a size both sides know: `packed_chunks`), `finish` commits.
@@ -18,17 +19,17 @@ each `update` is a bucket (maybe packed into chunks of a size both sides know: `
 from __future__ import annotations
 
 import asyncio
-import datetime
 import logging
 import queue
 import threading
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 import torch
 
+from service.api.collective_child import ChildReceiver, Part, Piece, SlotFree, join_group
 from service.api.push_protocol import PushResult, check_role_version
 from service.backend.base import PushError, Staged
 from service.backend.weight_check import DTYPES, Declared, WeightCheck, dtype_name
@@ -72,22 +73,6 @@ def packed_chunks(bucket: Sequence[Declared], buffer_bytes: int) -> list[list[De
     return chunks
 
 
-def join_group(master_address: str, master_port: int, rank: int, world_size: int, group_name: str, backend: str,
-               timeout_s: float) -> Any:
-    """Join the trainer's group the way torch's own init_process_group builds one (a TCP store, prefixed by the
-    group's name), without touching this process's default group."""
-    from torch.distributed.distributed_c10d import Backend, PrefixStore, _new_process_group_helper, _world, rendezvous
-
-    timeout = datetime.timedelta(seconds=timeout_s)
-    store, rank, world_size = next(rendezvous(f"tcp://{master_address}:{master_port}", rank, world_size,
-                                              timeout=timeout))
-    store.set_timeout(timeout)
-    pg, _ = _new_process_group_helper(world_size, rank, [], Backend(backend), PrefixStore(group_name, store),
-                                      group_name=group_name, backend_options=None, timeout=timeout)
-    _world.pg_group_ranks[pg] = {i: i for i in range(world_size)}
-    return pg
-
-
 @dataclass(slots=True)
 class Pending:
     """One version arriving bucket by bucket: a staging thread consumes the tensors as they come."""
@@ -103,45 +88,97 @@ class Pending:
     staged: Staged | None = None
     error: BaseException | None = None
     thread: threading.Thread | None = None
+    lock: threading.Lock = field(default_factory=threading.Lock)
+    consumed: bool = False  # the staging thread stopped taking from the feed
 
     def tensors(self) -> Iterator[tuple[str, torch.Tensor]]:
+        """The staging thread's side: each tensor is copied before the next is asked for, which is what lets a
+        receiver reuse a slot once its `SlotFree` is taken."""
         while (item := self.feed.get()) is not _END:
             if isinstance(item, BaseException):
                 raise item
+            if isinstance(item, SlotFree):
+                item.release()
+                continue
             yield item
+
+    def emit(self, item: Any) -> None:
+        """The receiving side: hand over a tensor or a `SlotFree` (released at once once staging stopped)."""
+        with self.lock:
+            if not self.consumed:
+                self.feed.put(item)
+                return
+        if isinstance(item, SlotFree):
+            item.release()
+
+    def stop_consuming(self) -> None:
+        """The staging thread ends: what it left in the feed is dropped, its slots freed for the receiver."""
+        with self.lock:
+            self.consumed = True
+        while True:
+            try:
+                item = self.feed.get_nowait()
+            except queue.Empty:
+                return
+            if isinstance(item, SlotFree):
+                item.release()
+
+
+def pieces(bucket: Sequence[Declared], packed_bytes: int | None) -> list[Piece]:
+    """The broadcasts a bucket arrives in: one a tensor, or vLLM's packed chunks (one dtype a push, so the
+    tensors' offsets in a chunk stay aligned)."""
+    def part(d: Declared, offset: int) -> Part:
+        return Part(d.name, DTYPES[dtype_name(d.dtype)], d.shape, offset, nbytes(d))
+
+    if packed_bytes is None:
+        return [Piece(nbytes(d), dtype_name(d.dtype), False, (part(d, 0),)) for d in bucket]
+    out = []
+    for chunk in packed_chunks(bucket, packed_bytes):
+        parts, offset = [], 0
+        for d in chunk:
+            parts.append(part(d, offset))
+            offset += nbytes(d)
+        out.append(Piece(offset, dtype_name(chunk[0].dtype), True, tuple(parts)))
+    return out
 
 
 @dataclass(slots=True)
 class Group:
+    """A joined group: gloo received by a child process (`receiver`), NCCL in this one (`pg`)."""
+
     name: str
     pg: Any
     device: torch.device
     timeout_s: float
+    receiver: ChildReceiver | None = None
     lock: asyncio.Lock = field(default_factory=asyncio.Lock)
     pending: Pending | None = None
     expiry: asyncio.Task[None] | None = None  # discards a push whose next bucket does not come
 
     packed_bytes: int | None = None  # the weight-transfer engine's packed chunk size; None: one tensor a broadcast
 
-    def receive(self, bucket: Sequence[Declared], packed_bytes: int | None = None) -> list[tuple[str, torch.Tensor]]:
-        """Blocking: the bucket's tensors, broadcast from rank 0 in order (one by one, or packed in chunks)."""
+    def receive(self, bucket: Sequence[Declared], packed_bytes: int | None, emit: Callable[[Any], None]) -> None:
+        """Blocking: the bucket's tensors, broadcast from rank 0 in order, each passed to `emit` as it lands."""
+        plan = pieces(bucket, packed_bytes)
+        if self.receiver is not None:
+            self.receiver.receive(plan, emit)
+            return
         import torch.distributed as dist
 
-        out = []
-        if packed_bytes is None:
-            for d in bucket:
-                t = torch.empty(d.shape, dtype=DTYPES[dtype_name(d.dtype)], device=self.device)
-                dist.broadcast(t, 0, group=self.pg)
-                out.append((d.name, t if t.device.type == "cpu" else t.cpu()))
-            return out
-        for chunk in packed_chunks(bucket, packed_bytes):
-            sizes = [nbytes(d) for d in chunk]
-            buf = torch.empty(sum(sizes), dtype=torch.uint8, device=self.device)
-            dist.broadcast(buf, 0, group=self.pg)
+        for piece in plan:
+            buf = torch.empty(piece.nbytes, dtype=torch.uint8, device=self.device)
+            dist.broadcast(buf if piece.packed else buf.view(piece.parts[0].dtype), 0, group=self.pg)
             buf = buf if buf.device.type == "cpu" else buf.cpu()
-            for d, part in zip(chunk, buf.split(sizes), strict=True):  # one dtype a push: offsets stay aligned
-                out.append((d.name, part.view(DTYPES[dtype_name(d.dtype)]).view(d.shape)))
-        return out
+            for p in piece.parts:
+                emit((p.name, buf[p.offset:p.offset + p.nbytes].view(p.dtype).view(p.shape)))
+
+    def leave(self) -> None:
+        if self.receiver is not None:
+            self.receiver.close()
+            return
+        import torch.distributed as dist
+
+        dist.destroy_process_group(self.pg)
 
 
 @dataclass(frozen=True, slots=True)
@@ -190,13 +227,17 @@ class WeightGroups:
         if not 0 < timeout <= 3600:
             raise PushError(f"timeout_s must be in (0, 3600], got {timeout}")
         try:
-            pg = await asyncio.to_thread(join_group, master_address, int(master_port), rank_offset, world_size,
-                                         group_name, backend, timeout)
+            if backend == "gloo":
+                pg, receiver = None, await asyncio.to_thread(ChildReceiver.start, master_address, int(master_port),
+                                                             rank_offset, world_size, group_name, timeout)
+            else:
+                pg, receiver = await asyncio.to_thread(join_group, master_address, int(master_port), rank_offset,
+                                                       world_size, group_name, backend, timeout), None
         except Exception as exc:
             raise PushError(f"could not join weight update group {group_name!r} at {master_address}:{master_port}: "
                             f"{exc}") from exc
         device = torch.device("cuda", torch.cuda.current_device()) if backend == "nccl" else torch.device("cpu")
-        self._groups[group_name] = Group(group_name, pg, device, timeout)
+        self._groups[group_name] = Group(group_name, pg, device, timeout, receiver)
         logger.info("joined weight update group %s (rank %d of %d, %s)", group_name, rank_offset, world_size, backend)
 
     # -- vLLM's weight-transfer engine: init, start, update (a bucket), finish (the swap), shutdown -------------
@@ -286,13 +327,17 @@ class WeightGroups:
             if self._groups.get(group_name) is group:  # not closed meanwhile by a failed broadcast
                 self._close(group, "destroyed")
 
-    def _close(self, group: Group, why: str) -> None:
-        import torch.distributed as dist
+    def close_all(self) -> None:
+        """Server shutdown: every group closed, its push discarded, its receiving process ended."""
+        for group in list(self._groups.values()):
+            self._close(group, "the server shuts down")
+        self._transfer = None
 
+    def _close(self, group: Group, why: str) -> None:
         self._discard(group, why)
         self._groups.pop(group.name, None)
         try:
-            dist.destroy_process_group(group.pg)
+            group.leave()
         except Exception as exc:  # a group whose peer died may fail to tear down: it is dropped either way
             logger.warning("weight update group %s did not close cleanly: %s", group.name, exc)
         logger.info("weight update group %s closed: %s", group.name, why)
@@ -334,6 +379,8 @@ class WeightGroups:
                 pending.staged = self.pushes.stage_sync("target", pending.tensors(), cast)
             except BaseException as exc:
                 pending.error = exc
+            finally:
+                pending.stop_consuming()
 
         pending.thread = threading.Thread(target=stage, name="specroll-group-push", daemon=True)
         pending.thread.start()
@@ -394,12 +441,11 @@ class WeightGroups:
             group.expiry.cancel()
             group.expiry = None
         try:
-            tensors = await asyncio.to_thread(group.receive, bucket, packed_bytes)
-        except Exception as exc:
+            await asyncio.to_thread(group.receive, bucket, packed_bytes, pending.emit)
+        except Exception as exc:  # ReceiveFailed, or a gloo/NCCL error raised here
             self._close(group, f"the broadcast failed: {exc}")
-            raise PushError(f"the broadcast of version {pending.version} failed, nothing changed: {exc}") from exc
-        for item in tensors:
-            pending.feed.put(item)
+            raise PushError(f"the broadcast of version {pending.version} failed, nothing changed (the group is "
+                            f"closed): {exc}") from exc
         pending.received.update(d.name for d in bucket)
         return len(set(pending.check.spec.shapes) - pending.received)
 

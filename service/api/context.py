@@ -50,6 +50,7 @@ class ServiceContext:
 
     def close(self) -> None:
         self._tokenize_pool.shutdown(wait=False, cancel_futures=True)
+        self.pushes.groups.close_all()  # ends the processes receiving weight groups' broadcasts
 
     @property
     def ready(self) -> bool:
