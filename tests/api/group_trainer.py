@@ -1,6 +1,6 @@
 """A trainer process pushing a safetensors checkpoint to a server over a gloo process group.
 
-    python group_trainer.py slime|client|die|client-wrong HTTP_URL WEIGHTS.safetensors VERSION GROUP
+    python group_trainer.py slime|client|die|longer|shorter|client-wrong HTTP_URL WEIGHTS.safetensors VERSION GROUP
 
 `slime` does what slime's trainer does, payloads and order alike: THUDM/slime at commit
 624b824a898ab0ec1fcb4d373004c7f3852bf515, slime/backends/megatron_utils/update_weight/update_weight_from_distributed.py
@@ -8,9 +8,11 @@
 the group; `update_weights_from_distributed`: per bucket the /update_weights_from_distributed call is made, then each
 tensor is broadcast from rank 0 with async_op and the handles waited for) and slime/backends/sglang_utils/
 sglang_engine.py (the payloads: dtypes as "float32", flush_cache False, weight_version a string). `die` does the same
-but is killed halfway through the second bucket's broadcast. `client` pushes with our client (client/weights.py);
-`client-wrong` pushes a tensor of a wrong shape with it. The admin token comes from SPECROLL_ADMIN_TOKEN;
-TRANSFER_BACKEND=nccl runs `client` on CUDA.
+but is killed halfway through the second bucket's broadcast. `longer` / `shorter` announce the second bucket as
+slime does, print "ready" and wait for a line on stdin, then broadcast its first tensor with 64 elements more / fewer
+than announced (a buggy trainer): the replies go to stdout, the group is left to the server to close. `client`
+pushes with our client (client/weights.py); `client-wrong` pushes a tensor of a wrong shape with it. The admin
+token comes from SPECROLL_ADMIN_TOKEN; TRANSFER_BACKEND=nccl runs `client` on CUDA.
 """
 
 from __future__ import annotations
@@ -49,7 +51,8 @@ def post(url: str, payload: dict[str, Any], out: list[Any]) -> threading.Thread:
     return t
 
 
-def slime_push(url: str, state: dict[str, torch.Tensor], version: str, group: str, die: bool) -> None:
+def slime_push(url: str, state: dict[str, torch.Tensor], version: str, group: str, die: bool = False,
+               wrong_size: str = "") -> None:
     with socket.socket() as sock:
         sock.bind(("", 0))
         port = sock.getsockname()[1]
@@ -74,6 +77,19 @@ def slime_push(url: str, state: dict[str, torch.Tensor], version: str, group: st
             dist.broadcast(state[bucket[0]], 0, group=pg)
             time.sleep(1.0)  # the server is receiving the rest of the bucket: die now
             os.kill(os.getpid(), signal.SIGKILL)
+        if wrong_size and i == 1:
+            print("ready", flush=True)
+            sys.stdin.readline()
+            flat = state[bucket[0]].reshape(-1)
+            sent = torch.cat([flat, flat[:64]]) if wrong_size == "longer" else flat[:-64].clone()
+            try:
+                for t in (sent, *(state[n] for n in bucket[1:])):
+                    dist.broadcast(t, 0, group=pg)
+            except RuntimeError as exc:  # the server's receiver left the group
+                out.append({"broadcast_failed": str(exc)[:300]})
+            call.join()
+            print(json.dumps(out), flush=True)
+            return
         handles = [dist.broadcast(state[n], 0, group=pg, async_op=True) for n in bucket]
         for h in handles:
             h.wait()
@@ -107,7 +123,8 @@ def client_push(url: str, state: dict[str, torch.Tensor], version: str, group: s
 if __name__ == "__main__":
     how, url, path, version, group = sys.argv[1:6]
     weights = {k: v.contiguous() for k, v in load_file(path).items()}
-    if how in ("slime", "die"):
-        slime_push(url, weights, version, group, die=how == "die")
+    if how in ("slime", "die", "longer", "shorter"):
+        slime_push(url, weights, version, group, die=how == "die", wrong_size=how if how in ("longer", "shorter")
+                   else "")
     else:
         client_push(url, weights, version, group, wrong=how == "client-wrong")

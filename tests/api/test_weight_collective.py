@@ -2,7 +2,8 @@
 trainer speaking slime's payloads and order (tests/api/group_trainer.py cites the file and commit) and one using
 our client push checkpoints; afterwards the server's greedy tokens and logprobs are a fresh engine's on the pushed
 weights. A wrong shape is refused before anything is broadcast; a trainer killed mid-broadcast leaves the old
-weights serving and the next group's push lands."""
+weights serving and the next group's push lands. A broadcast of more or fewer bytes than its bucket announced fails
+that call and nothing else: generation runs on across it on the old weights, and the next group's push lands."""
 
 from __future__ import annotations
 
@@ -10,8 +11,10 @@ import json
 import os
 import subprocess
 import sys
+import threading
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import httpx
 import pytest
@@ -30,7 +33,7 @@ from service_utils import (
     start_server,
 )
 
-from client import SpecrollClient
+from client import Sample, SpecrollClient
 from service.app import BackgroundServer
 
 TRAINER = Path(__file__).with_name("group_trainer.py")
@@ -99,4 +102,67 @@ def test_a_trainer_killed_mid_broadcast_changes_nothing(server, base_dir, tmp_pa
         run = trainer("slime", server, after, "after-kill", tmp_path, group="dies")  # same name, new group
         assert run.returncode == 0, run.stderr[-3000:]
         assert c.server_info().policy_version == "after-kill"
+        assert_same(served(c), fresh(base_dir, after, tmp_path / "ref"))
+
+
+def closed(srv: BackgroundServer, group: str) -> bool:
+    r = httpx.post(f"{srv.http_url}/destroy_weights_update_group", json={"group_name": group}, headers=auth())
+    return r.status_code == 400 and "no weight update group" in r.text
+
+
+@pytest.mark.parametrize("how", ["longer", "shorter"])
+def test_a_broadcast_of_another_size_fails_its_call_not_the_server(server, base_dir, tmp_path, how):
+    """More bytes than announced make gloo abort the receiving process (the server's child, not the server); fewer
+    leave the end of the tensor unwritten, which the receiver notices. Either way the call fails with the reason,
+    a stream running across the fault completes on the old weights, and the next group's push lands."""
+    base = checkpoint_tensors(base_dir)
+    path = tmp_path / "wrong.safetensors"
+    save_file({k: v.contiguous() for k, v in perturbed(base, seed=45).items()}, str(path))
+    env = {**os.environ, "SPECROLL_ADMIN_TOKEN": ADMIN, "PYTHONPATH": str(ROOT)}
+    with SpecrollClient(server.grpc_target, admin_token=ADMIN) as c:
+        c.push_weights(base, f"before-{how}")
+        before = served(c)
+        proc = subprocess.Popen([sys.executable, str(TRAINER), how, server.http_url, str(path), f"wrong-{how}", how],
+                                env=env, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                                text=True)
+        events: list[Any] = []
+        started = threading.Event()
+
+        def consume() -> None:
+            with SpecrollClient(server.grpc_target, admin_token=ADMIN) as s:
+                for ev in s.stream([5, 6, 7], temperature=1.0, seed=7, max_tokens=240, ignore_eos=True):
+                    events.append(ev)
+                    started.set()
+
+        try:
+            assert proc.stdout is not None and proc.stdin is not None
+            assert proc.stdout.readline().strip() == "ready", proc.stderr.read()[-3000:] if proc.stderr else ""
+            stream = threading.Thread(target=consume)
+            stream.start()
+            assert started.wait(60)
+            proc.stdin.write("go\n")
+            proc.stdin.flush()
+            out, err = proc.communicate(timeout=120)
+            assert proc.returncode == 0, err[-3000:]
+        finally:
+            proc.kill()
+        stream.join(120)
+        replies = json.loads(out.strip().splitlines()[-1])
+        init, first, failed = (r for r in replies if "broadcast_failed" not in r)
+        assert init["success"] and first["remaining"] > 0, replies
+        assert failed["status"] == 400, replies
+        body = json.loads(failed["body"])["error"]["message"]
+        assert f"the broadcast of version wrong-{how} failed, nothing changed" in body, body
+        assert ("the receiving process died" in body and "more bytes than the bucket announced" in body
+                if how == "longer" else "fewer bytes than the bucket announced" in body), body
+        assert httpx.get(f"{server.http_url}/health").json() == {"status": "ok"}
+        final = events[-1]
+        assert isinstance(final, Sample) and final.finish_reason == "length" and len(final.token_ids) == 240
+        assert [v.policy_version for v in final.version_spans] == [f"before-{how}"]
+        assert c.server_info().policy_version == f"before-{how}" and served(c) == before
+        assert closed(server, how)
+        after = perturbed(base, seed=46)
+        run = trainer("slime", server, after, f"after-{how}", tmp_path, group=how)  # same name, new group
+        assert run.returncode == 0, run.stderr[-3000:]
+        assert c.server_info().policy_version == f"after-{how}"
         assert_same(served(c), fresh(base_dir, after, tmp_path / "ref"))
