@@ -3,9 +3,10 @@
 from __future__ import annotations
 
 import shutil
-from collections.abc import Iterator
+import threading
+from collections.abc import Callable, Iterator
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 import torch
 from safetensors.torch import load_file, save_file
@@ -14,6 +15,8 @@ from service.api.generation import Limits
 from service.app import BackgroundServer, ServerConfig
 from service.config import EngineConfig
 from service.netutil import free_port
+
+T = TypeVar("T")
 
 ADMIN = "test-admin-token"
 MAX_MODEL_LEN = 256
@@ -94,3 +97,29 @@ def fresh(base_dir: Path, weights: dict[str, torch.Tensor], tmp: Path, **engine_
 def assert_same(got: Outputs, want: Outputs) -> None:
     assert got[0] == want[0]
     assert torch.allclose(torch.tensor(got[1]), torch.tensor(want[1]), atol=1e-5, rtol=0), (got[1], want[1])
+
+
+def across(srv: BackgroundServer, act: Callable[[], T], max_tokens: int = 240) -> tuple[T, Any]:
+    """`act()` while a sampled stream generates (its first token has come before `act` starts); returns what
+    `act` returned and the stream's final Sample (None if it ended without one)."""
+    from client import Sample, SpecrollClient
+
+    final: list[Any] = []
+    started = threading.Event()
+
+    def consume() -> None:
+        with SpecrollClient(srv.grpc_target, admin_token=ADMIN) as c:
+            for ev in c.stream([5, 6, 7], temperature=1.0, seed=7, max_tokens=max_tokens, ignore_eos=True):
+                started.set()
+                if isinstance(ev, Sample):
+                    final.append(ev)
+
+    stream = threading.Thread(target=consume, daemon=True)
+    stream.start()
+    if not started.wait(60):
+        raise AssertionError("the stream produced no token in 60 s")
+    try:
+        result = act()
+    finally:
+        stream.join(120)
+    return result, (final[-1] if final else None)

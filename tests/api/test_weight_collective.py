@@ -11,10 +11,8 @@ import json
 import os
 import subprocess
 import sys
-import threading
 from collections.abc import Iterator
 from pathlib import Path
-from typing import Any
 
 import httpx
 import pytest
@@ -23,6 +21,7 @@ from helpers import default_checkpoint
 from safetensors.torch import save_file
 from service_utils import (
     ADMIN,
+    across,
     assert_same,
     auth,
     checkpoint_tensors,
@@ -125,28 +124,21 @@ def test_a_broadcast_of_another_size_fails_its_call_not_the_server(server, base_
         proc = subprocess.Popen([sys.executable, str(TRAINER), how, server.http_url, str(path), f"wrong-{how}", how],
                                 env=env, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                                 text=True)
-        events: list[Any] = []
-        started = threading.Event()
 
-        def consume() -> None:
-            with SpecrollClient(server.grpc_target, admin_token=ADMIN) as s:
-                for ev in s.stream([5, 6, 7], temperature=1.0, seed=7, max_tokens=240, ignore_eos=True):
-                    events.append(ev)
-                    started.set()
-
-        try:
-            assert proc.stdout is not None and proc.stdin is not None
-            assert proc.stdout.readline().strip() == "ready", proc.stderr.read()[-3000:] if proc.stderr else ""
-            stream = threading.Thread(target=consume)
-            stream.start()
-            assert started.wait(60)
+        def fault() -> str:
+            assert proc.stdin is not None
             proc.stdin.write("go\n")
             proc.stdin.flush()
             out, err = proc.communicate(timeout=120)
             assert proc.returncode == 0, err[-3000:]
+            return out
+
+        try:
+            assert proc.stdout is not None
+            assert proc.stdout.readline().strip() == "ready", proc.stderr.read()[-3000:] if proc.stderr else ""
+            out, final = across(server, fault)
         finally:
             proc.kill()
-        stream.join(120)
         replies = json.loads(out.strip().splitlines()[-1])
         init, first, failed = (r for r in replies if "broadcast_failed" not in r)
         assert init["success"] and first["remaining"] > 0, replies
@@ -156,7 +148,6 @@ def test_a_broadcast_of_another_size_fails_its_call_not_the_server(server, base_
         assert ("the receiving process died" in body and "more bytes than the bucket announced" in body
                 if how == "longer" else "fewer bytes than the bucket announced" in body), body
         assert httpx.get(f"{server.http_url}/health").json() == {"status": "ok"}
-        final = events[-1]
         assert isinstance(final, Sample) and final.finish_reason == "length" and len(final.token_ids) == 240
         assert [v.policy_version for v in final.version_spans] == [f"before-{how}"]
         assert c.server_info().policy_version == f"before-{how}" and served(c) == before

@@ -25,6 +25,7 @@ from probes import metric, wait_for
 from safetensors.torch import save_file
 from service_utils import (
     ADMIN,
+    across,
     assert_same,
     auth,
     checkpoint_tensors,
@@ -61,12 +62,13 @@ def saved(weights: dict[str, torch.Tensor], path: Path) -> str:
     return str(path)
 
 
-def trainer(*args: str, wait: bool = True) -> Any:
+def trainer(*args: str, wait: bool = True, stdin: bool = False) -> Any:
     env = {**os.environ, "SPECROLL_ADMIN_TOKEN": ADMIN, "PYTHONPATH": str(ROOT)}
     cmd = [str(VENV_PYTHON), str(TRAINER), *args]
     if wait:
         return subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=300)
-    return subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    return subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            stdin=subprocess.PIPE if stdin else None)
 
 
 def lines(out: str) -> list[Any]:
@@ -151,6 +153,50 @@ def test_a_trainer_lost_mid_broadcast_changes_nothing(server, base_dir, tmp_path
         assert c.server_info().policy_version == f"after-{how}"
         assert_same(served(c), fresh(base_dir, after, tmp_path / "ref"))
         assert serving_module(server) is spare  # the lost push's spare, its contents dropped, took the next one
+
+
+@pytest.mark.parametrize("how", ["longer", "shorter"])
+def test_a_chunk_of_another_size_fails_its_call_not_the_server(server, base_dir, tmp_path, how):
+    """vLLM's packed chunk with more bytes than announced makes gloo abort the receiving process (the server's
+    child), with fewer its end stays unwritten: the update fails with the reason, a stream across the fault
+    completes on the old weights, the engine is shut down and the next one's push lands."""
+    base = checkpoint_tensors(base_dir)
+    with SpecrollClient(server.grpc_target, admin_token=ADMIN) as c:
+        c.push_weights(base, f"before-{how}")
+        before = served(c)
+        errors = failed_pushes(server)
+        proc = trainer(how, server.http_url, saved(perturbed(base, seed=57), tmp_path / "w.safetensors"),
+                       f"wrong-{how}", "wait", "60", wait=False, stdin=True)
+
+        def fault() -> str:
+            out, err = proc.communicate("go\n", timeout=120)
+            assert proc.returncode == 0, err[-3000:]
+            return out
+
+        try:
+            assert proc.stdout is not None
+            assert proc.stdout.readline().strip() == "ready", proc.stderr.read()[-3000:] if proc.stderr else ""
+            out, final = across(server, fault)
+        finally:
+            proc.kill()
+        replies = [r for r in lines(out)[-1] if "broadcast_failed" not in r]
+        assert replies[0] == {"message": "Weight update started"} and replies[1]["status"] == 400, replies
+        body = json.loads(replies[1]["body"])["error"]["message"]
+        assert "the broadcast of version weight-transfer-" in body and "failed, nothing changed" in body, body
+        assert ("the receiving process died" in body and "more bytes than the bucket announced" in body
+                if how == "longer" else "fewer bytes than the bucket announced" in body), body
+        assert failed_pushes(server) == errors + 1
+        assert httpx.get(f"{server.http_url}/health").json() == {"status": "ok"}
+        assert isinstance(final, Sample) and final.finish_reason == "length" and len(final.token_ids) == 240
+        assert [v.policy_version for v in final.version_spans] == [f"before-{how}"]
+        assert c.server_info().policy_version == f"before-{how}" and served(c) == before
+        r = httpx.post(f"{server.http_url}/start_weight_update", headers=auth())
+        assert r.status_code == 400 and "no weight transfer engine" in r.text, r.text
+        after = perturbed(base, seed=58)
+        run = trainer("vllm", server.http_url, saved(after, tmp_path / "a.safetensors"), f"after-{how}", "wait", "60")
+        assert run.returncode == 0, run.stderr[-3000:]
+        assert c.server_info().policy_version == f"after-{how}"
+        assert_same(served(c), fresh(base_dir, after, tmp_path / "ref"))
 
 
 STREAM: dict[str, Any] = {"temperature": 1.0, "seed": 3, "max_tokens": 200, "ignore_eos": True}

@@ -1,7 +1,7 @@
 """A trainer process pushing safetensors checkpoints over vLLM's weight-transfer endpoints and a gloo group.
 
     python transfer_trainer.py trl HTTP_URL A.safetensors [B.safetensors ...]
-    python transfer_trainer.py vllm|die|hang|staged|wrong HTTP_URL A.safetensors VERSION MODE TIMEOUT_S
+    python transfer_trainer.py vllm|die|hang|staged|wrong|longer|shorter HTTP_URL A.safetensors VERSION MODE TIMEOUT_S
 
 `trl`: trl 1.16.0's own `trl.generation.vllm_client.VLLMClient`, unchanged (`init_communicator`, then one
 `update_named_params` per file), with its two NCCL transport names (`open_trainer_endpoint`,
@@ -10,7 +10,9 @@
 0.32.0's `NCCLTrainerWeightTransferEngine.trainer_init` / `send_weights` (distributed/weight_transfer/
 nccl_engine.py, through clients.py `HTTPVLLMWeightSyncClient`), packed in several chunks (`chunk_bytes`):
 `die` is SIGKILLed and `hang` stalls after the first chunk, `staged` leaves finish to the test, `wrong`
-announces a misshaped then an unknown tensor (a new engine after each refusal) before it pushes.
+announces a misshaped then an unknown tensor (a new engine after each refusal) before it pushes; `longer` /
+`shorter` print "ready", wait for a line on stdin, then pack the first tensor with 64 elements more / the last
+with 64 fewer than announced (a buggy trainer: a chunk has another size than the server expects).
 The admin token: SPECROLL_ADMIN_TOKEN (on TRL's `requests` session); TRANSFER_BACKEND=nccl runs on CUDA.
 """
 
@@ -159,13 +161,14 @@ def engine(url: str, timeout_s: float, chunk: int) -> Endpoint:
 
 
 def send(url: str, endpoint: Endpoint, chunk: int, state: dict[str, torch.Tensor], version: str, mode: str,
-         after_chunk: Callable[[int], None] | None = None, finish: bool = True) -> list[Any]:
+         after_chunk: Callable[[int], None] | None = None, finish: bool = True,
+         post_iter: Callable[[tuple[str, torch.Tensor]], torch.Tensor] = lambda item: item[1]) -> list[Any]:
     replies = [post(f"{url}/start_weight_update", {"mode": mode} if mode != "wait" else None)]
     update_info = {"names": list(state), "dtype_names": [str(t.dtype).split(".")[-1] for t in state.values()],
                    "shapes": [list(t.shape) for t in state.values()]}
     call = Call(f"{url}/update_weights", {"update_info": update_info})
     try:
-        gloo_producer(iter(state.items()), endpoint, 0, lambda item: item[1], chunk, after_chunk=after_chunk)
+        gloo_producer(iter(state.items()), endpoint, 0, post_iter, chunk, after_chunk=after_chunk)
     except RuntimeError as exc:  # the server refused the bucket and left the group
         replies.append({"broadcast_failed": str(exc)[:200]})
     replies.append(call.result())
@@ -191,8 +194,19 @@ def run_vllm(how: str, url: str, path: str, version: str, mode: str, timeout_s: 
             print(json.dumps(send(url, endpoint, chunk, bad, version + "-wrong", mode)), flush=True)
             dist.destroy_process_group(endpoint.pg)  # the refusal shut the engine down: init it again
             endpoint = engine(url, timeout_s, chunk)
+    changed = next(iter(state)) if how == "longer" else list(state)[-1]  # the last chunk is short, not merged
+
+    def resized(item: tuple[str, torch.Tensor]) -> torch.Tensor:
+        flat = item[1].reshape(-1)
+        if item[0] != changed:
+            return item[1]
+        return torch.cat([flat, flat[:64]]) if how == "longer" else flat[:-64].clone()
+
+    if how in ("longer", "shorter"):
+        print("ready", flush=True)
+        sys.stdin.readline()
     replies = send(url, endpoint, chunk, state, version, mode, after_chunk=stop if how in ("die", "hang") else None,
-                   finish=how != "staged")
+                   finish=how != "staged", post_iter=resized if how in ("longer", "shorter") else lambda item: item[1])
     if how != "staged":  # `staged` leaves the received push for the test to finish
         post(f"{url}/shutdown_weight_transfer_engine", None)
     print(json.dumps(replies), flush=True)
