@@ -369,8 +369,12 @@ class WeightGroup:
                 "names": [n for n, _ in bucket], "dtypes": [str(t.dtype).removeprefix("torch.") for _, t in bucket],
                 "shapes": [list(t.shape) for _, t in bucket], "group_name": self.group_name,
                 "weight_version": version, "mode": mode, "cast": cast}, self.token, self.timeout_s)
-            for _, t in bucket:
-                dist.broadcast(t, 0, group=self.pg)
+            try:  # queued at once: gloo sends one while the next is handed over
+                for handle in [dist.broadcast(t, 0, group=self.pg, async_op=True) for _, t in bucket]:
+                    handle.wait()
+            except RuntimeError:  # the server left the group: its reply says why
+                call.wait()
+                raise
             reply = call.wait()
         return reply
 
