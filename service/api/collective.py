@@ -3,9 +3,8 @@
 `/init_weights_update_group` joins a group the trainer hosts (rank 0, a TCP store at master_address:master_port;
 this server is rank `rank_offset`). Each `/update_weights_from_distributed` call announces one bucket (names,
 dtypes, shapes), then the trainer broadcasts its tensors from rank 0 in that order. The server checks the bucket
-against the served model's WeightSpec with the one weight validation before it receives a byte, receives it,
-and feeds it to a staging thread that builds the spare weights; the bucket that completes the checkpoint commits
-the push (mode wait | abort | keep), and only then does anything serve.
+against the served model's WeightSpec before it receives a byte, then feeds each tensor as it lands to a staging
+thread that builds the spare; the bucket that completes the checkpoint commits the push (wait | abort | keep).
 
 A refused bucket closes the group (the trainer broadcasts it anyway; its bytes must never be read as the next
 bucket's). A failed broadcast (trainer died, group timed out, a size other than announced) discards the push and

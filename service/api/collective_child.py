@@ -44,7 +44,9 @@ MAX_PIECES = 256  # pieces per command: a seqpacket message stays small
 ALIGN = 64
 GROW = 2 << 20  # slot sizes round up to this
 STARTUP_S = 60.0  # the child's interpreter and torch import, on top of the group's timeout
-MESSAGE_BYTES = 1 << 20
+COMMAND_BYTES = 256 << 10  # a command: at most MAX_PIECES pieces
+REPLY_BYTES = 16 << 10
+GRACE_S = 5.0  # past the group's timeout: the child's own gloo timeout should speak first
 CANARY_BYTES = 16
 MODULE = "service.api.collective_child"
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -178,7 +180,7 @@ class ChildReceiver:
             self._dispatch()
         for batch in plan:
             for piece, offset in zip(batch.pieces, batch.offsets, strict=True):
-                self._message(self.timeout_s)
+                self._message(self.timeout_s + GRACE_S)
                 base = self._slots[batch.slot].base
                 for part in piece.parts:
                     start = offset + part.offset
@@ -203,6 +205,7 @@ class ChildReceiver:
             self.proc.kill()
         self.proc.wait()
         self._errlog.close()
+        self._slots = [_Slot() for _ in range(SLOTS)]  # the memory goes with the last view of it
 
     # -- internals ----------------------------------------------------------------------------------------------
     def _dispatch(self) -> None:
@@ -242,7 +245,7 @@ class ChildReceiver:
                 self.proc.kill()
                 raise ReceiveFailed(f"the receiving process heard nothing for {timeout_s:g} s")
         try:
-            data = self._sock.recv(MESSAGE_BYTES)
+            data = self._sock.recv(REPLY_BYTES)
         except OSError as exc:
             data = b""
             logger.debug("weight group socket: %s", exc)
@@ -259,10 +262,13 @@ class ChildReceiver:
         except subprocess.TimeoutExpired:
             self.proc.kill()
             code = self.proc.wait()
-        why = f"signal {signal.Signals(-code).name}" if code < 0 else f"exit code {code}"
-        self._errlog.seek(0, os.SEEK_END)
-        self._errlog.seek(max(0, self._errlog.tell() - 4096))
-        tail = self._errlog.read().decode(errors="replace").strip().splitlines()
+        why = f"signal {_signal_name(-code)}" if code < 0 else f"exit code {code}"
+        try:
+            self._errlog.seek(0, os.SEEK_END)
+            self._errlog.seek(max(0, self._errlog.tell() - 4096))
+            tail = self._errlog.read().decode(errors="replace").strip().splitlines()
+        except ValueError:  # closed meanwhile (the group was closed)
+            tail = []
         said = next((line.strip() for line in reversed(tail) if "what():" in line),
                     next((line.strip() for line in reversed(tail) if "Error" in line), ""))
         if tail:
@@ -271,6 +277,13 @@ class ChildReceiver:
         hint = " (the trainer broadcast more bytes than the bucket announced)" if "doesn't match" in said else ""
         return f"the receiving process died ({why}){hint}" + (f": {said.removeprefix('what():').strip()}"
                                                               if said else "")
+
+
+def _signal_name(number: int) -> str:
+    try:
+        return signal.Signals(number).name
+    except ValueError:
+        return str(number)
 
 
 # -- the child ------------------------------------------------------------------------------------------------
@@ -310,7 +323,7 @@ def main(argv: list[str]) -> int:
     slots: dict[int, torch.Tensor] = {}
     pg = None
     while True:
-        data, fds, _, _ = socket.recv_fds(sock, MESSAGE_BYTES, 1)
+        data, fds, _, _ = socket.recv_fds(sock, COMMAND_BYTES, 1)
         if not data:
             os._exit(0)  # the server closed the group (or exited)
         msg = json.loads(data)
