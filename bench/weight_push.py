@@ -78,7 +78,8 @@ def build_checkpoint(folder: Path, size_mb: int, dtype: torch.dtype) -> dict[str
 def start_server(model: Path, dtype: str, http_port: int, grpc_port: int) -> subprocess.Popen:
     cmd = [sys.executable, "-m", "service.cli", "--log-level", "WARNING", "serve", "--model", str(model),
            "--http-port", str(http_port), "--grpc-port", str(grpc_port), "--admin-token", TOKEN, "--device", "cpu",
-           "--dtype", dtype, "--max-model-len", "512", "--max-num-seqs", "8", "--kv-cache-gb", "0.25"]
+           "--dtype", dtype, "--max-model-len", "512", "--max-num-seqs", "8", "--kv-cache-gb", "0.25",
+           "--enforce-eager"]  # a background compile would compete with the pushes for the cores
     return subprocess.Popen(cmd, env=dict(os.environ, SPECROLL_LOG_LEVEL="WARNING"))
 
 

@@ -40,6 +40,7 @@ from service.api.push_protocol import (
 from service.backend.base import (
     CAP_DELTA_PUSH,
     PAIR_MODE,
+    Destinations,
     PushError,
     PushTooLarge,
     PushUnsupported,
@@ -53,12 +54,13 @@ from service.backend.base import (
 )
 from service.backend.weight_check import Declared, WeightCheck
 from service.config import ConfigError
-from service.safetensors_io import index_map, iter_safetensors, read_header, safetensors_files
+from service.safetensors_io import index_map, read_header, read_tensors, safetensors_files
 
 if TYPE_CHECKING:
     from service.backend.metrics import Metrics
 
 logger = logging.getLogger(__name__)
+WORKER_EXIT_S = 30.0  # how long a failed push waits for its staging worker to give the spare back
 
 
 def check_mode_or_error(mode: str, role: str = "target") -> str:
@@ -99,10 +101,11 @@ class PushService:
         return spec
 
     def _stage(self, role: str, tensors: Iterable[tuple[str, torch.Tensor | SparseValues]], cast: bool,
-               delta: bool = False) -> Staged:
+               delta: bool = False, into: Destinations | None = None) -> Staged:
         """Runs off the event loop: the backend checks each tensor (the one weight validation's `stream` half)
-        and copies it beside the serving weights (`delta`: into a copy of them)."""
-        return self.backend.stage_weights(role, tensors, cast=cast, delta=delta)
+        and copies it beside the serving weights (`delta`: into a copy of them; `into`: the transport writes
+        where the backend offers, service/backend/base.py `Destinations`)."""
+        return self.backend.stage_weights(role, tensors, cast=cast, delta=delta, into=into)
 
     def check_base(self, role: str, base_version: str) -> None:
         """A delta push may apply: this backend takes deltas for `role`, and `base_version` is the one served."""
@@ -191,21 +194,30 @@ class PushService:
         return await self._locked(manifest.role, start, self._receive(manifest, chunks, start))
 
     def _receiver(self, manifest: Manifest, **kw: Any) -> ChunkReceiver[Staged]:
-        return ChunkReceiver(manifest, lambda ts: self._stage(manifest.role, ts, manifest.cast,
-                                                              bool(manifest.base_version)),
+        delta = bool(manifest.base_version)
+        into = None if delta else Destinations()
+        return ChunkReceiver(manifest, lambda ts: self._stage(manifest.role, ts, manifest.cast, delta, into),
                              staging=self._staging.setdefault(manifest.role, Staging()),
-                             discard=self.backend.discard, **kw)
+                             discard=self.backend.discard, into=into, **kw)
 
     async def _receive(self, manifest: Manifest, chunks: AsyncIterator[tuple[int, Any]], start: float,
                        receiver: ChunkReceiver[Staged] | None = None,
                        guard: Callable[[Awaitable[PushResult]], Awaitable[PushResult]] | None = None) -> PushResult:
-        self.check_base(manifest.role, manifest.base_version)  # again under the lock: no push of it ran between
+        try:
+            self.check_base(manifest.role, manifest.base_version)  # again under the lock: no push ran between
+        except BaseException:
+            if receiver is not None:
+                receiver.cancel()
+            raise
         receiver = receiver or self._receiver(manifest)
         try:
             async for offset, data in chunks:
                 await receiver.afeed(offset, data)
         except BaseException:
             receiver.cancel()
+            # The worker ends at its next piece and gives the spare back: wait for that under the role's lock,
+            # so the next push finds the spare (not a fresh build beside a worker still holding it).
+            await asyncio.shield(asyncio.to_thread(receiver.join, WORKER_EXIT_S))
             raise
         received = time.perf_counter()
         staged = await asyncio.to_thread(receiver.finish)
@@ -367,8 +379,9 @@ class PushService:
             WeightCheck(self.role_spec(role), cast).declared(self._declared(folder, files))
         except PushError as exc:
             raise PushError(f"{role} folder {str(folder)!r}: {exc}") from exc
+        into = Destinations()
         try:
-            staged = self._stage(role, iter_safetensors([real for _, real in files]), cast)
+            staged = self._stage(role, read_tensors([real for _, real in files], into.get), cast, into=into)
         except ConfigError as exc:  # a file changed or tore after its header was checked
             raise PushError(f"{role} folder {str(folder)!r}: {exc}") from exc
         staged.nbytes = sum(real.stat().st_size for _, real in files)
