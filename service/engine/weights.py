@@ -32,7 +32,7 @@ from service.models.loader import (
     empty_model,
     load_tensors,
 )
-from service.models.packed import ensure_packed
+from service.models.packed import ensure_packed, forget_layout
 
 if TYPE_CHECKING:
     from service.engine.llm_engine import LLMEngine
@@ -75,6 +75,7 @@ def _offer(into: Destinations | None, module: nn.Module) -> None:
     """Let the transport write each tensor of a full push straight into `module` (never the serving one)."""
     if into is None:
         return
+    forget_layout(module)  # the bytes change under torch's version counters
     if isinstance(module, CausalLM):
         def find(name: str) -> torch.Tensor | None:
             try:
