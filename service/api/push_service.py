@@ -17,7 +17,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections.abc import AsyncIterator, Awaitable, Callable, Iterable
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterable, Sequence
 from concurrent.futures import Future
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -82,11 +82,12 @@ async def _offsets(parts: AsyncIterator[list[bytes]]) -> AsyncIterator[tuple[int
 
 class PushService:
     def __init__(self, backend: RolloutBackend, metrics: Metrics | None = None, max_push_bytes: int = 2**40,
-                 load_root: str | Path | None = None) -> None:
+                 load_root: str | Path | Sequence[str | Path] | None = None) -> None:
         self.backend = backend
         self.metrics = metrics
         self.max_push_bytes = max_push_bytes
-        self.load_root = Path(load_root).resolve() if load_root else None
+        roots = [load_root] if isinstance(load_root, str | Path) else list(load_root or ())
+        self.load_roots = tuple(Path(r).expanduser().resolve() for r in roots if str(r))  # empty: anywhere
         self._locks: dict[str, asyncio.Lock] = {}
         self._parked: tuple[Staged, str] | None = None  # a drafter waiting for the next target push
         self._staging: dict[str, Staging] = {}  # per role: where chunked pushes gather their tensors
@@ -329,11 +330,14 @@ class PushService:
         if not path:
             raise PushError("path is required")
         folder = Path(path).expanduser().resolve()
-        if self.load_root is not None and not folder.is_relative_to(self.load_root):
-            raise PermissionError(f"path {path!r} is outside the folder the server may load from")
+        if not self._inside(folder):
+            raise PermissionError(f"path {path!r} is outside the folders the server may load from (--load-root)")
         if not folder.is_dir():
             raise PushError(f"no such folder on the server: {path!r}")
         return folder
+
+    def _inside(self, path: Path) -> bool:
+        return not self.load_roots or any(path.is_relative_to(r) for r in self.load_roots)
 
     def _files(self, folder: Path) -> list[tuple[str, Path]]:
         """The folder's safetensors files (the name the folder gives each, its resolved path): each a regular file
@@ -345,7 +349,7 @@ class PushService:
         resolved = []
         for f in files:
             real = f.resolve()
-            if self.load_root is not None and not real.is_relative_to(self.load_root):
+            if not self._inside(real):
                 raise PermissionError(f"{f.name} in {str(folder)!r} resolves to a file outside the folder the "
                                       "server may load from")
             if not real.is_file():
