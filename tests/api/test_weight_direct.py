@@ -18,6 +18,7 @@ from probes import metric
 from service_utils import ADMIN, assert_same, checkpoint_tensors, fresh, perturbed, running, served, start_server
 
 from client import SpecrollClient
+from client.errors import InvalidArgument, SpecrollError
 from client import weights as wt
 from client.protogen import pb2
 from service.app import BackgroundServer
@@ -120,3 +121,36 @@ def test_a_safetensors_load_reads_each_tensor_into_its_destination(base_dir, tmp
         f.truncate(len(data) // 2)
     with pytest.raises(CheckpointError, match="the file ends inside it"):
         list(reading)
+
+
+@pytest.fixture(scope="module")
+def shm_server(base_dir, tmp_path_factory) -> Iterator[BackgroundServer]:
+    """A server that loads only from a checkpoint folder of its own and from shared memory."""
+    roots = (str(tmp_path_factory.mktemp("checkpoints")), wt.SHM_DIR)
+    yield from running(start_server(base_dir, engine_kw=EAGER, load_root=roots))
+
+
+@pytest.mark.skipif(not Path(wt.SHM_DIR).is_dir(), reason="no /dev/shm on this host")
+def test_a_shared_memory_push_loads_into_the_spare_and_leaves_no_file(shm_server, base_dir, tmp_path):
+    new = perturbed(checkpoint_tensors(base_dir), seed=64)
+    before = set(Path(wt.SHM_DIR).glob("specroll-push-*"))
+    spare = shm_server.server.backend.stager.spare("target")
+    with SpecrollClient(shm_server.grpc_target, admin_token=ADMIN) as c:
+        r = c.push_weights_shm(new, "shm-1", mode="keep")
+        assert r.version == "shm-1" and c.server_info().policy_version == "shm-1"
+        assert _serving(shm_server) is spare
+        assert_same(served(c), fresh(base_dir, new, tmp_path / "ref", **EAGER))
+        with pytest.raises(InvalidArgument, match="served target is bfloat16"):  # refused: still removed
+            c.push_weights_shm(new, "shm-2", dtype=torch.float32)
+        assert c.server_info().policy_version == "shm-1"
+    assert set(Path(wt.SHM_DIR).glob("specroll-push-*")) == before
+
+
+def test_a_load_outside_every_load_root_is_refused(shm_server, base_dir, tmp_path):
+    """Shared memory is allowed because the operator named it; a folder elsewhere still is not."""
+    elsewhere = tmp_path / "elsewhere"
+    elsewhere.mkdir()
+    (elsewhere / "model.safetensors").write_bytes((base_dir / "model.safetensors").read_bytes())
+    with SpecrollClient(shm_server.grpc_target, admin_token=ADMIN) as c, pytest.raises(
+            SpecrollError, match="outside the folders the server may load from"):
+        c.load_weights(str(elsewhere), "elsewhere")
