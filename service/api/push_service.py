@@ -15,6 +15,7 @@ FAILED_PRECONDITION, nothing changed) unless that version is the one served when
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterable, Sequence
@@ -221,7 +222,16 @@ class PushService:
             await asyncio.shield(asyncio.to_thread(receiver.join, WORKER_EXIT_S))
             raise
         received = time.perf_counter()
-        staged = await asyncio.to_thread(receiver.finish)
+        finishing = asyncio.ensure_future(asyncio.to_thread(receiver.finish))
+        try:
+            staged = await asyncio.shield(finishing)
+        except asyncio.CancelledError:
+            # Every byte is in and the worker still builds: what it builds goes back to the backend (the spare),
+            # under the role's lock, before the cancel goes on.
+            receiver.cancel()
+            with contextlib.suppress(Exception):
+                self.backend.discard(await asyncio.shield(finishing))
+            raise
         staged.nbytes = manifest.total_bytes
         logger.debug("push %s: bytes received after %.3f s, weights staged %.3f s later", manifest.version,
                      received - start, time.perf_counter() - received)
