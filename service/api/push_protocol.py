@@ -199,6 +199,11 @@ class Staging:
         self._buf = np.empty(0, dtype=np.uint8)
         self.lock = threading.Lock()  # held by the worker using it (a cancelled push's may still be running)
 
+    @property
+    def capacity(self) -> int:
+        """The bytes it holds (0 until a tensor had to be gathered apart from its destination)."""
+        return int(self._buf.size)
+
     def take(self, nbytes: int) -> np.ndarray:
         if self._buf.size < nbytes:
             self._buf = np.empty(nbytes, dtype=np.uint8)

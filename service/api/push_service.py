@@ -195,11 +195,15 @@ class PushService:
         self.check_base(manifest.role, manifest.base_version)
         return await self._locked(manifest.role, start, self._receive(manifest, chunks, start))
 
+    def staging(self, role: str) -> Staging:
+        """The buffer `role`'s chunked pushes gather tensors without a destination in (read by tests)."""
+        return self._staging.setdefault(role, Staging())
+
     def _receiver(self, manifest: Manifest, **kw: Any) -> ChunkReceiver[Staged]:
         delta = bool(manifest.base_version)
         into = None if delta else Destinations()
         return ChunkReceiver(manifest, lambda ts: self._stage(manifest.role, ts, manifest.cast, delta, into),
-                             staging=self._staging.setdefault(manifest.role, Staging()),
+                             staging=self.staging(manifest.role),
                              discard=self.backend.discard, into=into, **kw)
 
     async def _receive(self, manifest: Manifest, chunks: AsyncIterator[tuple[int, Any]], start: float,

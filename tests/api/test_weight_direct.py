@@ -1,6 +1,7 @@
 """Pushes written straight into the spare, on a real server: gRPC chunks and a safetensors load land in the
-spare's own tensors (no staging copy), the served outputs equal a fresh server on the pushed weights, and a push
-cancelled mid-stream gives the spare back before the next push runs (which then loads into it)."""
+spare's own tensors (no staging copy), the served outputs equal a fresh server on the pushed weights (a spare
+that served and was written into is laid out again), a push cancelled mid-stream gives the spare back before the
+next push runs (which then loads into it), and a same-host push through /dev/shm loads and leaves no file."""
 
 from __future__ import annotations
 
@@ -18,8 +19,8 @@ from probes import metric
 from service_utils import ADMIN, assert_same, checkpoint_tensors, fresh, perturbed, running, served, start_server
 
 from client import SpecrollClient
-from client.errors import InvalidArgument, SpecrollError
 from client import weights as wt
+from client.errors import InvalidArgument, SpecrollError
 from client.protogen import pb2
 from service.app import BackgroundServer
 from service.backend.base import Destinations
@@ -55,6 +56,7 @@ def test_a_grpc_push_lands_in_the_spare_and_serves_like_a_fresh_server(server, b
     with SpecrollClient(server.grpc_target, admin_token=ADMIN) as c:
         c.push_weights(new, "direct-1", mode="keep", chunk_bytes=4096)  # tensors span many chunks
         assert _serving(server) is spare
+        assert server.server.ctx.pushes.staging("target").capacity == 0  # no tensor was gathered apart
         assert torch.equal(_serving(server).get_parameter(name.removeprefix("model.")), new[name])
         assert_same(served(c), fresh(base_dir, new, tmp_path / "ref", **EAGER))
 
