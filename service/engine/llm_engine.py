@@ -17,17 +17,31 @@ from torch import nn
 from tqdm import tqdm
 
 from service.backend.base import StatsSnapshot
-from service.config import EngineConfig, ModelConfig
-from service.engine.drafters import build_drafters, expand_auto
+from service.config import ConfigError, EngineConfig, ModelConfig
+from service.drafter_spec import DrafterItem, DrafterSpec
+from service.engine.background_compile import BackgroundCompile
+from service.engine.cached_model import CachedModel
 from service.engine.drafters.base import Drafter
+from service.engine.drafters.draft_model import DraftModelDrafter
+from service.engine.drafters.eagle import build_eagle
+from service.engine.drafters.suffix import SuffixDrafter
 from service.engine.kv_cache import KVCache, slots_for_budget
-from service.engine.runner import ModelRunner, StepResult, TokenResult
-from service.engine.scheduler import Scheduler, SchedulerOutput
-from service.engine.sequence import Request, RequestOutput, Sequence, StepOutput, completion_of
+from service.engine.runner import ModelRunner
+from service.engine.scheduler import Scheduler
 from service.engine.speculative.estimates import Ewma
 from service.engine.stats import EngineStats, StepRecord
 from service.engine.strategy import PLAIN, Strategy
 from service.engine.strategy_driver import StrategyDriver, open_trace
+from service.engine.types import (
+    Request,
+    RequestOutput,
+    SchedulerOutput,
+    Sequence,
+    StepOutput,
+    StepResult,
+    TokenResult,
+    completion_of,
+)
 from service.models.llama import CausalLM
 from service.models.loader import load_model
 from service.params import ModelBounds, SamplingError, SamplingParams, sample_seed, validate_request
@@ -47,6 +61,49 @@ class StepPlan:
     drafter: Drafter | None = None
     host: Drafter | None = None
     room: list[int] | None = None
+
+
+def expand_auto(spec: DrafterSpec, model_dir: Path) -> DrafterSpec:
+    """The native engine's "auto": the suffix drafter, plus the model folder's own ``draft/`` model when it ships
+    one (the embedded demo model does)."""
+    draft = model_dir / "draft"
+    shipped = [DrafterItem("draft_model", str(draft))] if (draft / "config.json").is_file() else []
+    return spec.expand_auto(DrafterItem("suffix"), *shipped)
+
+
+def build_drafters(spec: DrafterSpec, target: CachedModel, num_slots: int, seed: int) -> dict[str, Drafter]:
+    """The drafters of a resolved setting (no "auto": `expand_auto`), by name: "suffix", "eagle" (a fresh head
+    or one from its folder) and "draft" (a draft-model folder). `target` is the served model with its cache:
+    drafters share its slots, positions, device and dtype."""
+    drafters: dict[str, Drafter] = {}
+    vocab = target.cfg.vocab_size
+    for item in spec.items:
+        if item.method == "suffix":
+            drafters["suffix"] = SuffixDrafter(target.device)
+            continue
+        if item.method == "eagle":
+            drafters["eagle"] = build_eagle(item.path, target, num_slots, target.device, seed)
+            continue
+        path = Path(item.path or item.method)
+        if item.method != "draft_model" or not (path / "config.json").is_file():
+            raise ConfigError(f"drafter {item.as_flag()!r} is neither 'none', 'suffix' nor a model folder with "
+                              "config.json")
+        draft_cfg = ModelConfig.from_dir(path)
+        if abs(draft_cfg.vocab_size - vocab) > 1024:
+            raise ConfigError(f"draft model vocab {draft_cfg.vocab_size} does not match the target's {vocab}: a "
+                              "draft model must share the target's tokenizer")
+        model = load_model(path, target.dtype, target.device)
+        drafters["draft"] = DraftModelDrafter(model, target.cfg, num_slots, target.cache.max_positions, target.device,
+                                              compiled=target.graphs is not None or target.compiled is not None)
+    return drafters
+
+
+def compile_in_background(runner: ModelRunner, ks: tuple[int, ...]) -> BackgroundCompile | None:
+    """`runner.prepare` where it compiles (CPU), in a thread while steps run eagerly (engine/background_compile.py);
+    None where nothing compiles (eager forwards; a GPU captures CUDA graphs in `prepare`)."""
+    if runner.target.compiled is None or runner.target.graphs is not None:
+        return None
+    return BackgroundCompile([(c, runner.query_lens(c, ks)) for c in runner.cached_models()])
 
 
 class LLMEngine:
@@ -95,7 +152,7 @@ class LLMEngine:
         self.strategy = self.driver.strategy
         self.runner.prefill_drafters = self.driver.may_run()
         # CUDA graphs (GPU) or compiled forwards (CPU) before the first step, or compiled while steps run eagerly
-        self.compiling = self.runner.prepare_in_background(self.strategy.depths()) if config.compile_background \
+        self.compiling = compile_in_background(self.runner, self.strategy.depths()) if config.compile_background \
             else None
         t0 = time.perf_counter()
         if self.compiling is None and (n := self.runner.prepare(self.strategy.depths())):

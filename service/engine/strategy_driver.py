@@ -19,11 +19,10 @@ from dataclasses import dataclass
 from service.config import ConfigError
 from service.engine.cached_model import CachedModel
 from service.engine.drafters.base import Drafter
-from service.engine.runner import StepResult
-from service.engine.sequence import Sequence
 from service.engine.speculative.shadow import shadow_trials
 from service.engine.strategy import PLAIN, AdaptiveStrategy, Strategy, bucket_of
 from service.engine.trace import StepTrace
+from service.engine.types import Sequence, StepResult
 
 Shadow = dict[str, list[tuple[int, int]]]  # host drafter -> (num_accepted, num_drafted) per row not verified
 HOST_SHARE = 0.05  # a choice decides as many steps as keep its host seconds under this share of theirs

@@ -1,4 +1,4 @@
-"""Graphed decode / verify forwards (service/engine/graphs.py).
+"""Graphed decode / verify forwards (service/engine/cached_model.py).
 
 On CPU the static-buffer forwards run without capture (`capture=False`): the same bucketing, padding and buffer
 handling as on a GPU, compared with the eager step. The `cuda` tests capture real CUDA graphs and compare the
@@ -12,9 +12,9 @@ from helpers import assert_same, assert_same_up_to_near_ties, make_checkpoint, p
 from reference import chi_square_pvalue, exact_joint
 
 from service.config import EngineConfig
-from service.engine import graphs as graphs_mod
+from service.engine import cached_model as graphs_mod
 from service.engine import strategy_driver
-from service.engine.graphs import StepGraphs, key_buckets
+from service.engine.cached_model import StepGraphs, key_buckets
 from service.engine.llm_engine import LLMEngine
 from service.engine.strategy import AdaptiveStrategy, Strategy
 from service.models.loader import load_model

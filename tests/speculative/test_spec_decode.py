@@ -481,7 +481,7 @@ def test_the_strategy_trace_has_one_line_per_decode_step(target, drafters, tmp_p
 
 
 def test_rows_a_table_has_enough_drafts_for_take_them_with_their_lengths():
-    from service.engine.speculative.verify import DraftProposal
+    from service.engine.batch_tensors import DraftProposal
 
     own = DraftProposal(torch.full((3, 4), 7), torch.full((3,), 4), torch.rand(3, 4, 10), [4, 4, 4])
     table = DraftProposal(torch.arange(12).view(3, 4), torch.tensor([3, 1, 4]), None, [3, 1, 4])

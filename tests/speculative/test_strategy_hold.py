@@ -8,9 +8,9 @@ import torch
 
 from service.engine import strategy_driver
 from service.engine.drafters.suffix import SuffixDrafter
-from service.engine.sequence import Sequence
 from service.engine.strategy import AdaptiveStrategy, Strategy
 from service.engine.strategy_driver import StrategyDriver
+from service.engine.types import Sequence
 from service.params import SamplingParams
 
 MATCHES = [1, 2, 3, 4, 1, 2, 3, 4, 1, 2]  # the table proposes 3, 4, 1, ... for it

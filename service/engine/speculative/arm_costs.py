@@ -16,12 +16,12 @@ import math
 import random
 from dataclasses import dataclass, field
 
+from service.engine.speculative.arms import Arm
 from service.engine.speculative.cost_model import StepCostModel
 from service.engine.speculative.estimates import Ewma
 
 STALL = 2.0  # one step this many times the line may be a stall; one this many times cheaper (against the line)
 # than the arm's mean before says that mean was one
-Arm = tuple[int, str | None, int]  # (bucket, drafter, k)
 
 
 @dataclass(slots=True)

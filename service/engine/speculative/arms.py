@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from service.engine.speculative.arm_costs import Arm
+Arm = tuple[int, str | None, int]  # (bucket, drafter, k)
 
 
 @dataclass(frozen=True, slots=True)
