@@ -236,19 +236,20 @@ class DraftProposal:
         return DraftProposal(self.tokens, torch.minimum(self.lengths, cap), self.probs, rows, self.one_hot_rows,
                              self.caught_up)
 
-    def take_rows(self, host: DraftProposal, min_drafts: int) -> tuple[DraftProposal, torch.Tensor]:
-        """Rows the deterministic drafter `host` (same k, probs None) has at least `min_drafts` drafts for take
+    def take_rows(self, assistant: DraftProposal, min_drafts: int) -> tuple[DraftProposal, torch.Tensor]:
+        """Rows the deterministic drafter `assistant` (same k, probs None) has at least `min_drafts` drafts for take
         its drafts; the others keep these. Returns the joint proposal and those rows ([B] bool). Lossless:
         each row's drafts come from one proposal, chosen before the step."""
-        if host.probs is not None or host.tokens.shape != self.tokens.shape:
-            raise ValueError("a host drafter's proposal must be deterministic and as deep as the one it joins")
-        use = host.lengths >= min_drafts  # [B]
+        if assistant.probs is not None or assistant.tokens.shape != self.tokens.shape:
+            raise ValueError("a lookahead drafter's proposal must be deterministic and as deep as the one it joins")
+        use = assistant.lengths >= min_drafts  # [B]
         rows = None
-        if host.row_lengths is not None and self.row_lengths is not None:
-            rows = [h if h >= min_drafts else n for h, n in zip(host.row_lengths, self.row_lengths, strict=True)]
+        if assistant.row_lengths is not None and self.row_lengths is not None:
+            rows = [h if h >= min_drafts else n for h, n in zip(assistant.row_lengths, self.row_lengths, strict=True)]
         one_hot = use if self.one_hot_rows is None else use | self.one_hot_rows
-        joint = DraftProposal(torch.where(use[:, None], host.tokens, self.tokens),
-                              torch.where(use, host.lengths, self.lengths), self.probs, rows, one_hot, self.caught_up)
+        joint = DraftProposal(torch.where(use[:, None], assistant.tokens, self.tokens),
+                              torch.where(use, assistant.lengths, self.lengths), self.probs, rows, one_hot,
+                              self.caught_up)
         return joint, use
 
 

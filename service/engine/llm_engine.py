@@ -30,7 +30,7 @@ from service.engine.runner import ModelRunner
 from service.engine.scheduler import Scheduler
 from service.engine.speculative.estimates import Ewma
 from service.engine.stats import EngineStats, StepRecord
-from service.engine.strategy import PLAIN, Strategy
+from service.engine.strategy import PLAIN, Arm
 from service.engine.strategy_driver import StrategyDriver, open_trace
 from service.engine.types import (
     Request,
@@ -55,11 +55,11 @@ BETWEEN_STEPS_MAX_S = 0.05  # a longer gap between two steps is idle time, not p
 
 @dataclass(slots=True)
 class StepPlan:
-    """What a step runs: the arm, its drafter, the host drafter that assists it, each row's room (decode)."""
+    """What a step runs: the arm, its drafter, the drafter that assists it, each row's room (decode)."""
 
-    strategy: Strategy
+    arm: Arm
     drafter: Drafter | None = None
-    host: Drafter | None = None
+    assistant: Drafter | None = None
     room: list[int] | None = None
 
 
@@ -246,10 +246,10 @@ class LLMEngine:
                 self.runner.apply_copies(batch.moves)
                 return outputs
             plan = self._plan(batch)
-            result = self.runner.execute(batch, plan.strategy, plan.drafter, plan.host, plan.room)
+            result = self.runner.execute(batch, plan.arm, plan.drafter, plan.assistant, plan.room)
             updated = time.perf_counter()
             outputs += self._update_from_output(result)
-            self._record(batch, plan.strategy, result, start, updated)
+            self._record(batch, plan.arm, result, start, updated)
             return outputs
         finally:
             self._last_step_end = time.perf_counter()
@@ -271,9 +271,9 @@ class LLMEngine:
             return StepPlan(PLAIN)
         room = [max(s.tokens_left(self.config.max_model_len) - 1, 0) for s in batch.seqs] \
             if self.strategy.depths() else None
-        strategy = self.driver.choose(batch.seqs, room)
-        host = self.drafters.get(strategy.assist[0]) if strategy.assist else None
-        return StepPlan(strategy, self.drafters.get(strategy.drafter), host, room)
+        arm = self.driver.choose(batch.seqs, room)
+        assistant = self.drafters.get(arm.assist[0]) if arm.assist else None
+        return StepPlan(arm, self.drafters.get(arm.drafter), assistant, room)
 
     @property
     def between_steps_s(self) -> float:
@@ -286,23 +286,23 @@ class LLMEngine:
                 self.strategy.forget_costs()
             self.compiling = None
 
-    def _record(self, batch: SchedulerOutput, strategy: Strategy, result: StepResult, start: float,
+    def _record(self, batch: SchedulerOutput, arm: Arm, result: StepResult, start: float,
                 updated: float) -> None:
         """Feedback for the strategy (what this choice cost), counters for the metrics. `start`, `updated`: when
         the step began and when its outputs began to be appended."""
         end = time.perf_counter()
         seconds, postprocess_s = end - start, end - updated
         B = len(result.seqs)
-        if strategy.k and not result.k:  # the drafter proposed nothing for any row: a plain step ran
-            strategy = PLAIN
-        self.last_strategy = strategy.name
+        if arm.k and not result.k:  # the drafter proposed nothing for any row: a plain step ran
+            arm = PLAIN
+        self.last_strategy = arm.name
         if batch.kind == "decode":
             cost = None if result.captured else seconds + self.between_steps_s
-            self.driver.feedback(strategy, result, seconds, cost, postprocess_s)
+            self.driver.feedback(arm, result, seconds, cost, postprocess_s)
         if not result.k:
             self.stats.record_step(batch.kind, batch, B, seconds)
             return
-        record = StepRecord("spec", B, seconds, strategy.name, result.k, sum(result.num_drafted),
+        record = StepRecord("spec", B, seconds, arm.name, result.k, sum(result.num_drafted),
                             sum(result.num_accepted), result.num_emitted(), result.draft_seconds,
                             seconds - result.draft_seconds)
         self.stats.record_step("spec", batch, B, seconds, record)

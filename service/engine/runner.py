@@ -18,7 +18,7 @@ from service.models.llama import AttnMeta, CausalLM
 
 if TYPE_CHECKING:
     from service.engine.drafters.base import Drafter
-    from service.engine.speculative.arms import Strategy
+    from service.engine.speculative.arms import Arm
 
 
 def to_host(res: SampleResult, seqs: list[Sequence], extra: torch.Tensor | None = None):
@@ -99,20 +99,20 @@ class ModelRunner:
 
     # -- one engine step --------------------------------------------------------------------------
     @torch.inference_mode()
-    def execute(self, batch: SchedulerOutput, strategy: Strategy, drafter: Drafter | None = None,
-                host: Drafter | None = None, room: list[int] | None = None) -> StepResult:
+    def execute(self, batch: SchedulerOutput, arm: Arm, drafter: Drafter | None = None,
+                assistant: Drafter | None = None, room: list[int] | None = None) -> StepResult:
         """Run one scheduled step: prefill, plain decode (k = 0), or draft k tokens with `drafter` and verify
         them in one target pass (a plain decode when the drafter proposed nothing for any row). With
-        `strategy.assist` = (name, n), `host` is that drafter: rows it has at least n drafts for take its.
+        `arm.assist` = (name, n), `assistant` is that drafter: rows it has at least n drafts for take its.
         `room`: per row, the most drafts it can still emit (`DraftProposal.limit`); None: no limit."""
         self.apply_copies(batch.moves)
         if batch.kind == "prefill":
             return self._prefill(batch)
         built = self.builds()
         result = None
-        if strategy.k and drafter is not None:
-            assist = (host, strategy.assist[1]) if host is not None and strategy.assist else None
-            result = self._speculative(batch.seqs, drafter, strategy.k, assist, room)
+        if arm.k and drafter is not None:
+            assist = (assistant, arm.assist[1]) if assistant is not None and arm.assist else None
+            result = self._speculative(batch.seqs, drafter, arm.k, assist, room)
         if result is None:
             result = self._decode(batch.seqs)
         result.captured = self.builds() > built
@@ -181,7 +181,7 @@ class ModelRunner:
     def _speculative(self, seqs: list[Sequence], drafter: Drafter, k: int, assist: tuple[Drafter, int] | None = None,
                      room: list[int] | None = None) -> StepResult | None:
         """Draft k tokens per row and verify them; None when the drafter proposed nothing for any row.
-        `assist` = (host drafter, n): rows the host drafter has at least n drafts for verify its drafts.
+        `assist` = (lookahead drafter, n): rows the lookahead drafter has at least n drafts for verify its drafts.
         `room`: each row's drafts are cut to it (the rest could not be emitted)."""
         B = len(seqs)
         prev_num_tokens = [s.num_tokens for s in seqs]

@@ -234,7 +234,7 @@ class StepResult:
     k: int = 0  # draft depth (0: plain)
     num_accepted: list[int] = field(default_factory=list)
     num_drafted: list[int] = field(default_factory=list)
-    assisted: list[bool] = field(default_factory=list)  # rows whose drafts came from the assisting host drafter
+    assisted: list[bool] = field(default_factory=list)  # rows whose drafts came from the assisting drafter
     draft_seconds: float = 0.0
     caught_up: tuple[int, float] = (0, 0.0)  # tokens the drafter fed to catch up before drafting, their seconds
     captured: bool = False  # the step captured a CUDA graph or compiled a forward: its time measures nothing

@@ -16,7 +16,7 @@ from service.engine import cached_model as graphs_mod
 from service.engine import strategy_driver
 from service.engine.cached_model import StepGraphs, key_buckets
 from service.engine.llm_engine import LLMEngine
-from service.engine.strategy import AdaptiveStrategy, Strategy
+from service.engine.strategy import AdaptiveStrategy, Arm
 from service.models.loader import load_model
 from service.params import SamplingParams
 
@@ -107,7 +107,7 @@ def run_suffix_steps(engine: LLMEngine, monkeypatch) -> list[tuple[list[int], ob
         s = choose(self, batch_size, proposals, room, catch_up)
         if proposals:
             caps = [min(n, r) for n, r in zip(proposals["suffix"], room, strict=True)]  # within each row's room
-            s = self.verified(Strategy("suffix", 8), caps)
+            s = self.verified(Arm("suffix", 8), caps)
         seen.append(((proposals or {}).get("suffix"), s))
         return s
 
