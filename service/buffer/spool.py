@@ -120,10 +120,12 @@ class Spool:
         self._dir_unsynced = False  # a segment file was created since the last folder fsync
         self._full_need = 0  # bytes a write lacked room for (0: the last write had room)
         self._failing: str | None = None  # reason of the failing streak of writes, for logging once
+        self._totals = (0, 0)  # (unread records, their bytes) as of the last change: read without the lock
         spec = os.environ.get(FAULT_ENV, "") if fault is None else fault
         name, _, times = spec.rpartition(":")
         self._fault_point, self._fault_left = (name, int(times)) if times.isdigit() else (spec, 1)
-        self._open()
+        with self._changing():
+            self._open()
 
     # -- state --------------------------------------------------------------------------------------
     def _file(self, seg: _Segment | int, legacy: bool = False) -> Path:
@@ -131,14 +133,25 @@ class Spool:
             seg, legacy = seg.seq, seg.legacy
         return self.path / f"seg-{seg:012d}.{'spool' if legacy else 'spool2'}"
 
-    def __len__(self) -> int:
+    @contextlib.contextmanager
+    def _changing(self) -> Iterator[None]:
+        """The lock, and the totals refreshed before it is released: `len` and `nbytes` never wait on it (the
+        metrics endpoint asks them while a writer may be in a slow fsync)."""
         with self._lock:
-            return sum(s.count for s in self._segments)
+            try:
+                yield
+            finally:
+                self._recount()
+
+    def _recount(self) -> None:
+        self._totals = (sum(s.count for s in self._segments), sum(s.size - s.start for s in self._segments))
+
+    def __len__(self) -> int:
+        return self._totals[0]
 
     @property
     def nbytes(self) -> int:
-        with self._lock:
-            return sum(s.size - s.start for s in self._segments)
+        return self._totals[1]
 
     @property
     def disk_full(self) -> bool:
@@ -256,7 +269,7 @@ class Spool:
         """Add one record at the end; False when the full-spool policy dropped it or the write failed (the
         disk is full or failing: counted in `lost`, and nothing of the record stays in the file)."""
         framed = frame(data)
-        with self._lock:
+        with self._changing():
             if not self._make_room(len(framed)):
                 self.dropped += 1
                 return False
@@ -321,7 +334,7 @@ class Spool:
         if not items:
             return
         blob = b"".join(frame(r) for r in items)
-        with self._lock:
+        with self._changing():
             self._peeked = []
             seg = _Segment((self._segments[0].seq if self._segments else _FIRST_SEQ) - 1,
                            size=len(blob), count=len(items))
@@ -353,7 +366,7 @@ class Spool:
 
     def sync(self) -> None:
         """Make every record appended so far durable."""
-        with self._lock:
+        with self._changing():
             if self._unsynced and self._tail is not None:
                 self._unsynced = False
                 os.fsync(self._tail.fileno())
@@ -425,7 +438,7 @@ class Spool:
         """Up to n unread records in order, without consuming them."""
         out: list[bytes] = []
         self._peeked = []
-        with self._lock:
+        with self._changing():
             for seg in list(self._segments):
                 if len(out) >= n:
                     break
@@ -458,7 +471,7 @@ class Spool:
 
     def commit(self, n: int) -> None:
         """The first n records of the last peek were delivered: consume them."""
-        with self._lock:
+        with self._changing():
             done = self._peeked[:n]
             self._peeked = []
             for seq, end in done:
@@ -477,7 +490,7 @@ class Spool:
         try:
             self.sync()
         finally:
-            with self._lock:
+            with self._changing():
                 if self._tail is not None:
                     self._tail.close()
                     self._tail = None

@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import json
+import os
 import struct
+import threading
 import zlib
 from pathlib import Path
 
@@ -41,6 +43,36 @@ def test_fifo_across_segments_and_reopen(tmp_path):
     assert drain(reopened) == data[10:]
     assert len(reopened) == 0 and not list(tmp_path.glob("seg-*"))
     assert reopened.append(b"x") and reopened.peek(5) == [b"x"]
+
+
+def test_sizes_answer_while_a_writer_is_stuck_in_fsync(tmp_path, monkeypatch):
+    """The metrics endpoint reads the spool's size: a slow disk's fsync must not hold it up."""
+    spool = Spool(tmp_path, max_bytes=1 << 20, segment_bytes=400)
+    for r in records(5):
+        spool.append(r)
+    expected = [len(spool), spool.nbytes]
+    in_fsync, release = threading.Event(), threading.Event()
+    real_fsync = os.fsync
+
+    def slow_fsync(fd: int) -> None:
+        in_fsync.set()
+        release.wait(30)
+        real_fsync(fd)
+
+    monkeypatch.setattr(os, "fsync", slow_fsync)
+    writer = threading.Thread(target=spool.sync)
+    writer.start()
+    try:
+        assert in_fsync.wait(10)
+        sizes: list[int] = []
+        reader = threading.Thread(target=lambda: sizes.extend([len(spool), spool.nbytes]))
+        reader.start()
+        reader.join(5)
+        assert sizes == expected and expected[0] == 5  # answered while the fsync is stuck
+    finally:
+        release.set()
+        writer.join(30)
+    assert not writer.is_alive()
 
 
 def test_torn_tail_is_cut_and_counted(tmp_path):
