@@ -26,7 +26,7 @@ from service.engine.speculative.catch_up import CatchUps
 from service.engine.speculative.cost_model import StepCostModel
 from service.engine.speculative.estimates import Acceptance
 from service.engine.speculative.passes import cut_depth, verify_tokens
-from service.engine.speculative.tokens import assisted_from, by_drafts, mean_from, mean_tokens
+from service.engine.speculative.tokens import assisted_from, by_drafts, mean_from
 
 
 @dataclass(slots=True)
@@ -88,27 +88,15 @@ class AdaptiveStrategy:
         bucket = bucket_of(batch_size) if batch_size else None
         return self.accept[drafter].rates(self.prior_alpha, self.prior_trials, bucket=bucket)
 
-    def expected_tokens(self, s: Arm, proposals: list[int] | None = None, batch_size: int | None = None) -> float:
-        """Expected tokens per row; `proposals`: each row's proposal length, where the drafter knows it."""
-        alpha = self.acceptance(s.drafter, batch_size) if s.k else None
-        return mean_tokens(alpha, s.k, Counter(proposals) if proposals else None)
-
-    def verified(self, s: Arm, proposals: list[int] | None) -> Arm:
-        """The arm the runner runs for s: a verify pass cut to the longest proposal (none: plain), rounded up
-        to a depth in `ks` where the runner replays captured CUDA graphs (`rounds_to_ks`)."""
-        return s if not s.k or proposals is None else self._cut(s, max(proposals, default=0))
-
-    def _cut(self, s: Arm, longest: int) -> Arm:
-        """`verified` given the longest proposal."""
+    def cut(self, s: Arm, longest: int) -> Arm:
+        """The arm the runner runs for s when no row proposed more than `longest` drafts: a verify pass cut to
+        the longest proposal (none: plain), rounded up to a depth in `ks` where the runner replays captured CUDA
+        graphs (`rounds_to_ks`)."""
         if longest >= s.k:
             return s
         if not longest:
             return PLAIN
         return Arm(s.drafter, cut_depth(longest, s.k, self.ks if self.rounds_to_ks else None))
-
-    def predicted_cost(self, batch_size: int, s: Arm, tokens: int | None = None) -> float:
-        """Seconds of a step of arm s; `tokens`: the draft positions it verifies (default batch_size * k)."""
-        return self.costs.predict(arm_key(batch_size, s), batch_size, tokens)
 
     def _tokens(self, s: Arm, batch_size: int, rows: Counter[int] | None) -> int:
         """The draft positions arm s verifies, given its drafter's proposal length -> rows, where known."""
@@ -146,7 +134,7 @@ class AdaptiveStrategy:
                  for d, n in proposals.items() if n and d in alpha}
         longest = {d: max(n, default=0) for d, n in caps.items()}
         for arm in self.arms:
-            s = arm if arm.drafter not in longest else self._cut(arm, longest[arm.drafter])
+            s = arm if arm.drafter not in longest else self.cut(arm, longest[arm.drafter])
             if s in seen:
                 continue  # a cut verify: the same step as a shallower arm
             seen.add(s)

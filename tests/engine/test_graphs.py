@@ -99,7 +99,7 @@ def test_graphs_are_kept_per_model_across_pushes(target):
 
 def run_suffix_steps(engine: LLMEngine, monkeypatch) -> list[tuple[list[int], object, int]]:
     """Generate choosing the suffix table at k = 8 on every step it has drafts for, as the strategy values it
-    (`verified`: the verify pass the runner will run); per decode step (its proposals, that arm, the depth the
+    (`cut`: the verify pass the runner will run); per decode step (its proposals, that arm, the depth the
     runner verified)."""
     choose, seen = AdaptiveStrategy.choose, []
 
@@ -107,7 +107,7 @@ def run_suffix_steps(engine: LLMEngine, monkeypatch) -> list[tuple[list[int], ob
         s = choose(self, batch_size, proposals, room, catch_up)
         if proposals:
             caps = [min(n, r) for n, r in zip(proposals["suffix"], room, strict=True)]  # within each row's room
-            s = self.verified(Arm("suffix", 8), caps)
+            s = self.cut(Arm("suffix", 8), max(caps, default=0))
         seen.append(((proposals or {}).get("suffix"), s))
         return s
 

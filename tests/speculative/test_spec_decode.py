@@ -14,6 +14,7 @@ from reference import chi_square_pvalue, exact_joint, processed_probs
 from service.config import EngineConfig, ModelConfig
 from service.engine import strategy_driver
 from service.engine.llm_engine import LLMEngine
+from service.engine.speculative.arms import arm_key
 from service.engine.strategy import PLAIN, AdaptiveStrategy, Arm
 from service.params import SamplingParams
 
@@ -418,7 +419,7 @@ def test_the_strategy_starts_from_each_drafters_share_of_the_targets_work(target
     own = engine.strategy.own_costs
     assert own["draft"] == pytest.approx(d.macs_per_token / t.macs_per_token) and 0 < own["draft"] < own["eagle"] < 1
     assert own["suffix"] == 0 and engine.strategy.costs.model.own == [own[n] for n in engine.strategy.drafters]
-    cost = {n: engine.strategy.predicted_cost(4, Arm(n, 2)) for n in ("suffix", "draft", "eagle")}
+    cost = {n: engine.strategy.costs.predict(arm_key(4, Arm(n, 2)), 4) for n in ("suffix", "draft", "eagle")}
     assert cost["suffix"] < cost["draft"] < cost["eagle"]
 
 

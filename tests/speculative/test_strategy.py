@@ -11,13 +11,26 @@ import pytest
 
 from service.engine.speculative import cost_model
 from service.engine.speculative.arm_costs import ArmCosts
+from service.engine.speculative.arms import arm_key
 from service.engine.speculative.cost_model import StepCostModel
 from service.engine.speculative.estimates import Ratio
-from service.engine.speculative.tokens import assisted_from, by_drafts, mean_from, mean_tokens
+from service.engine.speculative.tokens import assisted_from, by_drafts, mean_from
 from service.engine.strategy import PLAIN, AdaptiveStrategy, Arm, bucket_of
 
 CostFn = Callable[[int, str | None, int], float]
 AlphaFn = Callable[[str, int], float]
+
+
+def expected_tokens(strategy: AdaptiveStrategy, arm: Arm, proposals: list[int] | None = None) -> float:
+    """Expected tokens per row of `arm` as the strategy believes now: its pooled acceptance, each row getting at
+    most its proposal's drafts (`proposals`, where the drafter knows them)."""
+    table = by_drafts(strategy.acceptance(arm.drafter), arm.k) if arm.k else [1.0]
+    return mean_from(table, arm.k, Counter(proposals) if proposals else None)
+
+
+def predicted_cost(strategy: AdaptiveStrategy, batch_size: int, arm: Arm) -> float:
+    """Seconds of a step of `arm` at this batch size, as the strategy's cost model predicts them."""
+    return strategy.costs.predict(arm_key(batch_size, arm), batch_size)
 
 
 def assisted_tokens(alpha: list[float], k: int, host_alpha: list[float],
@@ -182,7 +195,7 @@ def test_generalises_across_buckets(cost: CostFn) -> None:
         s = strategy.choose(batch)
         strategy.record(s, batch, cost(batch, s.drafter, s.k), accepted_counts(batch, s.k, 0.8, rng))
     for s in strategy.arms:
-        assert strategy.predicted_cost(16, s) == pytest.approx(cost(16, s.drafter, s.k), rel=0.25)
+        assert predicted_cost(strategy, 16, s) == pytest.approx(cost(16, s.drafter, s.k), rel=0.25)
 
 
 def test_each_bucket_has_its_own_acceptance() -> None:
@@ -263,7 +276,7 @@ def test_a_pinned_k_deeper_than_the_arms_is_recorded() -> None:
         s.record(Arm("draft", 15), 4, 0.05, [15, 12, 3, 0], ran_k=15)
     rates = s.acceptance("draft")
     assert len(rates) == 15 and rates[0] > 0.6 and rates[3] < rates[2]  # row "3" failed at position 4
-    assert s.choose(4) == Arm("draft", 15) and s.expected_tokens(Arm("draft", 15)) > 5
+    assert s.choose(4) == Arm("draft", 15) and expected_tokens(s, Arm("draft", 15)) > 5
 
 
 def test_fixed_and_no_drafter() -> None:
@@ -279,7 +292,7 @@ def test_draft_cost_is_learned_per_drafter() -> None:
     for _ in range(5):
         s.record(Arm("suffix", 2), 8, 1.1, [2] * 8)  # a model-free drafter: an extra position is cheap
         s.record(Arm("draft", 2), 8, 3.0, [2] * 8)  # a draft model: each position costs a forward
-    assert s.predicted_cost(8, Arm("suffix", 6)) < 1.5 < 5.0 < s.predicted_cost(8, Arm("draft", 6))
+    assert predicted_cost(s, 8, Arm("suffix", 6)) < 1.5 < 5.0 < predicted_cost(s, 8, Arm("draft", 6))
     assert s.choose(8).drafter == "suffix"  # same acceptance, far cheaper
 
 
@@ -294,13 +307,13 @@ def test_an_unmeasured_draft_model_is_priced_at_its_share_of_the_targets_work() 
         return s
 
     s = measured({"draft": 0.25})
-    plain, table = s.predicted_cost(8, PLAIN), s.predicted_cost(8, Arm("suffix", 4))
-    assert s.predicted_cost(8, Arm("draft", 4)) - table == pytest.approx(4 * 0.25 * plain, rel=0.1)
+    plain, table = predicted_cost(s, 8, PLAIN), predicted_cost(s, 8, Arm("suffix", 4))
+    assert predicted_cost(s, 8, Arm("draft", 4)) - table == pytest.approx(4 * 0.25 * plain, rel=0.1)
     s = measured({})
-    table = s.predicted_cost(8, Arm("suffix", 4))
-    assert s.predicted_cost(8, Arm("draft", 4)) == pytest.approx(table, rel=1e-3)
+    table = predicted_cost(s, 8, Arm("suffix", 4))
+    assert predicted_cost(s, 8, Arm("draft", 4)) == pytest.approx(table, rel=1e-3)
     unmeasured = AdaptiveStrategy(["suffix", "draft"], own_costs={"draft": 0.25})
-    draft, table = (unmeasured.predicted_cost(8, Arm(d, 2)) for d in ("draft", "suffix"))
+    draft, table = (predicted_cost(unmeasured, 8, Arm(d, 2)) for d in ("draft", "suffix"))
     assert draft / table == pytest.approx((1 + (0.3 + 0.25) * 2) / (1 + 0.3 * 2))  # a plain step's units
     with pytest.raises(ValueError, match="cost of 0 or more"):
         AdaptiveStrategy(["draft"], own_costs={"draft": -0.1})
@@ -397,12 +410,12 @@ def test_a_host_drafter_is_valued_on_the_verify_it_would_run() -> None:
     """A cut verify: no row has more than 3 drafts, so every deeper suffix arm is that step, at its cost."""
     s = AdaptiveStrategy(["suffix"])
     proposals = [3, 0, 1, 3]
-    assert s.verified(Arm("suffix", 8), proposals) == Arm("suffix", 3)
-    assert s.verified(Arm("suffix", 2), proposals) == Arm("suffix", 2)
-    assert s.verified(Arm("suffix", 4), [0, 0]) == PLAIN
+    assert s.cut(Arm("suffix", 8), max(proposals)) == Arm("suffix", 3)
+    assert s.cut(Arm("suffix", 2), max(proposals)) == Arm("suffix", 2)
+    assert s.cut(Arm("suffix", 4), max([0, 0])) == PLAIN
     alpha = s.acceptance("suffix")
     want = (2 * by_drafts(alpha, 3)[3] + 1 + by_drafts(alpha, 1)[1]) / 4
-    assert s.expected_tokens(Arm("suffix", 8), proposals) == pytest.approx(want)
+    assert expected_tokens(s, Arm("suffix", 8), proposals) == pytest.approx(want)
     for _ in range(3):
         s.record(PLAIN, 4, 1.0)
     assert s.choose(4, {"suffix": [0, 0, 0, 0]}) == PLAIN
@@ -534,7 +547,7 @@ def test_rows_near_their_token_budget_are_valued_at_what_they_can_emit() -> None
     assert s.choose(8, room=[8] * 8).k == 8
     assert {s.choose(8, room=[2, 1, 0, 2, 0, 0, 1, 2]).k for _ in range(20)} == {2}
     assert s.choose(8, room=[0] * 8) == PLAIN
-    assert s.verified(Arm("draft", 8), [0, 3, 1]) == Arm("draft", 3)
+    assert s.cut(Arm("draft", 8), max([0, 3, 1])) == Arm("draft", 3)
 
 
 def test_a_catch_up_is_priced_per_token_and_kept_out_of_the_arms_cost() -> None:
@@ -545,10 +558,10 @@ def test_a_catch_up_is_priced_per_token_and_kept_out_of_the_arms_cost() -> None:
         s.record(PLAIN, batch, 0.010 * (1 + batch / 32))
     for _ in range(6):
         s.record(Arm("draft", 2), 8, 0.012, [2] * 8)
-    arm = s.predicted_cost(8, Arm("draft", 2))
+    arm = predicted_cost(s, 8, Arm("draft", 2))
     s.record(Arm("draft", 2), 8, 0.012 + 0.2, [2] * 8, caught_up=(400, 0.2))
     assert s.catch_ups.price["draft"].value == pytest.approx(0.2 / 400)
-    assert s.predicted_cost(8, Arm("draft", 2)) == pytest.approx(arm, rel=0.02)
+    assert predicted_cost(s, 8, Arm("draft", 2)) == pytest.approx(arm, rel=0.02)
     # Each catch-up weighs by its tokens: after a large one at 1 ms per token the price is 0.88 ms, where an
     # average of per-catch-up prices says 0.65 ms (on a CPU, catch-ups of ~3,000 tokens in near-uniform rollouts
     # cost 2-2.8x the price per token that the small ones before them had set).
@@ -636,7 +649,7 @@ def test_token_tables_give_what_the_per_call_sums_give() -> None:
     rows = Counter({0: 3, 2: 5, 8: 1})
     pairs = Counter({(8, 8): 2, (1, 8): 1, (0, 3): 4, (5, 2): 1})
     for k in (1, 2, 3, 4, 6, 8):
-        assert mean_from(by_drafts(own, 8), k, rows) == pytest.approx(mean_tokens(own, k, rows))
+        assert mean_from(by_drafts(own, 8), k, rows) == pytest.approx(mean_from(by_drafts(own, k), k, rows))
         assert mean_from(by_drafts(own, 8), k, None) == pytest.approx(by_drafts(own, k)[k])
         assert assisted_from(by_drafts(own, 8), k, by_drafts(host, 8), pairs) == pytest.approx(
             assisted_tokens(own, k, host, pairs))

@@ -21,14 +21,9 @@ def by_drafts(alpha: float | list[float], k: int) -> list[float]:
     return out
 
 
-def mean_tokens(alpha: list[float] | None, k: int, rows: Counter[int] | None) -> float:
-    """Expected tokens per row with k drafts; `rows`: how many rows have each proposal length (a row gets at most
-    its proposal's drafts), or None when every row gets k."""
-    return mean_from(by_drafts(alpha, k) if k else [1.0], k, rows)
-
-
 def mean_from(table: list[float], k: int, rows: Counter[int] | None) -> float:
-    """`mean_tokens` from the drafter's `by_drafts` table (k or longer)."""
+    """Expected tokens per row with k drafts, from the drafter's `by_drafts` table (k or longer); `rows`: how many
+    rows have each proposal length (a row gets at most its proposal's drafts), or None when every row gets k."""
     if not k:
         return 1.0
     if rows is None:
