@@ -4,10 +4,11 @@ Per checkpoint (a Qwen2 model of each `--sizes-mb` in each `--dtypes`, our initi
 `specroll serve` and one bare-transport subprocess; each round pushes the same weights over every path, each
 paired with its raw limit on the same bytes (the order alternates): gRPC `PushWeights` (client hashing included)
 vs a bare grpc.aio stream; HTTP `/weights/upload` vs a bare uvicorn body; `/update_weights_from_disk` (file in
-the page cache) vs memcpy; the collective path (client.weights `WeightGroup`) vs a bare gloo broadcast. Then one
-gRPC push (mode keep) while greedy streams generate: the swap hold (server-measured) and the largest token gap
-around it. Prints one JSON line (GB/s per round, median ratios to each raw limit, swap holds, loadavg) and writes
-a PNG to `--png` when matplotlib is there.
+the page cache) vs memcpy; `push_weights_shm` (the client writes a safetensors file into /dev/shm, the
+server loads it, the file is removed: two copies in all) vs memcpy; the collective path (client.weights
+`WeightGroup`) vs a bare gloo broadcast. Then one gRPC push (mode keep) while greedy streams generate: the swap
+hold (server-measured) and the largest token gap around it. Prints one JSON line (GB/s per round, median ratios
+to each raw limit, swap holds, loadavg) and writes a PNG to `--png` when matplotlib is there.
 
     python -m bench.weight_push [--sizes-mb 256 1024] [--dtypes bfloat16 float32] [--rounds 3] [--png out.png]
 """
@@ -45,8 +46,9 @@ from service.netutil import free_port
 
 logger = logging.getLogger("bench.weight_push")
 TOKEN = "bench"
-PATHS = ("grpc", "http", "disk", "collective")
-RAW = {"grpc": "bare grpc.aio stream", "http": "bare uvicorn body", "disk": "memcpy", "collective": "bare gloo"}
+PATHS = ("grpc", "http", "disk", "shm", "collective")
+RAW = {"grpc": "bare grpc.aio stream", "http": "bare uvicorn body", "disk": "memcpy", "shm": "memcpy",
+       "collective": "bare gloo"}
 RAW_METHOD = "/bench.Raw/Push"
 
 
@@ -78,7 +80,8 @@ def build_checkpoint(folder: Path, size_mb: int, dtype: torch.dtype) -> dict[str
 def start_server(model: Path, dtype: str, http_port: int, grpc_port: int) -> subprocess.Popen:
     cmd = [sys.executable, "-m", "service.cli", "--log-level", "WARNING", "serve", "--model", str(model),
            "--http-port", str(http_port), "--grpc-port", str(grpc_port), "--admin-token", TOKEN, "--device", "cpu",
-           "--dtype", dtype, "--max-model-len", "512", "--max-num-seqs", "8", "--kv-cache-gb", "0.25"]
+           "--dtype", dtype, "--max-model-len", "512", "--max-num-seqs", "8", "--kv-cache-gb", "0.25",
+           "--enforce-eager"]  # a background compile would compete with the pushes for the cores
     return subprocess.Popen(cmd, env=dict(os.environ, SPECROLL_LOG_LEVEL="WARNING"))
 
 
@@ -205,6 +208,14 @@ class Bench:
         self.swaps["disk"].append(r.json()["swap_seconds"] * 1e3)
         return dt
 
+    def shm(self, client: AsyncSpecrollClient, loop: asyncio.AbstractEventLoop) -> float:
+        t0 = time.perf_counter()
+        r = asyncio.run_coroutine_threadsafe(client.push_weights_shm(self.weights, self.version("shm"), mode="keep"),
+                                             loop).result()
+        dt = time.perf_counter() - t0
+        self.swaps["shm"].append(r.swap_seconds * 1e3)
+        return dt
+
     def disk_raw(self) -> float:
         src = np.frombuffer(self.body, dtype=np.uint8)
         t0 = time.perf_counter()
@@ -306,8 +317,9 @@ def run_config(size_mb: int, dtype: str, rounds: int, streams: int, paths: tuple
                       f"http://127.0.0.1:{raw_http}", f"127.0.0.1:{raw_grpc}")
             (model / "model.safetensors").read_bytes()  # the file in the page cache
             ours = {"grpc": lambda: b.grpc(client, loop), "http": b.http_push, "disk": b.disk,
-                    "collective": b.collective}
-            bare = {"grpc": b.grpc_raw, "http": b.http_raw, "disk": b.disk_raw, "collective": b.collective_raw}
+                    "shm": lambda: b.shm(client, loop), "collective": b.collective}
+            bare = {"grpc": b.grpc_raw, "http": b.http_raw, "disk": b.disk_raw, "shm": b.disk_raw,
+                    "collective": b.collective_raw}
             for p in paths:  # untimed: the first push builds the spare, the first of each transport connects
                 ours[p]()
                 bare[p]()

@@ -6,6 +6,7 @@ import asyncio
 import contextlib
 import itertools
 import logging
+import shutil
 import time
 import uuid
 from collections.abc import AsyncIterator, Awaitable, Callable, Mapping, Sequence
@@ -279,6 +280,21 @@ class AsyncSpecrollClient:
             self._push_channel = grpc.insecure_channel(self.target, options=self._options)
         return self._push_channel.stream_unary("/specroll.v1.Rollout/PushWeights", request_serializer=wt.serialize_push,
                                                response_deserializer=pb2.WeightsReply.FromString)
+
+    async def push_weights_shm(self, weights: Mapping[str, Any], version: str, *, role: str = "target",
+                               mode: str = "wait", dtype: Any = None, cast: bool = False,
+                               shm_dir: str | Path = wt.SHM_DIR) -> PushResult:
+        """A same-host push through shared memory: the state dict is written once into a safetensors file in a
+        private folder under `shm_dir` (tmpfs), the server reads each tensor once from it into its spare
+        (`load_weights`), and the folder is removed when the call returns, whatever happened. The server must
+        run on this host as a user that can read the folder, with `shm_dir` under a `--load-root` if it sets
+        any. No checksum: the bytes never cross a wire."""
+        tensors = await asyncio.to_thread(wt.from_state_dict, weights, dtype)
+        folder = await asyncio.to_thread(wt.write_safetensors_folder, tensors, shm_dir)
+        try:
+            return await self.load_weights(str(folder), version, role=role, mode=mode, cast=cast)
+        finally:
+            await asyncio.to_thread(shutil.rmtree, folder, True)
 
     async def load_weights(self, path: str, version: str, *, role: str = "target", mode: str = "wait",
                            cast: bool = False) -> PushResult:

@@ -97,6 +97,43 @@ def from_folder(path: str | Path) -> list[TensorBytes]:
     return out
 
 
+SHM_DIR = "/dev/shm"  # tmpfs on Linux: a file there is memory, read by a server on the same host at memcpy speed
+_TO_ST = {name: st for st, (name, _) in _ST_DTYPES.items()}
+
+
+def write_safetensors_folder(tensors: list[TensorBytes], parent: str | Path = SHM_DIR) -> Path:
+    """A new private folder under `parent` (mode 0700) holding the tensors as one `model.safetensors`, each
+    tensor's bytes written once from its own memory. The caller removes the folder (`shutil.rmtree`)."""
+    import os
+    import tempfile
+
+    header: dict[str, Any] = {"__metadata__": {"format": "pt"}}
+    offset = 0
+    for t in tensors:
+        if t.dtype not in _TO_ST:
+            raise ValueError(f"tensor {t.name!r} has dtype {t.dtype}; pushes take float32, bfloat16 or float16")
+        header[t.name] = {"dtype": _TO_ST[t.dtype], "shape": list(t.shape),
+                          "data_offsets": [offset, offset + len(t.data)]}
+        offset += len(t.data)
+    raw = json.dumps(header, separators=(",", ":")).encode()
+    raw += b" " * (-len(raw) % 8)  # the data starts 8-byte aligned, as safetensors writes it
+    folder = Path(tempfile.mkdtemp(prefix="specroll-push-", dir=parent))
+    try:
+        fd = os.open(folder / "model.safetensors", os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+        with os.fdopen(fd, "wb", buffering=0) as f:
+            f.write(struct.pack("<Q", len(raw)) + raw)
+            for t in tensors:
+                view = t.data
+                while view:
+                    view = view[f.write(view):]
+    except BaseException:
+        import shutil
+
+        shutil.rmtree(folder, ignore_errors=True)
+        raise
+    return folder
+
+
 def hash_all(tensors: list[TensorBytes], threads: int = 4, checksum: str = checksums.DEFAULT) -> None:
     """Fill in each tensor's digest of kind `checksum` (the hashes release the GIL, so threads help)."""
     kind = checksums.kind_of(checksum)

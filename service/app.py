@@ -47,7 +47,7 @@ class ServerConfig:
     api_token: str | None = None
     redis_url: str | None = None
     served_model_name: str | None = None
-    load_root: str | None = None
+    load_root: str | tuple[str, ...] | None = None  # the folders weights may be loaded from (None: anywhere)
     limits: Limits = field(default_factory=Limits)
     shutdown_grace_s: float = 5.0
     buffer: BufferConfig | None = None  # rollout buffer; None: Redis at redis_url, else in memory

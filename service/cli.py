@@ -132,7 +132,8 @@ def cmd_serve(args: argparse.Namespace) -> int:
         host=args.host, http_port=args.http_port, grpc_port=args.grpc_port,
         admin_token=read_secret(args, "admin_token"), api_token=read_secret(args, "api_token"),
         redis_url=args.redis_url, served_model_name=args.served_model_name,
-        load_root=args.load_root, limits=limits,
+        load_root=tuple(args.load_root or [r for r in (_env("load_root") or "").split(os.pathsep) if r]) or None,
+        limits=limits,
         buffer=buffer_config_from_args(args),
         admission=AdmissionLimits(args.max_waiting_seqs, args.max_pending_tokens, args.retry_after),
         backend=args.backend,
@@ -174,7 +175,10 @@ def _serve_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--api-token-file", default=_env("api_token_file"), help="file holding the API token")
     p.add_argument("--redis-url", default=_env("redis_url"), help="Redis for the rollout buffer")
     p.add_argument("--served-model-name", default=_env("served_model_name"))
-    p.add_argument("--load-root", default=_env("load_root"), help="only load weights from folders under this one")
+    p.add_argument("--load-root", action="append", default=None,
+                   help="only load weights from folders under this one; repeat it for several (e.g. the checkpoint "
+                        "folder and /dev/shm for same-host pushes through shared memory). Environment: "
+                        "SPECROLL_LOAD_ROOT, several separated by ':'")
     p.add_argument("--max-tokens-per-request", type=int, default=int(_env("max_tokens_per_request", "0")) or None,
                    help="largest max_tokens a request may ask for, per sample (default: max_model_len, less the "
                         "prompt)")

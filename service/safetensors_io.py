@@ -10,11 +10,13 @@ from __future__ import annotations
 
 import json
 import math
+import os
 import re
 import struct
-from collections.abc import Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from pathlib import Path, PurePosixPath
 
+import numpy as np
 import torch
 from safetensors import safe_open
 
@@ -153,6 +155,65 @@ def iter_safetensors(files: list[Path]) -> Iterator[tuple[str, torch.Tensor]]:
                 yield name, tensor
         finally:
             sf_cm.__exit__(None, None, None)
+
+
+TORCH_DTYPES = {"F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16,
+                "I64": torch.int64, "I32": torch.int32, "I16": torch.int16, "I8": torch.int8, "U8": torch.uint8,
+                "BOOL": torch.bool, "F8_E4M3": torch.float8_e4m3fn, "F8_E5M2": torch.float8_e5m2}
+
+
+def _read_exactly(fd: int, view: memoryview, offset: int) -> int:
+    done = 0
+    while done < len(view):
+        got = os.preadv(fd, [view[done:]], offset + done)
+        if got <= 0:
+            break
+        done += got
+    return done
+
+
+def read_tensors(files: list[Path], place: Callable[[str, torch.dtype, tuple[int, ...]], torch.Tensor | None]
+                 | None = None) -> Iterator[tuple[str, torch.Tensor]]:
+    """Every tensor of the files in data order, each read once from its file: straight into the tensor `place`
+    gives for it (its destination), else into one buffer reused for the next tensor (valid until the next is
+    drawn). No intermediate tensor per file or tensor: from the page cache or tmpfs this is one copy. Headers are
+    checked again as each file is opened; a file torn or changed meanwhile raises CheckpointError."""
+    staging = np.empty(0, dtype=np.uint8)
+    for f in files:
+        label = f.name
+        try:
+            fd = os.open(f, os.O_RDONLY | getattr(os, "O_CLOEXEC", 0))
+        except OSError as exc:
+            raise CheckpointError(f"{label}: cannot be read: {exc}") from exc
+        try:
+            size = os.fstat(fd).st_size
+            head = os.pread(fd, 8, 0)
+            if len(head) < 8:
+                raise CheckpointError(f"{label}: {size} bytes, too short to be a safetensors file")
+            (n,) = struct.unpack("<Q", head)
+            if n > min(size - 8, MAX_HEADER_BYTES):
+                raise CheckpointError(f"{label}: the header claims {n} bytes; the file has {size - 8} after its length")
+            raw = os.pread(fd, n, 8)
+            for name, dtype, shape, begin, end in header_spans(raw, size - 8 - n, label):
+                tdtype = TORCH_DTYPES.get(dtype)
+                if tdtype is None:
+                    raise CheckpointError(f"{label}: tensor {name!r} has dtype {dtype}, which cannot be loaded")
+                nbytes = end - begin
+                dst = place(name, tdtype, shape) if place is not None else None
+                if dst is None:
+                    if staging.size < nbytes:
+                        staging = np.empty(nbytes, dtype=np.uint8)
+                    target = staging[:nbytes]
+                else:
+                    target = dst.view(-1).view(torch.uint8).numpy()
+                if _read_exactly(fd, memoryview(target), 8 + n + begin) != nbytes:
+                    raise CheckpointError(f"{label}: tensor {name!r} cannot be read: the file ends inside it "
+                                          "(it changed after its header was read)")
+                yield name, dst if dst is not None else torch.from_numpy(target).view(tdtype).view(shape)
+        except OSError as exc:
+            raise CheckpointError(f"{label}: cannot be read: {exc}") from exc
+        finally:
+            os.close(fd)
 
 
 def read_shapes(files: list[Path]) -> dict[str, tuple[int, ...]]:

@@ -30,7 +30,7 @@ import numpy as np
 import torch
 
 import client.checksums as checksums
-from service.backend.base import ROLES, PushError, PushUnsupported, SparseValues, WeightSpec
+from service.backend.base import ROLES, Destinations, PushError, PushUnsupported, SparseValues, WeightSpec
 from service.backend.weight_check import DTYPES, Declared, WeightCheck, dtype_name
 from service.safetensors_io import MAX_HEADER_BYTES, CheckpointError, header_spans
 
@@ -199,6 +199,11 @@ class Staging:
         self._buf = np.empty(0, dtype=np.uint8)
         self.lock = threading.Lock()  # held by the worker using it (a cancelled push's may still be running)
 
+    @property
+    def capacity(self) -> int:
+        """The bytes it holds (0 until a tensor had to be gathered apart from its destination)."""
+        return int(self._buf.size)
+
     def take(self, nbytes: int) -> np.ndarray:
         if self._buf.size < nbytes:
             self._buf = np.empty(nbytes, dtype=np.uint8)
@@ -212,13 +217,16 @@ class ChunkReceiver(Generic[T]):
     and stays valid only until it asks for the next (the bytes under it are reused: copy them). A bad chunk, a
     digest mismatch or a cancel makes the iterator raise, so `build` fails and nothing it made escapes.
     `whole`: a hasher fed every byte in order (an upload's body hash, the header fed beforehand) that must
-    end as `whole_digest`. `discard` releases what `build` made when the push fails after it.
+    end as `whole_digest`. `discard` releases what `build` made when the push fails after it. `into`: the
+    destinations `build`'s backend offers (service/backend/base.py `Destinations`): a dense tensor that has one
+    is received straight into it and handed on as that tensor. `cancel` (or a failure) ends the worker at its
+    next piece, so what `build` holds (the spare) is back with the backend before the push's caller goes on.
     """
 
     def __init__(self, manifest: Manifest, build: Callable[[Iterator[tuple[str, torch.Tensor | SparseValues]]], T],
                  max_queued: int = 16, staging: Staging | None = None, max_chunk: int = MAX_CHUNK_BYTES,
                  whole: tuple[checksums.Hasher, str, str] | None = None,
-                 discard: Callable[[T], None] | None = None) -> None:
+                 discard: Callable[[T], None] | None = None, into: Destinations | None = None) -> None:
         self.manifest = manifest
         self.received = 0
         self._build = build
@@ -226,6 +234,8 @@ class ChunkReceiver(Generic[T]):
         self._max_chunk = max_chunk
         self._whole = whole  # (hasher, kind, expected hex digest)
         self._discard = discard
+        self._into = into
+        self._cancelled = threading.Event()
         self._q: queue.Queue[Any] = queue.Queue(maxsize=max_queued)
         self._result: T | None = None
         self._error: BaseException | None = None
@@ -287,11 +297,17 @@ class ChunkReceiver(Generic[T]):
         return self._result  # type: ignore[return-value]
 
     def cancel(self) -> None:
+        self._cancelled.set()
         if self._thread.is_alive():
             try:
                 self._q.put_nowait(_CANCEL)
             except queue.Full:
                 threading.Thread(target=self._put, args=(_CANCEL,), daemon=True).start()
+
+    def join(self, timeout: float | None = None) -> bool:
+        """Wait for the worker to end (after `finish` or `cancel`); True once it has."""
+        self._thread.join(timeout)
+        return not self._thread.is_alive()
 
     @staticmethod
     def _as_push_error(exc: BaseException) -> BaseException:
@@ -334,7 +350,7 @@ class ChunkReceiver(Generic[T]):
 
     def _pieces(self) -> Iterator[memoryview]:
         while True:
-            item = self._q.get()
+            item = _CANCEL if self._cancelled.is_set() else self._q.get()
             if item is _CANCEL:
                 raise PushError("the push was cancelled before all bytes arrived")
             if item is _END:
@@ -352,16 +368,20 @@ class ChunkReceiver(Generic[T]):
         chunk, pos = memoryview(b""), 0
         for entry in self.manifest.tensors:
             hasher = checksums.new(kind) if kind is not None else None
+            dtype = DTYPES[dtype_name(entry.dtype)]
+            dst = None
+            if self._into is not None and entry.encoding == DENSE and entry.nbytes:
+                dst = self._into.get(entry.name, dtype, tuple(entry.shape))
             if pos == len(chunk) and entry.nbytes:
                 chunk, pos = next(pieces), 0
-            if len(chunk) - pos >= entry.nbytes:  # the whole tensor is in this piece: a view of it, no copy
+            if dst is None and len(chunk) - pos >= entry.nbytes:  # whole in this piece: a view of it, no copy
                 data: Any = chunk[pos : pos + entry.nbytes]
                 if hasher is not None:
                     hasher.update(data)
                 pos += entry.nbytes
                 array = np.frombuffer(data, dtype=np.uint8) if entry.nbytes else np.empty(0, np.uint8)
             else:
-                array = self._staging.take(entry.nbytes)
+                array = self._staging.take(entry.nbytes) if dst is None else dst.view(-1).view(torch.uint8).numpy()
                 filled = 0
                 while filled < entry.nbytes:
                     if pos == len(chunk):
@@ -376,7 +396,9 @@ class ChunkReceiver(Generic[T]):
             if hasher is not None and hasher.hexdigest() != entry.digest.lower():
                 raise PushError(f"checksum mismatch for tensor {entry.name!r}: its bytes hash to "
                                 f"{hasher.hexdigest()} ({kind}), the manifest says {entry.digest}")
-            dtype = DTYPES[dtype_name(entry.dtype)]
+            if dst is not None:
+                yield entry.name, dst  # in place already: the backend takes it as it lies
+                continue
             tensor = torch.from_numpy(array) if array.flags.writeable else _readonly(array)
             yield entry.name, decode(entry, tensor, dtype)
         if pos != len(chunk):

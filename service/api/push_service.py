@@ -15,9 +15,10 @@ FAILED_PRECONDITION, nothing changed) unless that version is the one served when
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import time
-from collections.abc import AsyncIterator, Awaitable, Callable, Iterable
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterable, Sequence
 from concurrent.futures import Future
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -40,6 +41,7 @@ from service.api.push_protocol import (
 from service.backend.base import (
     CAP_DELTA_PUSH,
     PAIR_MODE,
+    Destinations,
     PushError,
     PushTooLarge,
     PushUnsupported,
@@ -53,12 +55,13 @@ from service.backend.base import (
 )
 from service.backend.weight_check import Declared, WeightCheck
 from service.config import ConfigError
-from service.safetensors_io import index_map, iter_safetensors, read_header, safetensors_files
+from service.safetensors_io import index_map, read_header, read_tensors, safetensors_files
 
 if TYPE_CHECKING:
     from service.backend.metrics import Metrics
 
 logger = logging.getLogger(__name__)
+WORKER_EXIT_S = 30.0  # how long a failed push waits for its staging worker to give the spare back
 
 
 def check_mode_or_error(mode: str, role: str = "target") -> str:
@@ -80,11 +83,12 @@ async def _offsets(parts: AsyncIterator[list[bytes]]) -> AsyncIterator[tuple[int
 
 class PushService:
     def __init__(self, backend: RolloutBackend, metrics: Metrics | None = None, max_push_bytes: int = 2**40,
-                 load_root: str | Path | None = None) -> None:
+                 load_root: str | Path | Sequence[str | Path] | None = None) -> None:
         self.backend = backend
         self.metrics = metrics
         self.max_push_bytes = max_push_bytes
-        self.load_root = Path(load_root).resolve() if load_root else None
+        roots = [load_root] if isinstance(load_root, str | Path) else list(load_root or ())
+        self.load_roots = tuple(Path(r).expanduser().resolve() for r in roots if str(r))  # empty: anywhere
         self._locks: dict[str, asyncio.Lock] = {}
         self._parked: tuple[Staged, str] | None = None  # a drafter waiting for the next target push
         self._staging: dict[str, Staging] = {}  # per role: where chunked pushes gather their tensors
@@ -99,10 +103,11 @@ class PushService:
         return spec
 
     def _stage(self, role: str, tensors: Iterable[tuple[str, torch.Tensor | SparseValues]], cast: bool,
-               delta: bool = False) -> Staged:
+               delta: bool = False, into: Destinations | None = None) -> Staged:
         """Runs off the event loop: the backend checks each tensor (the one weight validation's `stream` half)
-        and copies it beside the serving weights (`delta`: into a copy of them)."""
-        return self.backend.stage_weights(role, tensors, cast=cast, delta=delta)
+        and copies it beside the serving weights (`delta`: into a copy of them; `into`: the transport writes
+        where the backend offers, service/backend/base.py `Destinations`)."""
+        return self.backend.stage_weights(role, tensors, cast=cast, delta=delta, into=into)
 
     def check_base(self, role: str, base_version: str) -> None:
         """A delta push may apply: this backend takes deltas for `role`, and `base_version` is the one served."""
@@ -190,25 +195,47 @@ class PushService:
         self.check_base(manifest.role, manifest.base_version)
         return await self._locked(manifest.role, start, self._receive(manifest, chunks, start))
 
+    def staging(self, role: str) -> Staging:
+        """The buffer `role`'s chunked pushes gather tensors without a destination in (read by tests)."""
+        return self._staging.setdefault(role, Staging())
+
     def _receiver(self, manifest: Manifest, **kw: Any) -> ChunkReceiver[Staged]:
-        return ChunkReceiver(manifest, lambda ts: self._stage(manifest.role, ts, manifest.cast,
-                                                              bool(manifest.base_version)),
-                             staging=self._staging.setdefault(manifest.role, Staging()),
-                             discard=self.backend.discard, **kw)
+        delta = bool(manifest.base_version)
+        into = None if delta else Destinations()
+        return ChunkReceiver(manifest, lambda ts: self._stage(manifest.role, ts, manifest.cast, delta, into),
+                             staging=self.staging(manifest.role),
+                             discard=self.backend.discard, into=into, **kw)
 
     async def _receive(self, manifest: Manifest, chunks: AsyncIterator[tuple[int, Any]], start: float,
                        receiver: ChunkReceiver[Staged] | None = None,
                        guard: Callable[[Awaitable[PushResult]], Awaitable[PushResult]] | None = None) -> PushResult:
-        self.check_base(manifest.role, manifest.base_version)  # again under the lock: no push of it ran between
+        try:
+            self.check_base(manifest.role, manifest.base_version)  # again under the lock: no push ran between
+        except BaseException:
+            if receiver is not None:
+                receiver.cancel()
+            raise
         receiver = receiver or self._receiver(manifest)
         try:
             async for offset, data in chunks:
                 await receiver.afeed(offset, data)
         except BaseException:
             receiver.cancel()
+            # The worker ends at its next piece and gives the spare back: wait for that under the role's lock,
+            # so the next push finds the spare (not a fresh build beside a worker still holding it).
+            await asyncio.shield(asyncio.to_thread(receiver.join, WORKER_EXIT_S))
             raise
         received = time.perf_counter()
-        staged = await asyncio.to_thread(receiver.finish)
+        finishing = asyncio.ensure_future(asyncio.to_thread(receiver.finish))
+        try:
+            staged = await asyncio.shield(finishing)
+        except asyncio.CancelledError:
+            # Every byte is in and the worker still builds: what it builds goes back to the backend (the spare),
+            # under the role's lock, before the cancel goes on.
+            receiver.cancel()
+            with contextlib.suppress(Exception):
+                self.backend.discard(await asyncio.shield(finishing))
+            raise
         staged.nbytes = manifest.total_bytes
         logger.debug("push %s: bytes received after %.3f s, weights staged %.3f s later", manifest.version,
                      received - start, time.perf_counter() - received)
@@ -317,11 +344,14 @@ class PushService:
         if not path:
             raise PushError("path is required")
         folder = Path(path).expanduser().resolve()
-        if self.load_root is not None and not folder.is_relative_to(self.load_root):
-            raise PermissionError(f"path {path!r} is outside the folder the server may load from")
+        if not self._inside(folder):
+            raise PermissionError(f"path {path!r} is outside the folders the server may load from (--load-root)")
         if not folder.is_dir():
             raise PushError(f"no such folder on the server: {path!r}")
         return folder
+
+    def _inside(self, path: Path) -> bool:
+        return not self.load_roots or any(path.is_relative_to(r) for r in self.load_roots)
 
     def _files(self, folder: Path) -> list[tuple[str, Path]]:
         """The folder's safetensors files (the name the folder gives each, its resolved path): each a regular file
@@ -333,7 +363,7 @@ class PushService:
         resolved = []
         for f in files:
             real = f.resolve()
-            if self.load_root is not None and not real.is_relative_to(self.load_root):
+            if not self._inside(real):
                 raise PermissionError(f"{f.name} in {str(folder)!r} resolves to a file outside the folder the "
                                       "server may load from")
             if not real.is_file():
@@ -367,8 +397,9 @@ class PushService:
             WeightCheck(self.role_spec(role), cast).declared(self._declared(folder, files))
         except PushError as exc:
             raise PushError(f"{role} folder {str(folder)!r}: {exc}") from exc
+        into = Destinations()
         try:
-            staged = self._stage(role, iter_safetensors([real for _, real in files]), cast)
+            staged = self._stage(role, read_tensors([real for _, real in files], into.get), cast, into=into)
         except ConfigError as exc:  # a file changed or tore after its header was checked
             raise PushError(f"{role} folder {str(folder)!r}: {exc}") from exc
         staged.nbytes = sum(real.stat().st_size for _, real in files)

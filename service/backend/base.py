@@ -157,6 +157,35 @@ class Staged:
     payload: Any = None
 
 
+class Destinations:
+    """Where a transport may write a push's tensor bytes directly: the backend's own staging storage.
+
+    A backend that stages into buffers of its own (the native engine's spare) `offer`s a lookup of the buffer
+    for a tensor name once it holds them, before it draws the first tensor; a transport then receives each tensor
+    `get` gives it straight into that buffer (one copy from the wire) and hands that very tensor on, which the
+    backend does not copy again. A tensor with no destination (another dtype, a layout that is not plain rows, a
+    name the backend skips) goes the usual way. The buffers are never the serving weights: a push that fails
+    after writing into them leaves nothing served changed."""
+
+    __slots__ = ("_find",)
+
+    def __init__(self) -> None:
+        self._find: Any = None
+
+    def offer(self, find: Any) -> None:
+        """`find(name)`: the tensor the backend would copy `name` into, or None."""
+        self._find = find
+
+    def get(self, name: str, dtype: torch.dtype, shape: tuple[int, ...]) -> torch.Tensor | None:
+        """The tensor to write `name`'s bytes into (CPU, contiguous, of `dtype` and `shape`), or None."""
+        find = self._find
+        dst = find(name) if find is not None else None
+        if (dst is None or dst.dtype != dtype or tuple(dst.shape) != tuple(shape) or dst.device.type != "cpu"
+                or not dst.is_contiguous()):
+            return None
+        return dst.detach()
+
+
 @dataclass(frozen=True, slots=True)
 class SparseValues:
     """A delta push's new values for some elements of one tensor: `indices` (int32 or int64, into the tensor
@@ -281,18 +310,29 @@ class RolloutBackend(abc.ABC):
         """Why `role` cannot be pushed to on this server ("" if it can)."""
 
     def stage_weights(self, role: str, tensors: Iterable[tuple[str, torch.Tensor | SparseValues]], *,
-                      cast: bool = False, delta: bool = False) -> Staged:
+                      cast: bool = False, delta: bool = False, into: Destinations | None = None) -> Staged:
         """Copy tensors beside the serving weights, each passing the one weight validation
         (`service/backend/weight_check.py`) before the backend sees it; `cast`: the push asked for its dtype to be
         cast to the serving one. `delta`: the tensors are only what changed (whole tensors, or `SparseValues`),
         applied to a copy of the serving weights (backends announcing CAP_DELTA_PUSH). Blocks; never on the
-        engine thread or an event loop. Raises PushError if they do not fit; the serving weights are untouched."""
+        engine thread or an event loop. Raises PushError if they do not fit; the serving weights are untouched.
+        `into`: the transport writes tensors where the backend offers (`Destinations`); each still passes the
+        validation before the backend takes it."""
         from service.backend.weight_check import WeightCheck  # it builds on this module's types
 
         spec = self.weight_roles().get(role)
         if spec is None:
             raise PushUnsupported(self.unsupported(role) or f"no weights to push for role {role!r}")
-        return self.stage_checked(role, WeightCheck(spec, cast).stream(tensors, delta=delta), delta=delta)
+        checked = WeightCheck(spec, cast).stream(tensors, delta=delta)
+        if into is not None:
+            return self.stage_into(role, checked, into, delta=delta)
+        return self.stage_checked(role, checked, delta=delta)
+
+    def stage_into(self, role: str, tensors: Iterable[tuple[str, torch.Tensor | SparseValues]],
+                   into: Destinations, *, delta: bool = False) -> Staged:
+        """`stage_checked`, offering `into` the buffers it stages in (see `Destinations`). Default: offers none,
+        so the transport gathers each tensor itself and the backend copies it."""
+        return self.stage_checked(role, tensors, delta=delta)
 
     @abc.abstractmethod
     def stage_checked(self, role: str, tensors: Iterable[tuple[str, torch.Tensor | SparseValues]], *,

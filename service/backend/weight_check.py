@@ -50,9 +50,15 @@ class Declared:
 
 
 def _finite(t: torch.Tensor) -> bool:
+    """Whether every element is finite. A sum is finite only if every term is (a NaN or an infinity carries
+    through any order of additions), and a sum reads the tensor once at memory speed, where `isfinite` writes a
+    mask (bf16's runs ~60x slower); only a sum that is not finite (a bad element, or finite values that
+    overflow) is settled element by element."""
     if not t.is_floating_point():
         return True
     flat = t.reshape(-1)
+    if not flat.numel() or bool(torch.isfinite(flat.sum())):
+        return True
     return all(bool(torch.isfinite(flat[i : i + _FINITE_STEP]).all()) for i in range(0, flat.numel(), _FINITE_STEP))
 
 

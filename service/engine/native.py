@@ -25,6 +25,7 @@ from service.backend.base import (
     CAP_SEEDS,
     CAP_TOP_LOGPROBS,
     BackendInfo,
+    Destinations,
     DrafterCopy,
     NotReady,
     PushUnsupported,
@@ -178,6 +179,10 @@ class NativeBackend(RolloutBackend):
     def stage_checked(self, role: str, tensors: Iterable[tuple[str, torch.Tensor | SparseValues]], *,
                       delta: bool = False) -> Staged:
         return self._stager_for(role).stage(role, tensors, delta)
+
+    def stage_into(self, role: str, tensors: Iterable[tuple[str, torch.Tensor | SparseValues]],
+                   into: Destinations, *, delta: bool = False) -> Staged:
+        return self._stager_for(role).stage(role, tensors, delta, into)
 
     def commit_weights(self, staged: Staged, version: str, mode: str,
                        drafter: tuple[Staged, str] | None = None) -> Future[SwapResult]:

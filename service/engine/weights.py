@@ -21,18 +21,18 @@ from typing import TYPE_CHECKING
 import torch
 from torch import nn
 
-from service.backend.base import PushError, PushUnsupported, SparseValues, Staged, WeightSpec
+from service.backend.base import Destinations, PushError, PushUnsupported, SparseValues, Staged, WeightSpec
 from service.cpu_threads import one_cpu_thread
 from service.models.llama import CausalLM
 from service.models.loader import (
     WeightError,
-    build_model,
     checkpoint_shapes,
     checkpoint_view,
+    copy_into,
     empty_model,
     load_tensors,
 )
-from service.models.packed import ensure_packed
+from service.models.packed import ensure_packed, forget_layout
 
 if TYPE_CHECKING:
     from service.engine.inbox import EngineCore
@@ -66,9 +66,25 @@ def _load_state(module: nn.Module, tensors: Iterable[tuple[str, torch.Tensor]]) 
         dst = state.get(name)
         if dst is None or dst.shape != tensor.shape:
             raise PushError(f"tensor {name!r} does not fit the drafter's head")
-        dst.copy_(tensor)
+        copy_into(dst, tensor)
         total += tensor.numel() * tensor.element_size()
     return total
+
+
+def _offer(into: Destinations | None, module: nn.Module) -> None:
+    """Let the transport write each tensor of a full push straight into `module` (never the serving one)."""
+    if into is None:
+        return
+    forget_layout(module)  # the bytes change under torch's version counters
+    if isinstance(module, CausalLM):
+        def find(name: str) -> torch.Tensor | None:
+            try:
+                return checkpoint_view(module, name)
+            except (AttributeError, IndexError, ValueError):  # not a weight of this model: the check refuses it
+                return None
+    else:
+        find = module.state_dict().get
+    into.offer(find)
 
 
 @torch.no_grad()
@@ -142,9 +158,10 @@ class WeightStager:
             roles["drafter"] = spec_of("drafter", found[1])
         return roles
 
-    def stage(self, role: str, tensors: Iterable[tuple[str, torch.Tensor | SparseValues]], delta: bool = False
-              ) -> Staged:
-        """Build `role`'s pushed weights beside the serving ones (`delta`: a copy of them, then the delta)."""
+    def stage(self, role: str, tensors: Iterable[tuple[str, torch.Tensor | SparseValues]], delta: bool = False,
+              into: Destinations | None = None) -> Staged:
+        """Build `role`'s pushed weights beside the serving ones (`delta`: a copy of them, then the delta);
+        `into`: offered the buffer of a full push, for the transport to write the tensors into directly."""
         one_cpu_thread()  # a copy that converts dtypes would give this thread an OpenMP team of its own
         serving = self._serving(role)
         dtype, device = self.engine.dtype, self.engine.device
@@ -162,14 +179,14 @@ class WeightStager:
                 module = copy_serving(serving, spare)  # type: ignore[arg-type]
                 nbytes = apply_delta(module, tensors)  # type: ignore[arg-type]
             elif isinstance(serving, CausalLM):
-                if spare is not None:
-                    nbytes = load_tensors(spare, tensors)  # type: ignore[arg-type]
-                    module: nn.Module = spare
-                else:
-                    module = build_model(serving.config, tensors, dtype, device)
+                module: nn.Module = spare if spare is not None else empty_model(serving.config, dtype, device)
+                _offer(into, module)
+                nbytes = load_tensors(module, tensors)  # type: ignore[arg-type]
+                if spare is None:
                     nbytes = sum(p.numel() * p.element_size() for p in module.parameters())
             else:
                 module = spare if spare is not None else copy.deepcopy(serving)
+                _offer(into, module)
                 nbytes = _load_state(module, tensors)
             ensure_packed(module)  # here, not on the engine thread: its swap then only swaps references
         except WeightError as exc:

@@ -99,6 +99,19 @@ def checkpoint_view(model: CausalLM, name: str) -> torch.Tensor | None:
     return param if sl is None else param[sl]
 
 
+def copy_into(dst: torch.Tensor, src: torch.Tensor) -> None:
+    """`dst.copy_(src)`, faster into a transposed layout (a float32 linear weight, service/models/packed.py):
+    torch copies a transposed source into contiguous rows several times faster than the other way round. A
+    `src` that already is `dst` (written there by the transport) is not copied."""
+    if src.data_ptr() == dst.data_ptr() and src.shape == dst.shape and src.stride() == dst.stride() \
+            and src.dtype == dst.dtype and src.device == dst.device:
+        return
+    if dst.dim() == 2 and dst.stride(0) == 1 and dst.stride(1) != 1 and src.shape == dst.shape:
+        dst.t().copy_(src.t())
+    else:
+        dst.copy_(src)
+
+
 @torch.no_grad()
 def load_tensors(model: CausalLM, tensors: Iterable[tuple[str, torch.Tensor]]) -> int:
     """Copy named checkpoint tensors into the model (casting dtype, moving device). Returns bytes copied."""
@@ -108,8 +121,7 @@ def load_tensors(model: CausalLM, tensors: Iterable[tuple[str, torch.Tensor]]) -
         if IGNORED.search(name) or (tied and name == "lm_head.weight"):
             continue
         param, sl = _target(model, name)
-        dst = param if sl is None else param[sl]
-        dst.copy_(tensor)
+        copy_into(param if sl is None else param[sl], tensor)
         total += tensor.numel() * tensor.element_size()
     return total
 

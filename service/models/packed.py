@@ -189,6 +189,16 @@ def prepared(model: nn.Module) -> bool:
     return all(_laid_out(m) for m in model.modules() if isinstance(m, Linear))
 
 
+def forget_layout(model: nn.Module) -> None:
+    """Take every `Linear` of `model` as not laid out: its weights are about to change through a path torch's
+    version counter does not see (bytes written into their storage directly), so `ensure_packed` lays it out
+    again rather than keep packs of the weights before."""
+    for m in model.modules():
+        if isinstance(m, Linear):
+            m.laid_out_for = None
+            m.packed = None
+
+
 def ensure_packed(model: nn.Module) -> bool:
     """`pack_linears` unless `model` is `prepared` already; returns whether it had to lay anything out."""
     if prepared(model):
