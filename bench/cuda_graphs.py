@@ -1,7 +1,7 @@
 """CUDA graphs against eager steps in the native engine, on one GPU, in one run.
 
 For each batch size, the same engine configuration runs twice, once with `enforce_eager` (every forward
-launched kernel by kernel) and once replaying CUDA graphs (service/engine/graphs.py): plain decoding, the
+launched kernel by kernel) and once replaying CUDA graphs (service/engine/cached_model.py): plain decoding, the
 draft model at a fixed k, and the adaptive strategy over the suffix drafter and the draft model. Each run
 generates `--new-tokens` sampled tokens (temperature 1, fixed seeds, end-of-sequence ignored) per prompt;
 tokens/s = generated tokens / wall seconds of one `generate` call (prefill included), best of `--repeats`

@@ -14,7 +14,7 @@ from dataclasses import dataclass
 import torch
 
 from service.buffer.codec import BufferedRollout
-from service.engine.sampler import SamplingBatch
+from service.engine.batch_tensors import SamplingBatch
 
 logger = logging.getLogger(__name__)
 _warned = False

@@ -183,7 +183,7 @@ class EngineConfig:
     drafter: DrafterSpec = field(default_factory=DrafterSpec)
     spec: str = "adaptive"
     spec_k: int = 4
-    # Run decode and verify forwards eagerly: no CUDA graphs on a GPU (service/engine/graphs.py), no torch.compile
+    # Run decode and verify forwards eagerly: no CUDA graphs on a GPU (service/engine/cached_model.py), no torch.compile
     # on CPU (service/engine/compiled.py)
     enforce_eager: bool = False
     # CPU: compile those forwards in a thread while steps run eagerly, and switch to them once compiled

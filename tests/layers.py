@@ -149,3 +149,39 @@ def check_tree(root: Path) -> list[Violation]:
                 continue
             out.extend(check_file(root, path))
     return out
+
+
+def import_graph(root: Path, package: str) -> dict[str, set[str]]:
+    """Each module of `package` -> the modules of `package` it imports (at run time, under TYPE_CHECKING or
+    inside a function: every import a reader follows)."""
+    base = root.joinpath(*package.split("."))
+    paths = {module_name(root, p): p for p in sorted(base.rglob("*.py"))}
+
+    def resolve(dotted: str) -> str | None:
+        while dotted and dotted not in paths:
+            dotted = dotted.rpartition(".")[0]
+        return dotted or None
+
+    graph: dict[str, set[str]] = {}
+    for module, path in paths.items():
+        tree = ast.parse(path.read_text(), filename=str(path))
+        found = {resolve(t) for _, t in imports_of(tree, module, path.name == "__init__.py")}
+        graph[module] = {m for m in found if m is not None and m != module}
+    return graph
+
+
+def longest_chain(graph: dict[str, set[str]]) -> list[str]:
+    """The longest path of imports (modules in order, the importer first); raises ValueError on a cycle."""
+    memo: dict[str, list[str]] = {}
+    stack: list[str] = []
+
+    def chain(module: str) -> list[str]:
+        if module in stack:
+            raise ValueError("import cycle: " + " -> ".join([*stack[stack.index(module):], module]))
+        if module not in memo:
+            stack.append(module)
+            memo[module] = [module, *max((chain(m) for m in sorted(graph[module])), key=len, default=[])]
+            stack.pop()
+        return memo[module]
+
+    return max((chain(m) for m in sorted(graph)), key=len, default=[])

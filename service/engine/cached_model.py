@@ -1,21 +1,34 @@
 """A decoder with its own static KV cache: builds each forward's attention metadata and runs it eagerly, compiled
 (CPU) or as replayed CUDA graphs. The target's (service/engine/runner.py) and a draft model's or EAGLE head's
-(service/engine/drafters/) forwards all go through one."""
+(service/engine/drafters/) forwards all go through one.
+
+CUDA graphs (`StepGraphs`): on a GPU a small model's step is mostly kernel launches, and a graph replays a
+captured forward with one. It needs fixed shapes and addresses, so a step is padded to a bucket of batch rows
+(padded rows write a scratch position), query positions (1 or k + 1, never padded) and a power-of-two bucket of
+keys. Mask, RoPE and cache writes are computed inside the graph from a static position buffer; the host copies
+only token ids and positions. Decode graphs and the strategy's verify depths are captured at start-up, the rest
+on first use (such a step is not a cost measurement). The graphs of the last two models are kept, so a
+pushed-into spare finds its graphs again. A graph computes the same forward as the eager step over more masked
+keys: lossless. Without CUDA, `capture=False` runs the same static-buffer function eagerly (CPU tests check it
+against the unpadded step). docs/design-notes.md has the details.
+"""
 
 from __future__ import annotations
 
-import itertools
+import gc
 import logging
 import math
+from bisect import bisect_left
+from collections import OrderedDict
 from collections.abc import Callable
 
 import torch
 
+from service.engine.batch_tensors import graph_positions, packed_rows, padded_ids, positions, write_slots
+from service.engine.batch_tensors import last_rows as last_rows_of
 from service.engine.compiled import available as compiled_available
 from service.engine.compiled import compiled_forward
-from service.engine.graphs import StepGraphs
 from service.engine.kv_cache import KVCache
-from service.engine.sampler import int_tensor
 from service.models import attention
 from service.models.llama import AttnMeta, CausalLM
 from service.models.packed import ensure_packed
@@ -27,6 +40,10 @@ PACK_MIN_MACS = 5e8  # a packed forward saves at least this many multiply-adds (
 # The sizes the batched compiled variants are compiled at (see `CachedModel.warm_up`): rows, and cached positions
 # over a short and a long cache (`attention.LONG_KEYS` parts them: each may run its own attention kernel).
 WARM_UP_ROWS, WARM_UP_POSITIONS = 64, (128, 512)
+BATCH_BUCKETS = (1, 2, 4, 8, 16, 24, 32, 48, 64, 96, 128, 192, 256)
+MIN_KEYS = 128  # the smallest key bucket; each next one doubles, the last is the whole cache
+MAX_QUERY = 16  # verify of k + 1 <= 16 positions (EngineConfig caps spec_k at 15)
+MODELS_KEPT = 2  # the serving model's graphs and the last one's (a pushed-into spare comes back)
 
 
 class CachedModel:
@@ -42,7 +59,7 @@ class CachedModel:
         Hkv = self.cfg.num_kv_heads
         # The attention kernel this machine runs faster for each kind of step and cache length (`attention.pick`)
         self.attn_kernels = attention.choose(Hkv, self.cfg.num_heads // Hkv, self.cfg.head_dim, self.dtype, device)
-        # Decode / verify forwards: replayed as CUDA graphs on a GPU (service/engine/graphs.py), compiled with
+        # Decode / verify forwards: replayed as CUDA graphs on a GPU (service/engine/cached_model.py), compiled with
         # torch.compile on CPU (service/engine/compiled.py), else eager.
         self.graphs = StepGraphs(self, cache.num_slots) if compiled and device.type == "cuda" else None
         self.compiled = compiled_forward if compiled and device.type == "cpu" and compiled_available() else None
@@ -72,17 +89,12 @@ class CachedModel:
         dev = self.device
         # Positions [B, Q] and the cache slot of each new token [B * Q] as tensors of their own: a view into a
         # shared one has a storage offset, which the compiled forward takes as a size (see compiled.py).
-        if all(n == Q for n in q_lens):  # decode and verify steps: no padding, built from `starts` alone
-            pos = int_tensor(starts, dev)[:, None] + torch.arange(Q, device=dev)
-        else:
-            scratch = self.cache.scratch_pos
-            pos = torch.tensor([[s + j if j < n else scratch for j in range(Q)] for s, n in zip(starts, q_lens,
-                                strict=True)], dtype=torch.int64, device=dev)
-        slots = torch.arange(slot_lo, slot_lo + B, device=dev).repeat_interleave(Q)
+        pos = positions(starts, q_lens, Q, self.cache.scratch_pos, dev)
+        slots = write_slots(slot_lo, B, Q, dev)
         kv_len = max(s + n for s, n in zip(starts, q_lens, strict=True))
         meta = self.meta_for(slot_lo, pos, slots, kv_len, attention.pick(self.attn_kernels, B, Q, kv_len))
         if pack and self.pack_min_saved is not None and B * Q - sum(q_lens) >= self.pack_min_saved:
-            packed = torch.tensor([b * Q + j for b, n in enumerate(q_lens) for j in range(n)], device=dev)
+            packed = packed_rows(q_lens, Q, dev)
             meta.packed = packed
             meta.write_slots, meta.write_pos = meta.write_slots[packed], meta.write_pos[packed]
             meta.cos = meta.cos.reshape(B * Q, *meta.cos.shape[2:])[packed]  # [N, 1, D]
@@ -171,16 +183,129 @@ class CachedModel:
         """Append per-row token lists at positions starts[b]...; returns the hidden states as rows [B * Q or N,
         hidden] and the row of each sequence's last token among them [B]."""
         q_lens = [len(t) for t in tokens]
-        Q = max(q_lens)
-        ids = torch.tensor([t + [0] * (Q - len(t)) for t in tokens], dtype=torch.int64, device=self.device)
         meta, _ = self.build_meta(slot_lo, starts, q_lens, pack=True)
-        hidden = self.forward(ids, meta)
-        return hidden.reshape(-1, hidden.shape[-1]), last_rows(meta, q_lens, self.device)
+        hidden = self.forward(padded_ids(tokens, self.device), meta)
+        return hidden.reshape(-1, hidden.shape[-1]), last_rows_of(q_lens, meta.packed is not None, self.device)
 
 
-def last_rows(meta: AttnMeta, q_lens: list[int], device: torch.device) -> torch.Tensor:
-    """The row of each sequence's last new token among a forward's hidden states seen as rows: [B * Q, hidden]
-    on the padded grid, [N, hidden] packed (each sequence's tokens in turn)."""
-    Q = max(q_lens)
-    ends = itertools.accumulate(q_lens) if meta.packed is not None else (b * Q + n for b, n in enumerate(q_lens))
-    return torch.tensor([e - 1 for e in ends], dtype=torch.int64, device=device)
+def key_buckets(max_positions: int) -> list[int]:
+    out, n = [], MIN_KEYS
+    while n < max_positions:
+        out.append(n)
+        n *= 2
+    return [*out, max_positions]
+
+
+class _Graph:
+    """One captured (or, without capture, directly run) forward at one (batch, query, keys) bucket."""
+
+    def __init__(self, fn: Callable[[], torch.Tensor], pool, stream: torch.cuda.Stream | None) -> None:
+        self.fn = fn
+        self.graph: torch.cuda.CUDAGraph | None = None
+        if stream is None:  # no capture: run directly
+            self.out: torch.Tensor | None = None
+            return
+        # One eager run at this very shape on the capture stream first: cuBLAS and SDPA pick and set up their
+        # kernels (workspaces, handles) lazily per shape, which must not happen inside a capture.
+        stream.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(stream):
+            fn()
+        torch.cuda.current_stream().wait_stream(stream)
+        self.graph = torch.cuda.CUDAGraph()
+        # No garbage collection inside a capture: freeing a dropped engine's graphs there can invalidate it. Other
+        # threads (a weight push staging tensors on the device) may go on: their work is not captured.
+        collecting = gc.isenabled()
+        gc.disable()
+        try:
+            with torch.cuda.graph(self.graph, pool=pool, stream=stream, capture_error_mode="thread_local"):
+                self.out = fn()  # [Bb, Q, hidden], static
+        finally:
+            if collecting:
+                gc.enable()
+
+    def run(self) -> torch.Tensor:
+        if self.graph is None:
+            self.out = self.fn()
+        else:
+            self.graph.replay()
+        return self.out
+
+
+class StepGraphs:
+    """Graphs of one `CachedModel`'s uniform forwards (every row appends the same number of tokens)."""
+
+    def __init__(self, cached: CachedModel, max_batch: int, capture: bool = True) -> None:
+        self.cached = cached
+        self.batch_buckets = [b for b in BATCH_BUCKETS if b < max_batch] + [max_batch]
+        self.key_buckets = key_buckets(cached.cache.max_positions)
+        dev = cached.device
+        n = max_batch * MAX_QUERY
+        self.ids = torch.zeros(n, dtype=torch.int64, device=dev)  # static inputs, shared by every graph
+        self.pos = torch.full((n,), cached.cache.scratch_pos, dtype=torch.int64, device=dev)
+        self.slots = torch.arange(max_batch, device=dev).repeat_interleave(MAX_QUERY)  # sliced per Q below
+        self._graphs: OrderedDict[int, tuple[torch.nn.Module, object, dict]] = OrderedDict()
+        self.built = 0  # graphs built (captured, on CUDA) so far
+        self.stream = torch.cuda.Stream(dev) if capture else None  # warm-ups and captures
+
+    @property
+    def max_batch(self) -> int:
+        return self.batch_buckets[-1]
+
+    def fits(self, batch: int, q_len: int) -> bool:
+        return batch <= self.max_batch and q_len <= MAX_QUERY
+
+    def _table(self) -> tuple[torch.nn.Module, object, dict]:
+        """This model's graphs (and pool), the model's entry refreshed as most recently used."""
+        model = self.cached.model
+        entry = self._graphs.get(id(model))
+        if entry is None or entry[0] is not model:
+            pool = torch.cuda.graph_pool_handle() if self.stream is not None else None
+            entry = (model, pool, {})
+            self._graphs[id(model)] = entry
+            while len(self._graphs) > MODELS_KEPT:
+                self._graphs.popitem(last=False)
+        self._graphs.move_to_end(id(model))
+        return entry
+
+    def _build(self, Bb: int, Q: int, L: int, pool) -> _Graph:
+        cached, slot_ids = self.cached, self.slots.view(-1, MAX_QUERY)[:Bb, :Q].reshape(-1)
+
+        def forward() -> torch.Tensor:
+            pos = self.pos[: Bb * Q].view(Bb, Q)
+            meta = cached.meta_for(0, pos, slot_ids, L, "sdpa")
+            return cached.forward(self.ids[: Bb * Q].view(Bb, Q), meta)
+
+        graph = _Graph(forward, pool, self.stream)
+        self.built += 1
+        logger.debug("captured a graph for batch %d x %d positions over %d keys", Bb, Q, L)
+        return graph
+
+    def capture_all(self, query_lens: list[int]) -> int:
+        """Build every graph for these query lengths (all batch and key buckets) up front, so that no step of a
+        rollout pays a capture; returns how many were built. Positions are the scratch one: nothing real is
+        written."""
+        _, pool, graphs = self._table()
+        built = self.built
+        self.pos.fill_(self.cached.cache.scratch_pos)  # a warm-up run writes K/V only at scratch positions
+        for Q in query_lens:
+            for Bb in reversed(self.batch_buckets):  # largest first: later captures reuse the pool's blocks
+                for L in self.key_buckets:
+                    if (Bb, Q, L) not in graphs:
+                        graphs[(Bb, Q, L)] = self._build(Bb, Q, L, pool)
+        return self.built - built
+
+    def forward(self, ids: torch.Tensor, starts: list[int]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """ids [B, Q] appended at positions starts[b]... -> hidden [B, Q, H] (a view of the graph's output),
+        and the real rows' cache slots and positions [B * Q] (for drafters that keep per-position features)."""
+        B, Q = ids.shape
+        Bb = self.batch_buckets[bisect_left(self.batch_buckets, B)]
+        kv_len = max(starts) + Q
+        L = self.key_buckets[bisect_left(self.key_buckets, kv_len)]
+        scratch = self.cached.cache.scratch_pos
+        self.pos[: Bb * Q].copy_(graph_positions(starts, Q, Bb, scratch), non_blocking=True)
+        self.ids[: B * Q].copy_(ids.reshape(-1))
+        _, pool, graphs = self._table()
+        graph = graphs.get((Bb, Q, L))
+        if graph is None:  # inputs first: a capture's warm-up runs this very step
+            graph = graphs[(Bb, Q, L)] = self._build(Bb, Q, L, pool)
+        return graph.run()[:B], self.slots.view(-1, MAX_QUERY)[:B, :Q].reshape(-1), self.pos[: B * Q]

@@ -1,4 +1,4 @@
-"""Decode and verify forwards compiled with torch.compile on CPU (a GPU replays CUDA graphs: graphs.py).
+"""Decode and verify forwards compiled with torch.compile on CPU (a GPU replays CUDA graphs: cached_model.py).
 
 On CPU a small model's step is mostly per-op overhead: inductor fuses the norms, RoPE, activations and residuals
 into a few vectorised loops around the same matmul and attention kernels as eager.

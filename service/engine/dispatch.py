@@ -9,12 +9,12 @@ from typing import TYPE_CHECKING, Any
 
 from service.backend.events import Chunk, Failed, RequestHandle, RolloutRecord, SampleDone, deliver
 from service.backend.hooks import Hooks
-from service.engine.sequence import Request, StepOutput
+from service.engine.types import Request, StepOutput
 from service.params import VersionSpan
 
 if TYPE_CHECKING:
     from service.backend.metrics import Metrics
-    from service.engine.llm_engine import LLMEngine
+    from service.engine.inbox import EngineCore
 
 
 @dataclass(slots=True)
@@ -50,7 +50,7 @@ class Dispatcher:
             tr.handle.put_many([Failed(message)])
         self.tracked.clear()
 
-    def dispatch(self, engine: LLMEngine, outputs: list[StepOutput]) -> None:
+    def dispatch(self, engine: EngineCore, outputs: list[StepOutput]) -> None:
         now = time.monotonic()
         batches: dict[str, list[Any]] = {}
         finished: list[tuple[RolloutRecord, RequestHandle, SampleDone]] = []
@@ -90,7 +90,7 @@ class Dispatcher:
         for record, handle, done in finished:
             self.hooks.rollout_finished(record, _sender(handle, done))
 
-    def _finish(self, engine: LLMEngine, tr: Tracked, i: int, out: StepOutput,
+    def _finish(self, engine: EngineCore, tr: Tracked, i: int, out: StepOutput,
                 now: float) -> tuple[RolloutRecord, SampleDone]:
         seq = tr.request.seqs[i]
         tr.remaining -= 1

@@ -19,8 +19,7 @@ from service.engine.inbox import CommitWeights, Pause, Resume, settle
 
 if TYPE_CHECKING:
     from service.backend.metrics import Metrics
-    from service.engine.llm_engine import LLMEngine
-    from service.engine.weights import WeightStager
+    from service.engine.inbox import AppliesWeights, EngineCore
 
 logger = logging.getLogger(__name__)
 
@@ -32,13 +31,13 @@ class _WaitingCommit:
 
 
 class Holds:
-    def __init__(self, publish: Callable[[LLMEngine], None], metrics: Metrics | None) -> None:
+    def __init__(self, publish: Callable[[EngineCore], None], metrics: Metrics | None) -> None:
         self._publish, self.metrics = publish, metrics
         self._commits: list[_WaitingCommit] = []
         self._pauses: list[Pause] = []
 
     # -- messages ------------------------------------------------------------------------------------------
-    def pause(self, engine: LLMEngine, msg: Pause) -> None:
+    def pause(self, engine: EngineCore, msg: Pause) -> None:
         """Pause generation; the future resolves (with aborted request ids) once nothing runs."""
         if msg.future.cancelled():
             logger.info("pause (%s) cancelled before it started: its caller left", msg.mode)
@@ -55,7 +54,7 @@ class Holds:
         logger.info("generation paused (%s)", msg.mode)
         settle(msg.future, aborted)
 
-    def resume(self, engine: LLMEngine, msg: Resume) -> None:
+    def resume(self, engine: EngineCore, msg: Resume) -> None:
         if not msg.future.set_running_or_notify_cancel():
             return
         engine.scheduler.pause.paused = False
@@ -66,7 +65,7 @@ class Holds:
         self._update_hold(engine)
         settle(msg.future, None)
 
-    def commit(self, engine: LLMEngine, stager: WeightStager, msg: CommitWeights) -> None:
+    def commit(self, engine: EngineCore, stager: AppliesWeights, msg: CommitWeights) -> None:
         """Serve the staged weights between two steps: now (keep), after aborting running requests (abort) or
         once they finish (wait)."""
         if msg.future.cancelled():
@@ -88,7 +87,7 @@ class Holds:
         settle(msg.future, SwapResult(msg.version, time.perf_counter() - start, 0.0, aborted))
 
     # -- between two steps ---------------------------------------------------------------------------------
-    def progress(self, engine: LLMEngine, stager: WeightStager) -> None:
+    def progress(self, engine: EngineCore, stager: AppliesWeights) -> None:
         """Withdraw what its caller left; finish wait-mode commits and pauses once nothing runs (or generation
         is frozen anyway)."""
         self._drop_cancelled(engine)
@@ -128,11 +127,11 @@ class Holds:
 
     # -- helpers -------------------------------------------------------------------------------------------
     @staticmethod
-    def _drains(engine: LLMEngine) -> bool:
+    def _drains(engine: EngineCore) -> bool:
         """Sequences run and generation is not frozen: a wait-mode pause or commit has to wait for them."""
         return bool(engine.scheduler.running) and not engine.scheduler.pause.paused
 
-    def _drop_cancelled(self, engine: LLMEngine) -> None:
+    def _drop_cancelled(self, engine: EngineCore) -> None:
         """A waiting commit or pause whose caller left is withdrawn at once, releasing the admission hold."""
         if not any(w.message.future.cancelled() for w in self._commits) and \
                 not any(p.future.cancelled() for p in self._pauses):
@@ -146,7 +145,7 @@ class Holds:
         self._pauses = [p for p in self._pauses if not p.future.cancelled()]
         self._update_hold(engine)
 
-    def _abort_running(self, engine: LLMEngine, reason: str) -> list[str]:
+    def _abort_running(self, engine: EngineCore, reason: str) -> list[str]:
         """Mode abort: end the requests that are generating; waiting ones stay queued (after a commit they start
         on the new weights, after a pause once generation resumes)."""
         ids = list(dict.fromkeys(s.request_id for s in engine.scheduler.running))
@@ -156,12 +155,12 @@ class Holds:
             self.metrics.aborted(reason, len(ids))
         return ids
 
-    def _serve(self, engine: LLMEngine, stager: WeightStager, msg: CommitWeights) -> None:
+    def _serve(self, engine: EngineCore, stager: AppliesWeights, msg: CommitWeights) -> None:
         stager.apply(msg.staged, msg.version)
         if msg.drafter is not None:
             stager.apply(*msg.drafter)
         self._publish(engine)
         logger.info("now serving weights version %s", msg.version)
 
-    def _update_hold(self, engine: LLMEngine) -> None:
+    def _update_hold(self, engine: EngineCore) -> None:
         engine.scheduler.pause.held = bool(self._commits or self._pauses)

@@ -1,4 +1,5 @@
-"""The engine thread's inbox: one message class per operation another thread asks of the engine.
+"""The engine thread's inbox: one message class per operation another thread asks of the engine, and the
+engine as that thread drives it (`EngineCore`).
 
 A caller builds the message (its arguments are checked there, once) and posts it; the engine thread takes the
 messages between two steps, in order, and dispatches them by type (`EngineLoop`). A message that answers carries
@@ -9,13 +10,66 @@ from __future__ import annotations
 
 from concurrent.futures import Future, InvalidStateError
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Protocol
 
 from service.backend.base import SwapResult, check_mode
 
 if TYPE_CHECKING:
-    from service.backend.base import DrafterCopy, Staged, TeacherSnapshot
+    import torch
+    from torch import nn
+
+    from service.backend.base import DrafterCopy, Staged, StatsSnapshot, TeacherSnapshot
     from service.backend.events import GenRequest, RequestHandle
+    from service.drafter_spec import DrafterSpec
+    from service.engine.scheduler import Scheduler
+    from service.engine.stats import EngineStats
+    from service.engine.types import Request, StepOutput
+    from service.models.llama import CausalLM
+    from service.params import SamplingParams
+
+
+class ServesTarget(Protocol):
+    model: CausalLM  # the target serving now
+
+
+class EngineCore(Protocol):
+    """What the engine thread (loop.py, holds.py, dispatch.py) and the weight stager (weights.py) call on the
+    engine: `LLMEngine` is the one implementation. They depend on this contract, not on the engine's module."""
+
+    scheduler: Scheduler
+    runner: ServesTarget
+    requests: dict[str, Request]
+    stats: EngineStats
+    policy_version: str
+    last_strategy: str
+    drafter_spec: DrafterSpec
+    dtype: torch.dtype
+    device: torch.device
+
+    @property
+    def drafter_version(self) -> str: ...
+    @property
+    def num_running(self) -> int: ...
+    def enqueue(self, prompt: list[int], params: SamplingParams, request_id: str | None = None,
+                group_id: str | None = None) -> str: ...
+    def abort(self, request_id: str) -> bool: ...
+    def abort_all(self) -> list[str]: ...
+    def step(self) -> list[StepOutput]: ...
+    def finish_aborted(self) -> list[StepOutput]: ...
+    def take_failures(self) -> dict[str, str]: ...
+    def has_unfinished(self) -> bool: ...
+    def take_compiled(self) -> None: ...
+    def snapshot(self) -> StatsSnapshot: ...
+    def drafter_weights(self) -> tuple[str, nn.Module] | None: ...
+    def swap_target(self, model: CausalLM, version: str) -> None: ...
+    def swap_drafter(self, module: nn.Module, version: str) -> None: ...
+    def close(self) -> None: ...
+
+
+class AppliesWeights(Protocol):
+    """What holds.py calls on the weight stager (`WeightStager`, weights.py): serve staged weights now."""
+
+    def apply(self, staged: Staged, version: str) -> None: ...
 
 
 def settle(fut: Future[Any], result: Any = None, exc: BaseException | None = None) -> bool:

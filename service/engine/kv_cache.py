@@ -12,7 +12,7 @@ import logging
 import torch
 
 from service.config import ModelConfig
-from service.engine.scheduler import SlotCopy
+from service.engine.types import SlotCopy
 
 logger = logging.getLogger(__name__)
 

@@ -17,17 +17,31 @@ from torch import nn
 from tqdm import tqdm
 
 from service.backend.base import StatsSnapshot
-from service.config import EngineConfig, ModelConfig
-from service.engine.drafters import build_drafters, expand_auto
+from service.config import ConfigError, EngineConfig, ModelConfig
+from service.drafter_spec import DrafterItem, DrafterSpec
+from service.engine.background_compile import BackgroundCompile
+from service.engine.cached_model import CachedModel
 from service.engine.drafters.base import Drafter
+from service.engine.drafters.draft_model import DraftModelDrafter
+from service.engine.drafters.eagle import build_eagle
+from service.engine.drafters.suffix import SuffixDrafter
 from service.engine.kv_cache import KVCache, slots_for_budget
-from service.engine.runner import ModelRunner, StepResult, TokenResult
-from service.engine.scheduler import Scheduler, SchedulerOutput
-from service.engine.sequence import Request, RequestOutput, Sequence, StepOutput, completion_of
+from service.engine.runner import ModelRunner
+from service.engine.scheduler import Scheduler
 from service.engine.speculative.estimates import Ewma
 from service.engine.stats import EngineStats, StepRecord
-from service.engine.strategy import PLAIN, Strategy
+from service.engine.strategy import PLAIN, Arm
 from service.engine.strategy_driver import StrategyDriver, open_trace
+from service.engine.types import (
+    Request,
+    RequestOutput,
+    SchedulerOutput,
+    Sequence,
+    StepOutput,
+    StepResult,
+    TokenResult,
+    completion_of,
+)
 from service.models.llama import CausalLM
 from service.models.loader import load_model
 from service.params import ModelBounds, SamplingError, SamplingParams, sample_seed, validate_request
@@ -41,12 +55,55 @@ BETWEEN_STEPS_MAX_S = 0.05  # a longer gap between two steps is idle time, not p
 
 @dataclass(slots=True)
 class StepPlan:
-    """What a step runs: the arm, its drafter, the host drafter that assists it, each row's room (decode)."""
+    """What a step runs: the arm, its drafter, the drafter that assists it, each row's room (decode)."""
 
-    strategy: Strategy
+    arm: Arm
     drafter: Drafter | None = None
-    host: Drafter | None = None
+    assistant: Drafter | None = None
     room: list[int] | None = None
+
+
+def expand_auto(spec: DrafterSpec, model_dir: Path) -> DrafterSpec:
+    """The native engine's "auto": the suffix drafter, plus the model folder's own ``draft/`` model when it ships
+    one (the embedded demo model does)."""
+    draft = model_dir / "draft"
+    shipped = [DrafterItem("draft_model", str(draft))] if (draft / "config.json").is_file() else []
+    return spec.expand_auto(DrafterItem("suffix"), *shipped)
+
+
+def build_drafters(spec: DrafterSpec, target: CachedModel, num_slots: int, seed: int) -> dict[str, Drafter]:
+    """The drafters of a resolved setting (no "auto": `expand_auto`), by name: "suffix", "eagle" (a fresh head
+    or one from its folder) and "draft" (a draft-model folder). `target` is the served model with its cache:
+    drafters share its slots, positions, device and dtype."""
+    drafters: dict[str, Drafter] = {}
+    vocab = target.cfg.vocab_size
+    for item in spec.items:
+        if item.method == "suffix":
+            drafters["suffix"] = SuffixDrafter(target.device)
+            continue
+        if item.method == "eagle":
+            drafters["eagle"] = build_eagle(item.path, target, num_slots, target.device, seed)
+            continue
+        path = Path(item.path or item.method)
+        if item.method != "draft_model" or not (path / "config.json").is_file():
+            raise ConfigError(f"drafter {item.as_flag()!r} is neither 'none', 'suffix' nor a model folder with "
+                              "config.json")
+        draft_cfg = ModelConfig.from_dir(path)
+        if abs(draft_cfg.vocab_size - vocab) > 1024:
+            raise ConfigError(f"draft model vocab {draft_cfg.vocab_size} does not match the target's {vocab}: a "
+                              "draft model must share the target's tokenizer")
+        model = load_model(path, target.dtype, target.device)
+        drafters["draft"] = DraftModelDrafter(model, target.cfg, num_slots, target.cache.max_positions, target.device,
+                                              compiled=target.graphs is not None or target.compiled is not None)
+    return drafters
+
+
+def compile_in_background(runner: ModelRunner, ks: tuple[int, ...]) -> BackgroundCompile | None:
+    """`runner.prepare` where it compiles (CPU), in a thread while steps run eagerly (engine/background_compile.py);
+    None where nothing compiles (eager forwards; a GPU captures CUDA graphs in `prepare`)."""
+    if runner.target.compiled is None or runner.target.graphs is not None:
+        return None
+    return BackgroundCompile([(c, runner.query_lens(c, ks)) for c in runner.cached_models()])
 
 
 class LLMEngine:
@@ -95,7 +152,7 @@ class LLMEngine:
         self.strategy = self.driver.strategy
         self.runner.prefill_drafters = self.driver.may_run()
         # CUDA graphs (GPU) or compiled forwards (CPU) before the first step, or compiled while steps run eagerly
-        self.compiling = self.runner.prepare_in_background(self.strategy.depths()) if config.compile_background \
+        self.compiling = compile_in_background(self.runner, self.strategy.depths()) if config.compile_background \
             else None
         t0 = time.perf_counter()
         if self.compiling is None and (n := self.runner.prepare(self.strategy.depths())):
@@ -189,10 +246,10 @@ class LLMEngine:
                 self.runner.apply_copies(batch.moves)
                 return outputs
             plan = self._plan(batch)
-            result = self.runner.execute(batch, plan.strategy, plan.drafter, plan.host, plan.room)
+            result = self.runner.execute(batch, plan.arm, plan.drafter, plan.assistant, plan.room)
             updated = time.perf_counter()
             outputs += self._update_from_output(result)
-            self._record(batch, plan.strategy, result, start, updated)
+            self._record(batch, plan.arm, result, start, updated)
             return outputs
         finally:
             self._last_step_end = time.perf_counter()
@@ -214,9 +271,9 @@ class LLMEngine:
             return StepPlan(PLAIN)
         room = [max(s.tokens_left(self.config.max_model_len) - 1, 0) for s in batch.seqs] \
             if self.strategy.depths() else None
-        strategy = self.driver.choose(batch.seqs, room)
-        host = self.drafters.get(strategy.assist[0]) if strategy.assist else None
-        return StepPlan(strategy, self.drafters.get(strategy.drafter), host, room)
+        arm = self.driver.choose(batch.seqs, room)
+        assistant = self.drafters.get(arm.assist[0]) if arm.assist else None
+        return StepPlan(arm, self.drafters.get(arm.drafter), assistant, room)
 
     @property
     def between_steps_s(self) -> float:
@@ -229,23 +286,23 @@ class LLMEngine:
                 self.strategy.forget_costs()
             self.compiling = None
 
-    def _record(self, batch: SchedulerOutput, strategy: Strategy, result: StepResult, start: float,
+    def _record(self, batch: SchedulerOutput, arm: Arm, result: StepResult, start: float,
                 updated: float) -> None:
         """Feedback for the strategy (what this choice cost), counters for the metrics. `start`, `updated`: when
         the step began and when its outputs began to be appended."""
         end = time.perf_counter()
         seconds, postprocess_s = end - start, end - updated
         B = len(result.seqs)
-        if strategy.k and not result.k:  # the drafter proposed nothing for any row: a plain step ran
-            strategy = PLAIN
-        self.last_strategy = strategy.name
+        if arm.k and not result.k:  # the drafter proposed nothing for any row: a plain step ran
+            arm = PLAIN
+        self.last_strategy = arm.name
         if batch.kind == "decode":
             cost = None if result.captured else seconds + self.between_steps_s
-            self.driver.feedback(strategy, result, seconds, cost, postprocess_s)
+            self.driver.feedback(arm, result, seconds, cost, postprocess_s)
         if not result.k:
             self.stats.record_step(batch.kind, batch, B, seconds)
             return
-        record = StepRecord("spec", B, seconds, strategy.name, result.k, sum(result.num_drafted),
+        record = StepRecord("spec", B, seconds, arm.name, result.k, sum(result.num_drafted),
                             sum(result.num_accepted), result.num_emitted(), result.draft_seconds,
                             seconds - result.draft_seconds)
         self.stats.record_step("spec", batch, B, seconds, record)

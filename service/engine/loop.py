@@ -38,7 +38,7 @@ from service.params import SamplingError
 
 if TYPE_CHECKING:
     from service.backend.metrics import Metrics
-    from service.engine.llm_engine import LLMEngine
+    from service.engine.inbox import EngineCore
     from service.engine.weights import WeightStager
 
 logger = logging.getLogger(__name__)
@@ -50,7 +50,7 @@ IDLE_WAIT_S = 0.5
 
 
 class EngineLoop:
-    def __init__(self, engine_factory: Callable[[], tuple[LLMEngine, WeightStager]], metrics: Metrics | None = None,
+    def __init__(self, engine_factory: Callable[[], tuple[EngineCore, WeightStager]], metrics: Metrics | None = None,
                  hooks: Hooks | None = None, admission: Admission | None = None) -> None:
         self._factory = engine_factory
         self.metrics = metrics
@@ -58,7 +58,7 @@ class EngineLoop:
         self.admission = admission or Admission()
         if metrics is not None and self.hooks.on_rollout_lost is None:
             self.hooks.on_rollout_lost = metrics.rollout_unrecorded
-        self._engine: LLMEngine | None = None
+        self._engine: EngineCore | None = None
         self._stager: WeightStager | None = None
         self.snapshot: StatsSnapshot | None = None  # replaced (never mutated) by the engine thread
         self.error: BaseException | None = None
@@ -91,7 +91,7 @@ class EngineLoop:
         return self._thread.is_alive()
 
     @property
-    def engine(self) -> LLMEngine:
+    def engine(self) -> EngineCore:
         """For reading state from other threads (counters, versions); never call its methods there."""
         if self._engine is None:
             raise NotReady(f"model failed to load: {self.error}" if self.error else "model is still loading")
@@ -174,7 +174,7 @@ class EngineLoop:
                 self._publish(engine)
                 self._wait(IDLE_WAIT_S)
 
-    def _handle(self, engine: LLMEngine, msg: Message) -> None:
+    def _handle(self, engine: EngineCore, msg: Message) -> None:
         assert self._stager is not None  # set with the engine
         match msg:
             case AddRequests(items=items):
@@ -195,7 +195,7 @@ class EngineLoop:
             case CopyDrafter(future=fut):
                 _answer(fut, _drafter_copy, engine)
 
-    def _publish(self, engine: LLMEngine) -> None:
+    def _publish(self, engine: EngineCore) -> None:
         """One consistent copy of the engine's state for other threads (metrics, server info, the trainer)."""
         try:
             self.snapshot = engine.snapshot()
@@ -207,7 +207,7 @@ class EngineLoop:
             if not self._inbox:
                 self._cond.wait(timeout)
 
-    def _step(self, engine: LLMEngine) -> bool:
+    def _step(self, engine: EngineCore) -> bool:
         steps_before = engine.stats.num_steps
         try:
             outputs = engine.step()
@@ -228,7 +228,7 @@ class EngineLoop:
                 logger.exception("handing step outputs to their requests failed")
         return bool(outputs)
 
-    def _add(self, engine: LLMEngine, req: GenRequest, handle: RequestHandle) -> None:
+    def _add(self, engine: EngineCore, req: GenRequest, handle: RequestHandle) -> None:
         try:
             rid = engine.enqueue(list(req.prompt_token_ids), req.params, req.request_id, req.group_id)
         except Exception as exc:  # a request id still in use (the rest was validated by its API), or a bug: this
@@ -237,19 +237,19 @@ class EngineLoop:
             return
         self._disp.track(handle, engine.requests[rid], req.metadata, req.stream)
 
-    def _abort(self, engine: LLMEngine, request_id: str, reason: str) -> bool:
+    def _abort(self, engine: EngineCore, request_id: str, reason: str) -> bool:
         ok = engine.abort(request_id)
         if ok and self.metrics is not None:
             self.metrics.aborted(reason)
         return ok
 
-    def _abort_all(self, engine: LLMEngine, reason: str) -> list[str]:
+    def _abort_all(self, engine: EngineCore, reason: str) -> list[str]:
         ids = engine.abort_all()
         if ids and self.metrics is not None:
             self.metrics.aborted(reason, len(ids))
         return ids
 
-    def _fail_all(self, engine: LLMEngine, message: str) -> None:
+    def _fail_all(self, engine: EngineCore, message: str) -> None:
         self._disp.fail_all(message)
         try:
             engine.abort_all()
@@ -257,7 +257,7 @@ class EngineLoop:
         except Exception:
             logger.exception("could not clear the engine after a failed step")
 
-    def _shutdown(self, engine: LLMEngine) -> None:
+    def _shutdown(self, engine: EngineCore) -> None:
         """Abort what is in flight so every stream gets its final record, then fail what still waits."""
         if self._disp.tracked:
             self._abort_all(engine, "shutdown")
@@ -270,11 +270,11 @@ class EngineLoop:
         engine.close()
 
 
-def _teacher(engine: LLMEngine) -> TeacherSnapshot:
+def _teacher(engine: EngineCore) -> TeacherSnapshot:
     return TeacherSnapshot(str(engine.policy_version), engine.runner.model)
 
 
-def _drafter_copy(engine: LLMEngine) -> DrafterCopy | None:
+def _drafter_copy(engine: EngineCore) -> DrafterCopy | None:
     found = engine.drafter_weights()
     if found is None:
         return None

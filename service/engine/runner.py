@@ -3,61 +3,22 @@
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 import torch
 
-from service.engine.background_compile import BackgroundCompile
-from service.engine.cached_model import CachedModel, last_rows
+from service.engine.batch_tensors import SamplingBatch, SamplingRows, int_tensor, last_rows, last_tokens, padded_ids
+from service.engine.cached_model import CachedModel, StepGraphs
 from service.engine.compiled import compiles
-from service.engine.graphs import StepGraphs
 from service.engine.kv_cache import KVCache
-from service.engine.sampler import SampleResult, SamplingBatch, SamplingRows, int_tensor, sample
-from service.engine.scheduler import SchedulerOutput, SlotCopy
-from service.engine.sequence import Sequence
+from service.engine.sampler import SampleResult, sample, verify
 from service.engine.speculative.passes import cut_depth, packs
-from service.engine.speculative.verify import verify
+from service.engine.types import SchedulerOutput, Sequence, SlotCopy, StepResult, TokenResult
 from service.models.llama import AttnMeta, CausalLM
 
 if TYPE_CHECKING:
     from service.engine.drafters.base import Drafter
-    from service.engine.strategy import Strategy
-
-
-@dataclass(slots=True)
-class StepResult:
-    """What one step produced, plain or speculative: per sequence (slot order) the tokens it emits (1..k+1),
-    and for a speculative step the drafts proposed and accepted."""
-
-    seqs: list[Sequence]
-    tokens: list[list[TokenResult]]
-    prev_num_tokens: list[int]  # each sequence's length before the step
-    k: int = 0  # draft depth (0: plain)
-    num_accepted: list[int] = field(default_factory=list)
-    num_drafted: list[int] = field(default_factory=list)
-    assisted: list[bool] = field(default_factory=list)  # rows whose drafts came from the assisting host drafter
-    draft_seconds: float = 0.0
-    caught_up: tuple[int, float] = (0, 0.0)  # tokens the drafter fed to catch up before drafting, their seconds
-    captured: bool = False  # the step captured a CUDA graph or compiled a forward: its time measures nothing
-
-    @classmethod
-    def plain(cls, seqs: list[Sequence], results: list[TokenResult]) -> StepResult:
-        return cls(seqs, [[r] for r in results], [s.num_tokens for s in seqs])
-
-    def num_emitted(self) -> int:
-        """Tokens the step's sequences gained (after postprocessing: stops cut a row's tokens short)."""
-        return sum(s.num_tokens - t for s, t in zip(self.seqs, self.prev_num_tokens, strict=True))
-
-
-@dataclass(slots=True)
-class TokenResult:
-    """Host-side result of sampling one token for one sequence."""
-
-    token: int
-    logprob: float
-    raw_logprob: float | None
-    top: dict[int, float] | None
+    from service.engine.speculative.arms import Arm
 
 
 def to_host(res: SampleResult, seqs: list[Sequence], extra: torch.Tensor | None = None):
@@ -138,20 +99,20 @@ class ModelRunner:
 
     # -- one engine step --------------------------------------------------------------------------
     @torch.inference_mode()
-    def execute(self, batch: SchedulerOutput, strategy: Strategy, drafter: Drafter | None = None,
-                host: Drafter | None = None, room: list[int] | None = None) -> StepResult:
+    def execute(self, batch: SchedulerOutput, arm: Arm, drafter: Drafter | None = None,
+                assistant: Drafter | None = None, room: list[int] | None = None) -> StepResult:
         """Run one scheduled step: prefill, plain decode (k = 0), or draft k tokens with `drafter` and verify
         them in one target pass (a plain decode when the drafter proposed nothing for any row). With
-        `strategy.assist` = (name, n), `host` is that drafter: rows it has at least n drafts for take its.
+        `arm.assist` = (name, n), `assistant` is that drafter: rows it has at least n drafts for take its.
         `room`: per row, the most drafts it can still emit (`DraftProposal.limit`); None: no limit."""
         self.apply_copies(batch.moves)
         if batch.kind == "prefill":
             return self._prefill(batch)
         built = self.builds()
         result = None
-        if strategy.k and drafter is not None:
-            assist = (host, strategy.assist[1]) if host is not None and strategy.assist else None
-            result = self._speculative(batch.seqs, drafter, strategy.k, assist, room)
+        if arm.k and drafter is not None:
+            assist = (assistant, arm.assist[1]) if assistant is not None and arm.assist else None
+            result = self._speculative(batch.seqs, drafter, arm.k, assist, room)
         if result is None:
             result = self._decode(batch.seqs)
         result.captured = self.builds() > built
@@ -177,20 +138,12 @@ class ModelRunner:
         with torch.inference_mode():
             for c in self.cached_models():
                 if c.graphs is not None:
-                    c.graphs.capture_all(self._query_lens(c, ks))
+                    c.graphs.capture_all(self.query_lens(c, ks))
                 else:
-                    c.warm_up(self._query_lens(c, ks))
+                    c.warm_up(self.query_lens(c, ks))
         return self.builds() - built
 
-    def prepare_in_background(self, ks: tuple[int, ...]) -> BackgroundCompile | None:
-        """`prepare` where it compiles (CPU), in a thread while steps run eagerly (engine/background_compile.py);
-        None where nothing compiles (eager forwards; a GPU captures CUDA graphs in `prepare`)."""
-        if self.target.compiled is None or self.target.graphs is not None:
-            return None
-        self._depths = sorted(ks)
-        return BackgroundCompile([(c, self._query_lens(c, ks)) for c in self.cached_models()])
-
-    def _query_lens(self, c: CachedModel, ks: tuple[int, ...]) -> list[int]:
+    def query_lens(self, c: CachedModel, ks: tuple[int, ...]) -> list[int]:
         """The query lengths of `c`'s uniform forwards: the target decodes and verifies k + 1, a drafter decodes."""
         return [1] + [k + 1 for k in ks] if c is self.target else [1]
 
@@ -207,22 +160,20 @@ class ModelRunner:
     def _prefill(self, out: SchedulerOutput) -> StepResult:
         prompts = out.prompts
         q_lens = [len(p) for p in prompts]
-        Q = max(q_lens)
-        ids = torch.tensor([p + [0] * (Q - len(p)) for p in prompts], dtype=torch.int64, device=self.device)
         meta, _ = self.target.build_meta(out.slot_lo, [0] * len(prompts), q_lens, pack=True)
-        hidden = self.forward(ids, meta)  # [P, Q, hidden], or [N, hidden] packed
-        last = last_rows(meta, q_lens, self.device)
+        hidden = self.forward(padded_ids(prompts, self.device), meta)  # [P, Q, hidden], or [N, hidden] packed
+        last = last_rows(q_lens, meta.packed is not None, self.device)
         logits = self.model.logits(hidden.reshape(-1, hidden.shape[-1])[last])  # [P, V]
         seqs = out.seqs
         for d in self.prefill_drafters:
             d.prefill(out.slot_lo, prompts, seqs)
         self.apply_copies(out.forks)
-        row_of = torch.tensor(out.row_of, device=self.device)
+        row_of = int_tensor(out.row_of, self.device)
         sb = SamplingBatch.build(seqs, self.cfg.vocab_size, self.device)
         return StepResult.plain(seqs, to_host(sample(logits[row_of], sb), seqs))
 
     def _decode(self, seqs: list[Sequence]) -> StepResult:
-        ids = int_tensor([s.last_token for s in seqs], self.device)[:, None]  # [B, 1]
+        ids = last_tokens(seqs, self.device)  # [B, 1]
         logits = self.model.logits(self.forward_rows(ids, [s.num_cached for s in seqs])[:, 0])  # [B, V]
         sb = self.sampling.build(seqs)
         return StepResult.plain(seqs, to_host(sample(logits, sb), seqs))
@@ -230,7 +181,7 @@ class ModelRunner:
     def _speculative(self, seqs: list[Sequence], drafter: Drafter, k: int, assist: tuple[Drafter, int] | None = None,
                      room: list[int] | None = None) -> StepResult | None:
         """Draft k tokens per row and verify them; None when the drafter proposed nothing for any row.
-        `assist` = (host drafter, n): rows the host drafter has at least n drafts for verify its drafts.
+        `assist` = (lookahead drafter, n): rows the lookahead drafter has at least n drafts for verify its drafts.
         `room`: each row's drafts are cut to it (the rest could not be emitted)."""
         B = len(seqs)
         prev_num_tokens = [s.num_tokens for s in seqs]
@@ -254,7 +205,7 @@ class ModelRunner:
                 return None
             k = cut_depth(draft.longest, k, self._depths if self.target.graphs is not None else None)
             draft = draft.cut(k)
-        last = int_tensor([s.last_token for s in seqs], self.device)[:, None]  # [B, 1]
+        last = last_tokens(seqs, self.device)  # [B, 1]
         ids = torch.cat([last, draft.tokens], dim=1)  # [B, k + 1]
         starts = [s.num_cached for s in seqs]
         if self.packs_verify(draft.row_lengths, k):

@@ -1,148 +1,24 @@
-"""Logit processing and sampling, vectorised over rows with per-row parameters.
+"""Sampling and lossless speculative verification, vectorised over rows with per-row parameters.
 
-Processing (the distribution a token is drawn from, and whose logprob we return):
-    penalties (engine/penalties.py) -> logits / temperature -> keep top_k -> keep smallest set with mass >= top_p
-    -> drop p < min_p * p_max -> renormalise.  Greedy rows (temperature 0) are processed with temperature 1 and
-    take the argmax of the penalised logits.
-Randomness is counter-based: the uniform for a row is a hash of (sequence seed, output position, stream),
-so a seeded sequence samples the same tokens whatever else shares its batch, with no per-row generator.
+Processing (the distribution a token is drawn from, and whose logprob we return): penalties
+(engine/penalties.py) -> logits / temperature -> keep top_k -> keep the smallest set with mass >= top_p -> drop
+p < min_p * p_max -> renormalise. Greedy rows (temperature 0) take the argmax of the penalised logits. Every
+random draw is counter-based (engine/randomness.py).
+Verification: drafts x_1..x_k were drawn from q_1..q_k (one-hot for deterministic drafters), the target gave
+p_1..p_{k+1}, processed as in plain decoding (a penalised row's p_j counts the drafts before position j). Accept
+x_j with probability min(1, p_j(x_j) / q_j(x_j)); at the first rejection draw from normalize(max(0, p_j - q_j));
+if all k are accepted draw a bonus token from p_{k+1}. A position past a row's drafts is a rejection with q = 0:
+the residual is p, and the row samples as plain decoding does there.
 """
 
 from __future__ import annotations
 
-from array import array
 from dataclasses import dataclass, replace
 
 import torch
 
-from service.engine.penalties import Penalties
-from service.engine.sequence import Sequence
-
-_M32 = 0xFFFFFFFF
-STREAM_SAMPLE, STREAM_ACCEPT, STREAM_DRAFT = 0, 1, 2
-
-
-def _mix32(x: torch.Tensor) -> torch.Tensor:
-    """A 32-bit integer hash (xor-shift-multiply) on int64 tensors holding values < 2^32 (a new tensor)."""
-    x = x & _M32
-    x ^= x >> 16
-    x *= 0x7FEB352D
-    x &= _M32
-    x ^= x >> 15
-    x *= 0x846CA68B
-    x &= _M32
-    x ^= x >> 16
-    return x
-
-
-def seed_keys(seeds: torch.Tensor) -> torch.Tensor:
-    """The part of a row's uniforms that depends on its seed alone (int64 [N] -> [N]): hashed once per batch
-    (`SamplingBatch.build`), not in every draw. A draw's own hashing is then half the ops it was: at batch 1
-    each op is a few microseconds of dispatch, and the hash was most of a plain step's sampling."""
-    return _mix32(_mix32((seeds >> 32) + 0x9E3779B9) ^ (seeds & _M32))
-
-
-def uniforms(keys: torch.Tensor, counters: torch.Tensor, stream: int | torch.Tensor) -> torch.Tensor:
-    """Uniforms in (0, 1) for rows' seed keys [N] (`seed_keys`) and counters [N] or [N, K] (counters >= 0);
-    float32, counters' shape. A function of (seed, counter, stream) alone; `stream` may differ by column ([K])."""
-    if counters.dim() == 2:
-        keys = keys[:, None]
-    h = _mix32(keys ^ (counters & _M32))
-    h = _mix32(h ^ (counters >> 32) ^ (stream * 0x85EBCA6B))
-    return ((h >> 8).to(torch.float32) + 0.5) * (1.0 / 2**24)
-
-
-@dataclass(slots=True)
-class SamplingBatch:
-    """Per-row sampling parameters as tensors [N], plus which optional steps any row needs."""
-
-    temperature: torch.Tensor  # 1.0 for greedy rows
-    greedy: torch.Tensor  # bool
-    top_p: torch.Tensor
-    top_k: torch.Tensor  # long, vocab size where disabled
-    min_p: torch.Tensor
-    seed_keys: torch.Tensor  # int64: each row's seed, hashed (`seed_keys`)
-    counters: torch.Tensor  # int64: output position of the token being sampled
-    use_top_k: bool
-    use_top_p: bool
-    use_min_p: bool
-    all_greedy: bool
-    need_raw: bool
-    num_top_logprobs: int
-    # Steps a batch can skip (each a pass over [rows, vocab] at a full batch; the defaults skip nothing)
-    any_greedy: bool = True  # False: no row takes an argmax
-    unit_temperature: bool = False  # True: every row's temperature is 1.0 (x / 1.0 == x)
-    penalties: Penalties | None = None  # None: no row has a penalty
-
-    @classmethod
-    def build(cls, seqs: list[Sequence], vocab_size: int, device: torch.device) -> SamplingBatch:
-        """The batch of these sequences' parameters, at their current output positions."""
-        params = [s.params for s in seqs]
-        sb = cls.of([p.temperature for p in params], [p.top_p for p in params], [p.top_k for p in params],
-                    [p.min_p for p in params], [s.seed for s in seqs], [len(s.output_token_ids) for s in seqs],
-                    vocab_size, device, need_raw=any(p.raw_logprobs for p in params),
-                    num_top_logprobs=max((p.top_logprobs for p in params), default=0))
-        sb.penalties = Penalties.build(seqs, vocab_size, device)
-        return sb
-
-    def penalised(self, logits: torch.Tensor, drafted: torch.Tensor | None = None) -> torch.Tensor:
-        """Logits [N, V] with the rows' penalties at their next position (after `drafted` [N, j] of this step's
-        drafts), or the same tensor where no row has a penalty."""
-        return logits if self.penalties is None else self.penalties.apply(logits, drafted)
-
-    @classmethod
-    def of(cls, temps: list[float], top_ps: list[float], top_ks: list[int], min_ps: list[float], seeds: list[int],
-           counters: list[int], vocab_size: int, device: torch.device, need_raw: bool = False,
-           num_top_logprobs: int = 0) -> SamplingBatch:
-        """Per-row parameters (temperature 0: greedy; top_k outside (0, vocab): off) as two host-built tensors (one
-        float32, one int64) whose columns are the fields, and the flags saying which steps any row needs."""
-        greedy = [t == 0 for t in temps]
-        top_k = [k if 0 < k < vocab_size else vocab_size for k in top_ks]
-        floats = torch.tensor(
-            [[1.0 if g else t, p, m, float(g)] for g, t, p, m in zip(greedy, temps, top_ps, min_ps, strict=True)],
-            dtype=torch.float32, device=device,
-        ).reshape(-1, 4)
-        ints = torch.tensor(
-            [list(row) for row in zip(top_k, seeds, counters, strict=True)], dtype=torch.int64, device=device,
-        ).reshape(-1, 3)
-        return cls(
-            temperature=floats[:, 0], greedy=floats[:, 3] > 0, top_p=floats[:, 1], top_k=ints[:, 0],
-            min_p=floats[:, 2], seed_keys=seed_keys(ints[:, 1]), counters=ints[:, 2],
-            use_top_k=any(k < vocab_size for k in top_k),
-            use_top_p=any(p < 1.0 for p in top_ps),
-            use_min_p=any(m > 0.0 for m in min_ps),
-            all_greedy=bool(greedy) and all(greedy),
-            need_raw=need_raw,
-            num_top_logprobs=num_top_logprobs,
-            any_greedy=any(greedy),
-            unit_temperature=all(g or t == 1.0 for g, t in zip(greedy, temps, strict=True)),
-        )
-
-
-def int_tensor(values: list[int], device: torch.device) -> torch.Tensor:
-    """int64 [len(values)] on `device`, through a buffer: several times faster than `torch.tensor` of a list."""
-    return torch.frombuffer(array("q", values), dtype=torch.int64).to(device)
-
-
-class SamplingRows:
-    """`SamplingBatch.build` for the steps of one engine, keeping the last batch's parameters: a decode batch keeps
-    its sequences from step to step (it changes when one joins or ends), and then only the output positions
-    (`counters`) are new. At batch 64 that is a tenth of a millisecond a step less on the host."""
-
-    def __init__(self, vocab_size: int, device: torch.device) -> None:
-        self.vocab_size, self.device = vocab_size, device
-        self._seq_ids: tuple[int, ...] = ()
-        self._last: SamplingBatch | None = None
-
-    def build(self, seqs: list[Sequence]) -> SamplingBatch:
-        seq_ids = tuple(s.seq_id for s in seqs)  # unique per sequence, whose parameters never change
-        if self._last is None or seq_ids != self._seq_ids:
-            self._last, self._seq_ids = SamplingBatch.build(seqs, self.vocab_size, self.device), seq_ids
-            return self._last
-        pen = self._last.penalties
-        self._last = replace(self._last, counters=int_tensor([len(s.output_token_ids) for s in seqs], self.device),
-                             penalties=None if pen is None else pen.advanced(seqs))
-        return self._last
+from service.engine.batch_tensors import DraftProposal, SamplingBatch
+from service.engine.randomness import STREAM_ACCEPT, STREAM_DRAFT, STREAM_SAMPLE, uniforms
 
 
 def process_logits(logits: torch.Tensor, sb: SamplingBatch) -> torch.Tensor:
@@ -223,3 +99,68 @@ def draw_draft(logits: torch.Tensor, sb: SamplingBatch, j: int,
     tok = torch.where(sb.greedy, greedy_tok, drawn)
     q = torch.where(sb.greedy[:, None], torch.nn.functional.one_hot(greedy_tok, q.shape[-1]).to(q.dtype), q)
     return tok, q
+
+
+@dataclass(slots=True)
+class VerifyResult:
+    tokens: torch.Tensor  # [B, k + 1]: accepted drafts, then the correction/bonus token, then padding
+    num_accepted: torch.Tensor  # [B]; row b emits num_accepted[b] + 1 tokens
+    sample: SampleResult  # logprobs etc. of tokens, flattened to [B * (k + 1)]
+
+
+def verify(target_logits: torch.Tensor, draft: DraftProposal, sb: SamplingBatch) -> VerifyResult:
+    """target_logits [B, k + 1, V] float32 from the verify pass over [last token, x_1..x_k]."""
+    B, K1, V = target_logits.shape
+    k = K1 - 1
+    dev = target_logits.device
+    penalised = target_logits if sb.penalties is None else sb.penalties.at_positions(target_logits, draft.tokens)
+    target_logprobs = process_logits(penalised, sb)  # [B, k + 1, V]: each row's parameters at every position
+    positions = torch.arange(k, device=dev)
+    in_draft = positions[None, :] < draft.lengths[:, None]  # [B, k]
+    x = draft.tokens
+    p_x = target_logprobs[:, :k].gather(-1, x[..., None]).squeeze(-1).exp()  # [B, k]: p only where it is read
+    one_hot = draft.one_hot_rows  # with probs: the rows drafted deterministically (None: none of them)
+    if draft.probs is None:
+        q_x = torch.ones_like(p_x)
+    else:
+        q_x = draft.probs.gather(-1, x[..., None]).squeeze(-1)
+        if one_hot is not None:
+            q_x = torch.where(one_hot[:, None], 1.0, q_x)
+    # Every uniform the step may use, hashed in one pass: the acceptance tests' at draft positions 0..k-1, then the
+    # final token's at positions 0..k (the one at num_accepted is used).
+    offsets = torch.cat([positions, torch.arange(K1, device=dev)])  # [2k + 1]
+    streams = torch.where(torch.arange(2 * k + 1, device=dev) < k, STREAM_ACCEPT, STREAM_SAMPLE)  # built on the device
+    u_all = uniforms(sb.seed_keys, sb.counters[:, None] + offsets, streams)  # [B, 2k + 1]
+    u = u_all[:, :k]
+    accepted = (u * q_x <= p_x) & in_draft  # u <= p/q without dividing by q
+    target_argmax = penalised.argmax(-1) if sb.any_greedy else None  # [B, k + 1]
+    if target_argmax is not None:
+        accepted = torch.where(sb.greedy[:, None], (x == target_argmax[:, :k]) & in_draft, accepted)
+    num_accepted = accepted.to(torch.int64).cumprod(1).sum(1)  # [B]
+
+    # The residual row at the first rejection (or p_{k+1} when everything was accepted).
+    rows = torch.arange(B, device=dev)
+    p_row = target_logprobs[rows, num_accepted].exp()  # [B, V]
+    rejected_draft = num_accepted < draft.lengths  # a real draft token was rejected at num_accepted
+    at = num_accepted.clamp(max=k - 1)
+    if draft.probs is None:
+        residual, rejected_one_hot = p_row.clone(), rejected_draft
+    else:
+        drawn = rejected_draft if one_hot is None else rejected_draft & ~one_hot
+        residual = (p_row - draft.probs[rows, at] * drawn[:, None]).clamp_(min=0)
+        rejected_one_hot = None if one_hot is None else rejected_draft & one_hot
+    if rejected_one_hot is not None:  # a deterministic draft's q is one-hot: the residual is p without that token
+        hit = x[rows, at]
+        residual[rows, hit] = torch.where(rejected_one_hot, 0.0, residual[rows, hit])
+    # p == q exactly leaves no residual mass; rejection then had probability 0, any fallback is fine.
+    empty = residual.sum(-1, keepdim=True) <= 0
+    residual = torch.where(empty, p_row, residual)
+    next_token = sample_from(residual, u_all[rows, k + num_accepted])
+    if target_argmax is not None:
+        next_token = torch.where(sb.greedy, target_argmax[rows, num_accepted], next_token)
+
+    tokens = torch.cat([x, x.new_zeros(B, 1)], dim=1)  # [B, k + 1]
+    tokens[rows, num_accepted] = next_token
+    flat = tokens.reshape(-1)
+    result = finish_sample(flat, target_logprobs.reshape(B * K1, V), target_logits.reshape(B * K1, V), sb)
+    return VerifyResult(tokens, num_accepted, result)

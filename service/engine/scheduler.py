@@ -15,47 +15,11 @@ from __future__ import annotations
 
 from collections import deque
 from collections.abc import Iterable
-from dataclasses import dataclass, field
-from typing import Protocol
+from dataclasses import dataclass
 
 from service.backend.admission import request_share
-from service.engine.sequence import Request, Sequence, SequenceStatus
+from service.engine.types import Request, SchedulerOutput, Sequence, SequenceStatus, SlotCopy, TokenResult
 from service.params import FinishReason
-
-
-class SampledToken(Protocol):
-    """One token a step sampled for a sequence (the runner's TokenResult)."""
-
-    token: int
-    logprob: float
-    raw_logprob: float | None
-    top: dict[int, float] | None
-
-
-@dataclass(slots=True)
-class SlotCopy:
-    """Copy K/V positions [0, length) of cache slot `src` into slot `dst`."""
-
-    src: int
-    dst: int
-    length: int
-
-
-@dataclass(slots=True)
-class SchedulerOutput:
-    kind: str  # "prefill" | "decode" | "idle"
-    # Prefill: the admitted requests; one row per distinct prompt, rows occupy slots [slot_lo, slot_lo +
-    # len(prompts)); seqs are every admitted sample in slot order from slot_lo, row_of[i] the row of seqs[i].
-    requests: list[Request] = field(default_factory=list)
-    prompts: list[list[int]] = field(default_factory=list)
-    row_of: list[int] = field(default_factory=list)
-    # Decode: running sequences in slot order, slots [0, len(seqs)).
-    seqs: list[Sequence] = field(default_factory=list)
-    # Compaction moves to apply, in order, before the forward pass.
-    moves: list[SlotCopy] = field(default_factory=list)
-    # After a prefill: copy each row's prompt K/V into the slots of the other samples with that prompt.
-    forks: list[SlotCopy] = field(default_factory=list)
-    slot_lo: int = 0
 
 
 @dataclass(slots=True)
@@ -163,7 +127,7 @@ class Scheduler:
         return admitted
 
     # -- leaving the batch ------------------------------------------------------------------------
-    def update_from_output(self, seq: Sequence, tokens: Iterable[SampledToken], eos_token_ids: tuple[int, ...],
+    def update_from_output(self, seq: Sequence, tokens: Iterable[TokenResult], eos_token_ids: tuple[int, ...],
                            max_model_len: int) -> bool:
         """Append one sequence's tokens of a step in order, stopping exactly where plain decoding would; a
         sequence that finished leaves the batch (its slot is freed). Returns whether it finished."""

@@ -3,7 +3,7 @@
 One JSON line per decode step: what ran, how long it took, what it emitted, and what the strategy believed of
 each drafter when it chose. Prometheus has the steps per arm; this has each step. A stale suffix table that the
 draft model stood in for over ~300 steps was found with such a trace (speculative/shadow.py). Each line also has
-the host milliseconds around the forwards (`host_ms`: the choice with the host drafters' lookahead, appending the
+the host milliseconds around the forwards (`host_ms`: the choice with the lookahead drafters' lookahead, appending the
 tokens, the strategy's feedback): 1-2% of a CPU step, but a GPU step takes a few milliseconds in all.
 
 The engine thread writes it, line-buffered. A write that fails (disk full, file removed) logs once and stops

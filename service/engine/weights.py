@@ -35,7 +35,7 @@ from service.models.loader import (
 from service.models.packed import ensure_packed, forget_layout
 
 if TYPE_CHECKING:
-    from service.engine.llm_engine import LLMEngine
+    from service.engine.inbox import EngineCore
 
 logger = logging.getLogger(__name__)
 
@@ -127,7 +127,7 @@ def _not_lent(module: nn.Module) -> bool:
 class WeightStager:
     """Builds pushed weights for one engine. `stage` runs off the engine thread; `apply` on it."""
 
-    def __init__(self, engine: LLMEngine, reuse_buffers: bool = True) -> None:
+    def __init__(self, engine: EngineCore, reuse_buffers: bool = True) -> None:
         self.engine = engine
         self.reuse_buffers = reuse_buffers
         self._spare: dict[str, nn.Module] = {}

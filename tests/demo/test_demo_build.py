@@ -16,8 +16,7 @@ from service.demo.build import SIZE_ENV, VOCAB_SIZE, demo_size
 from service.demo.default_model import default_drafters, ensure_default_model, model_name
 from service.demo.task import problems
 from service.drafter_spec import DrafterSpec
-from service.engine.drafters import expand_auto
-from service.engine.llm_engine import LLMEngine
+from service.engine.llm_engine import LLMEngine, expand_auto
 from service.models.loader import load_model
 from service.params import SamplingParams
 from service.tokenizer import Tokenizer

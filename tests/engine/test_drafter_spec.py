@@ -12,8 +12,7 @@ from helpers import default_checkpoint
 from drafter_trainer.build import NothingToTrain, trainable
 from service.config import ConfigError, EngineConfig
 from service.drafter_spec import DrafterItem, DrafterSpec
-from service.engine.drafters import expand_auto
-from service.engine.llm_engine import LLMEngine
+from service.engine.llm_engine import LLMEngine, expand_auto
 from service.vllm.config import VllmConfigError, vllm_drafter
 
 

@@ -10,7 +10,7 @@ from helpers import default_checkpoint
 from service.config import EngineConfig
 from service.engine.llm_engine import LLMEngine
 from service.engine.scheduler import Scheduler
-from service.engine.sequence import Request, Sequence
+from service.engine.types import Request, Sequence
 from service.params import SamplingParams
 
 SLOTS = 8

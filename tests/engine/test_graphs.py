@@ -1,4 +1,4 @@
-"""Graphed decode / verify forwards (service/engine/graphs.py).
+"""Graphed decode / verify forwards (service/engine/cached_model.py).
 
 On CPU the static-buffer forwards run without capture (`capture=False`): the same bucketing, padding and buffer
 handling as on a GPU, compared with the eager step. The `cuda` tests capture real CUDA graphs and compare the
@@ -12,11 +12,11 @@ from helpers import assert_same, assert_same_up_to_near_ties, make_checkpoint, p
 from reference import chi_square_pvalue, exact_joint
 
 from service.config import EngineConfig
-from service.engine import graphs as graphs_mod
+from service.engine import cached_model as graphs_mod
 from service.engine import strategy_driver
-from service.engine.graphs import StepGraphs, key_buckets
+from service.engine.cached_model import StepGraphs, key_buckets
 from service.engine.llm_engine import LLMEngine
-from service.engine.strategy import AdaptiveStrategy, Strategy
+from service.engine.strategy import AdaptiveStrategy, Arm
 from service.models.loader import load_model
 from service.params import SamplingParams
 
@@ -99,7 +99,7 @@ def test_graphs_are_kept_per_model_across_pushes(target):
 
 def run_suffix_steps(engine: LLMEngine, monkeypatch) -> list[tuple[list[int], object, int]]:
     """Generate choosing the suffix table at k = 8 on every step it has drafts for, as the strategy values it
-    (`verified`: the verify pass the runner will run); per decode step (its proposals, that arm, the depth the
+    (`cut`: the verify pass the runner will run); per decode step (its proposals, that arm, the depth the
     runner verified)."""
     choose, seen = AdaptiveStrategy.choose, []
 
@@ -107,7 +107,7 @@ def run_suffix_steps(engine: LLMEngine, monkeypatch) -> list[tuple[list[int], ob
         s = choose(self, batch_size, proposals, room, catch_up)
         if proposals:
             caps = [min(n, r) for n, r in zip(proposals["suffix"], room, strict=True)]  # within each row's room
-            s = self.verified(Strategy("suffix", 8), caps)
+            s = self.cut(Arm("suffix", 8), max(caps, default=0))
         seen.append(((proposals or {}).get("suffix"), s))
         return s
 

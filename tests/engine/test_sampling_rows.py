@@ -5,8 +5,8 @@ from __future__ import annotations
 import torch
 
 from drafter_trainer.batch import sampling_batch
-from service.engine.sampler import SamplingBatch, SamplingRows
-from service.engine.sequence import Sequence
+from service.engine.batch_tensors import SamplingBatch, SamplingRows
+from service.engine.types import Sequence
 from service.params import SamplingParams
 
 

@@ -7,17 +7,9 @@ from dataclasses import replace
 
 import torch
 
-from service.engine.sampler import (
-    STREAM_ACCEPT,
-    STREAM_SAMPLE,
-    SamplingBatch,
-    draw_draft,
-    process_logits,
-    sample,
-    seed_keys,
-    uniforms,
-)
-from service.engine.speculative.verify import DraftProposal, verify
+from service.engine.batch_tensors import DraftProposal, SamplingBatch
+from service.engine.randomness import STREAM_ACCEPT, STREAM_SAMPLE, seed_keys, uniforms
+from service.engine.sampler import draw_draft, process_logits, sample, verify
 
 M32 = 0xFFFFFFFF
 

@@ -15,9 +15,9 @@ from reference import chi_square_pvalue, exact_joint, penalised, processed_probs
 from test_spec_decode import assisted, assisted_rows
 
 from service.config import EngineConfig
+from service.engine.batch_tensors import penalties_of
 from service.engine.llm_engine import LLMEngine
-from service.engine.penalties import Penalties
-from service.engine.sequence import Sequence
+from service.engine.types import Sequence
 from service.params import SamplingError, SamplingParams
 
 PROMPTS = [[5, 6, 7], [9, 8, 7, 6, 5, 4, 3, 2, 1, 11, 12], [17, 17, 17, 17, 2]]
@@ -74,7 +74,7 @@ def test_each_verify_position_counts_the_drafts_before_it():
             Sequence("c", 0, [4, 4], SamplingParams(frequency_penalty=-1.0), 2)]
     seqs[0].output_token_ids += [5, 5, 2]
     seqs[2].output_token_ids += [7]
-    pen = Penalties.build(seqs, V, cpu)
+    pen = penalties_of(seqs, V, cpu)
     logits = torch.randn(3, 4, V, generator=torch.Generator().manual_seed(0))
     drafts = torch.tensor([[5, 6, 6], [1, 2, 3], [7, 7, 0]])
     got = pen.at_positions(logits, drafts)

@@ -14,7 +14,8 @@ from reference import chi_square_pvalue, exact_joint, processed_probs
 from service.config import EngineConfig, ModelConfig
 from service.engine import strategy_driver
 from service.engine.llm_engine import LLMEngine
-from service.engine.strategy import PLAIN, AdaptiveStrategy, Strategy
+from service.engine.speculative.arms import arm_key
+from service.engine.strategy import PLAIN, AdaptiveStrategy, Arm
 from service.params import SamplingParams
 
 
@@ -42,7 +43,7 @@ def run(target, prompts, params, **kw):
 
 def assisted(engine: LLMEngine, k: int, n: int = 1) -> LLMEngine:
     """Pin the draft model at k, assisted by the suffix table: rows it has n or more drafts for verify its."""
-    engine.strategy.fixed = Strategy("draft", k, assist=("suffix", n))
+    engine.strategy.fixed = Arm("draft", k, assist=("suffix", n))
     return engine
 
 
@@ -187,7 +188,7 @@ def test_a_drafter_push_restarts_what_the_strategy_knows_of_it(target, drafters)
 
     engine = LLMEngine(EngineConfig(model=str(target), max_model_len=256, drafter=f"{drafters['near']},suffix"))
     params = SamplingParams(n=4, temperature=0, max_tokens=24, ignore_eos=True)
-    for fixed in (Strategy("draft", 2), Strategy("suffix", 2)):  # both measured
+    for fixed in (Arm("draft", 2), Arm("suffix", 2)):  # both measured
         engine.strategy.fixed = fixed
         engine.generate(PROMPTS, params)
     known = {name: engine.strategy.accept[name].trials[0] for name in ("draft", "suffix")}
@@ -220,7 +221,7 @@ def test_a_drafter_says_what_it_will_catch_up_on_and_times_it(target, drafters, 
     # the last token (its own step feeds what that step emitted).
     missed = 4 * len(seqs) if name == "near" else sum(s.num_tokens - 1 for s in seqs)
     assert drafter.catch_up(seqs) == missed
-    engine.strategy.fixed = Strategy(key, 3)
+    engine.strategy.fixed = Arm(key, 3)
     engine.step()
     tokens, seconds = calls[-1][CAUGHT_UP]
     assert tokens == missed and seconds > 0
@@ -244,7 +245,7 @@ def test_switching_sd_on_mid_generation_does_not_re_prefill(target, drafters):
     for _ in range(12):
         engine.step()
     prompt_tokens = engine.stats.prompt_tokens
-    engine.strategy.fixed = Strategy("draft", 3)
+    engine.strategy.fixed = Arm("draft", 3)
     seqs = list(engine.scheduler.running)
     before = [s.num_tokens for s in seqs]
     engine.step()  # the draft model catches up on every token it missed, in this one step
@@ -322,14 +323,14 @@ def test_the_strategy_knows_what_the_suffix_table_has_for_each_row_before_it_cho
 
 def test_a_choice_that_costs_much_of_a_short_step_decides_the_next_steps_too(target, drafters, tmp_path,
                                                                              monkeypatch):
-    """Where the strategy's choice costs more than HOST_SHARE of a step, it decides up to MAX_HOLD steps: the
+    """Where the strategy's choice costs more than CHOICE_SHARE of a step, it decides up to MAX_HOLD steps: the
     held steps run its arm (plain where the suffix table has nothing), in the batch it was chosen for, with the
     table's proposals for as many rows; every step is still measured. A push ends a hold. Output is unchanged."""
     params = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True)
     _, base = run(target, PROMPTS, params)
 
     def traced(share: float, name: str) -> tuple[LLMEngine, list[dict]]:
-        monkeypatch.setattr(strategy_driver, "HOST_SHARE", share)
+        monkeypatch.setattr(strategy_driver, "CHOICE_SHARE", share)
         path = tmp_path / name
         engine = LLMEngine(EngineConfig(model=str(target), max_model_len=256, max_num_seqs=16,
                                         drafter=f"{drafters['llama']},suffix", strategy_trace=str(path)))
@@ -355,7 +356,7 @@ def test_a_choice_that_costs_much_of_a_short_step_decides_the_next_steps_too(tar
         chosen = lines[i - run_length]
         assert line["arm"] in (chosen["arm"], "plain"), (i, line["arm"], chosen["arm"])
         assert line["proposed"] == before["proposed"] and line["host_ms"]["choose"] >= 0, (i, line, before)
-    engine.driver._held = strategy_driver._Held(Strategy("draft", 2), ((1,), (0,)), 3)  # as a choice leaves it
+    engine.driver._held = strategy_driver._Held(Arm("draft", 2), ((1,), (0,)), 3)  # as a choice leaves it
     engine.swap_drafter(copy.deepcopy(engine.drafter_weights()[1]), "2")
     assert engine.driver._held is None
 
@@ -384,7 +385,7 @@ def test_a_suffix_tables_drafts_are_measured_on_the_steps_another_drafter_ran(ta
     monkeypatch.setattr(type(engine.drafters["suffix"]), "lookahead", looking)
     monkeypatch.setattr(AdaptiveStrategy, "record", recording)
     monkeypatch.setattr(AdaptiveStrategy, "probes_plain", lambda self, batch_size: False)
-    monkeypatch.setattr(AdaptiveStrategy, "choose", lambda self, *a, **kw: Strategy("draft", 2))
+    monkeypatch.setattr(AdaptiveStrategy, "choose", lambda self, *a, **kw: Arm("draft", 2))
     for _ in range(2):
         got = engine.generate(PROMPTS, params)
         for a, b in zip(base, got, strict=True):
@@ -418,7 +419,7 @@ def test_the_strategy_starts_from_each_drafters_share_of_the_targets_work(target
     own = engine.strategy.own_costs
     assert own["draft"] == pytest.approx(d.macs_per_token / t.macs_per_token) and 0 < own["draft"] < own["eagle"] < 1
     assert own["suffix"] == 0 and engine.strategy.costs.model.own == [own[n] for n in engine.strategy.drafters]
-    cost = {n: engine.strategy.predicted_cost(4, Strategy(n, 2)) for n in ("suffix", "draft", "eagle")}
+    cost = {n: engine.strategy.costs.predict(arm_key(4, Arm(n, 2)), 4) for n in ("suffix", "draft", "eagle")}
     assert cost["suffix"] < cost["draft"] < cost["eagle"]
 
 
@@ -440,7 +441,7 @@ def test_a_push_finds_the_drafter_with_weights(target, drafters, name, kind):
     assert engine.drafter_weights() == (kind, pushed) and "@7" in engine.drafter_version
     params = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
     _, base = run(target, PROMPTS[:2], params)
-    engine.strategy.fixed = Strategy(next(n for n, d in engine.drafters.items() if d.weights_kind), 3)
+    engine.strategy.fixed = Arm(next(n for n, d in engine.drafters.items() if d.weights_kind), 3)
     got = engine.generate(PROMPTS[:2], params)
     assert [o.outputs[0].token_ids for o in got] == [o.outputs[0].token_ids for o in base]
 
@@ -481,7 +482,7 @@ def test_the_strategy_trace_has_one_line_per_decode_step(target, drafters, tmp_p
 
 
 def test_rows_a_table_has_enough_drafts_for_take_them_with_their_lengths():
-    from service.engine.speculative.verify import DraftProposal
+    from service.engine.batch_tensors import DraftProposal
 
     own = DraftProposal(torch.full((3, 4), 7), torch.full((3,), 4), torch.rand(3, 4, 10), [4, 4, 4])
     table = DraftProposal(torch.arange(12).view(3, 4), torch.tensor([3, 1, 4]), None, [3, 1, 4])

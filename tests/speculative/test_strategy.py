@@ -11,13 +11,26 @@ import pytest
 
 from service.engine.speculative import cost_model
 from service.engine.speculative.arm_costs import ArmCosts
+from service.engine.speculative.arms import arm_key
 from service.engine.speculative.cost_model import StepCostModel
 from service.engine.speculative.estimates import Ratio
-from service.engine.speculative.tokens import assisted_from, by_drafts, mean_from, mean_tokens, tokens_per_row
-from service.engine.strategy import PLAIN, AdaptiveStrategy, Strategy, bucket_of
+from service.engine.speculative.tokens import assisted_from, by_drafts, mean_from
+from service.engine.strategy import PLAIN, AdaptiveStrategy, Arm, bucket_of
 
 CostFn = Callable[[int, str | None, int], float]
 AlphaFn = Callable[[str, int], float]
+
+
+def expected_tokens(strategy: AdaptiveStrategy, arm: Arm, proposals: list[int] | None = None) -> float:
+    """Expected tokens per row of `arm` as the strategy believes now: its pooled acceptance, each row getting at
+    most its proposal's drafts (`proposals`, where the drafter knows them)."""
+    table = by_drafts(strategy.acceptance(arm.drafter), arm.k) if arm.k else [1.0]
+    return mean_from(table, arm.k, Counter(proposals) if proposals else None)
+
+
+def predicted_cost(strategy: AdaptiveStrategy, batch_size: int, arm: Arm) -> float:
+    """Seconds of a step of `arm` at this batch size, as the strategy's cost model predicts them."""
+    return strategy.costs.predict(arm_key(batch_size, arm), batch_size)
 
 
 def assisted_tokens(alpha: list[float], k: int, host_alpha: list[float],
@@ -67,7 +80,7 @@ def accepted_counts(batch: int, k: int, alpha: float, rng: random.Random) -> lis
 
 
 def rollout(strategy: AdaptiveStrategy, lengths: list[int], alpha: AlphaFn, cost: CostFn,
-            seed: int = 0) -> tuple[float, list[tuple[int, Strategy]]]:
+            seed: int = 0) -> tuple[float, list[tuple[int, Arm]]]:
     """Drain a batch of sequences with these lengths; returns the scripted seconds and (batch, arm) per step.
     Measured costs carry 5% multiplicative noise. A draft model catches up on the tokens it missed while
     other arms ran: each missed token costs every row a twentieth of a plain step's per-row cost."""
@@ -120,7 +133,7 @@ def collapsing(value: float, at: int) -> AlphaFn:
 
 def best_fixed_and_adaptive(shape: str, alpha: AlphaFn, cost: CostFn) -> tuple[float, float]:
     """Mean scripted seconds over 12 seeds: the best of plain and fixed draft:k, and adaptive over both drafters."""
-    fixed = [PLAIN] + [Strategy("draft", k) for k in (1, 2, 3, 4, 6, 8)]
+    fixed = [PLAIN] + [Arm("draft", k) for k in (1, 2, 3, 4, 6, 8)]
     work = lengths(shape)
 
     def mean_time(make: Callable[[], AdaptiveStrategy]) -> float:
@@ -153,8 +166,8 @@ def test_ahead_of_every_fixed_arm_where_the_batch_drains(shape: str) -> None:
     assert adaptive * 1.10 <= best
 
 
-def true_best(batch: int, alpha: float, cost: CostFn, arms: list[Strategy]) -> Strategy:
-    return max(arms, key=lambda s: tokens_per_row(alpha, s.k) / cost(batch, s.drafter, s.k))
+def true_best(batch: int, alpha: float, cost: CostFn, arms: list[Arm]) -> Arm:
+    return max(arms, key=lambda s: by_drafts(alpha, s.k)[s.k] / cost(batch, s.drafter, s.k))
 
 
 @pytest.mark.parametrize("batch", [64, 16, 2])
@@ -168,7 +181,7 @@ def test_converges_to_the_best_arm_per_bucket(batch: int) -> None:
         strategy.record(s, batch, cpu_cost(batch, s.drafter, s.k), accepted_counts(batch, s.k, 0.8, rng))
         chosen.append(s)
     # Within 40 steps it settles on the best arm (or one within 5% of it: near-ties are not told apart).
-    rate = lambda s: tokens_per_row(0.8, s.k) / cpu_cost(batch, s.drafter, s.k)
+    rate = lambda s: by_drafts(0.8, s.k)[s.k] / cpu_cost(batch, s.drafter, s.k)
     good = [s for s in chosen[40:] if rate(s) >= 0.95 * rate(best)]
     assert len(good) >= 0.85 * 20, (best, chosen[40:])
 
@@ -182,7 +195,7 @@ def test_generalises_across_buckets(cost: CostFn) -> None:
         s = strategy.choose(batch)
         strategy.record(s, batch, cost(batch, s.drafter, s.k), accepted_counts(batch, s.k, 0.8, rng))
     for s in strategy.arms:
-        assert strategy.predicted_cost(16, s) == pytest.approx(cost(16, s.drafter, s.k), rel=0.25)
+        assert predicted_cost(strategy, 16, s) == pytest.approx(cost(16, s.drafter, s.k), rel=0.25)
 
 
 def test_each_bucket_has_its_own_acceptance() -> None:
@@ -207,7 +220,7 @@ def test_each_bucket_has_its_own_acceptance() -> None:
     assert sum(d == "b" for d in picks[2][-60 * 3:]) >= 0.85 * 180, picks[2]
 
 
-def collapse_run(batch: int, seed: int = 2, pushed: bool = False) -> list[Strategy]:
+def collapse_run(batch: int, seed: int = 2, pushed: bool = False) -> list[Arm]:
     """400 steps at one batch size; the drafter's acceptance collapses at step 100 and recovers at 200 (`pushed`:
     as new drafter weights were pushed, which the engine tells the strategy)."""
     strategy = AdaptiveStrategy(["draft"], seed=seed)
@@ -257,18 +270,18 @@ def test_a_pushed_drafter_is_taken_up_at_once(batch: int) -> None:
 
 def test_a_pinned_k_deeper_than_the_arms_is_recorded() -> None:
     """--spec fixed --spec-k 15 is allowed: its acceptance counts grow to that depth."""
-    s = AdaptiveStrategy(["draft"], fixed=Strategy("draft", 15))
+    s = AdaptiveStrategy(["draft"], fixed=Arm("draft", 15))
     s.record(PLAIN, 4, 0.01)
     for _ in range(3):
-        s.record(Strategy("draft", 15), 4, 0.05, [15, 12, 3, 0], ran_k=15)
+        s.record(Arm("draft", 15), 4, 0.05, [15, 12, 3, 0], ran_k=15)
     rates = s.acceptance("draft")
     assert len(rates) == 15 and rates[0] > 0.6 and rates[3] < rates[2]  # row "3" failed at position 4
-    assert s.choose(4) == Strategy("draft", 15) and s.expected_tokens(Strategy("draft", 15)) > 5
+    assert s.choose(4) == Arm("draft", 15) and expected_tokens(s, Arm("draft", 15)) > 5
 
 
 def test_fixed_and_no_drafter() -> None:
     assert AdaptiveStrategy([]).choose(3) == PLAIN
-    pinned = Strategy("suffix", 5)
+    pinned = Arm("suffix", 5)
     assert AdaptiveStrategy(["suffix"], fixed=pinned).choose(64) == pinned
     assert [bucket_of(b) for b in (1, 2, 3, 5, 64, 65)] == [1, 2, 4, 8, 64, 128]
 
@@ -277,9 +290,9 @@ def test_draft_cost_is_learned_per_drafter() -> None:
     s = AdaptiveStrategy(["suffix", "draft"])
     s.record(PLAIN, 8, 1.0)
     for _ in range(5):
-        s.record(Strategy("suffix", 2), 8, 1.1, [2] * 8)  # a model-free drafter: an extra position is cheap
-        s.record(Strategy("draft", 2), 8, 3.0, [2] * 8)  # a draft model: each position costs a forward
-    assert s.predicted_cost(8, Strategy("suffix", 6)) < 1.5 < 5.0 < s.predicted_cost(8, Strategy("draft", 6))
+        s.record(Arm("suffix", 2), 8, 1.1, [2] * 8)  # a model-free drafter: an extra position is cheap
+        s.record(Arm("draft", 2), 8, 3.0, [2] * 8)  # a draft model: each position costs a forward
+    assert predicted_cost(s, 8, Arm("suffix", 6)) < 1.5 < 5.0 < predicted_cost(s, 8, Arm("draft", 6))
     assert s.choose(8).drafter == "suffix"  # same acceptance, far cheaper
 
 
@@ -290,17 +303,17 @@ def test_an_unmeasured_draft_model_is_priced_at_its_share_of_the_targets_work() 
         s = AdaptiveStrategy(["suffix", "draft"], own_costs=own_costs)
         for batch in (8, 16, 8, 16):
             s.record(PLAIN, batch, 0.010 * (1 + batch / 16))
-            s.record(Strategy("suffix", 2), batch, 0.010 * (1 + batch / 16) * 1.2, [2] * batch)
+            s.record(Arm("suffix", 2), batch, 0.010 * (1 + batch / 16) * 1.2, [2] * batch)
         return s
 
     s = measured({"draft": 0.25})
-    plain, table = s.predicted_cost(8, PLAIN), s.predicted_cost(8, Strategy("suffix", 4))
-    assert s.predicted_cost(8, Strategy("draft", 4)) - table == pytest.approx(4 * 0.25 * plain, rel=0.1)
+    plain, table = predicted_cost(s, 8, PLAIN), predicted_cost(s, 8, Arm("suffix", 4))
+    assert predicted_cost(s, 8, Arm("draft", 4)) - table == pytest.approx(4 * 0.25 * plain, rel=0.1)
     s = measured({})
-    table = s.predicted_cost(8, Strategy("suffix", 4))
-    assert s.predicted_cost(8, Strategy("draft", 4)) == pytest.approx(table, rel=1e-3)
+    table = predicted_cost(s, 8, Arm("suffix", 4))
+    assert predicted_cost(s, 8, Arm("draft", 4)) == pytest.approx(table, rel=1e-3)
     unmeasured = AdaptiveStrategy(["suffix", "draft"], own_costs={"draft": 0.25})
-    draft, table = (unmeasured.predicted_cost(8, Strategy(d, 2)) for d in ("draft", "suffix"))
+    draft, table = (predicted_cost(unmeasured, 8, Arm(d, 2)) for d in ("draft", "suffix"))
     assert draft / table == pytest.approx((1 + (0.3 + 0.25) * 2) / (1 + 0.3 * 2))  # a plain step's units
     with pytest.raises(ValueError, match="cost of 0 or more"):
         AdaptiveStrategy(["draft"], own_costs={"draft": -0.1})
@@ -388,7 +401,7 @@ def test_a_host_drafter_runs_for_the_rows_it_has_drafts_for() -> None:
         chosen.append((covered, s))
     last = chosen[-60:]
     assert not [s for covered, s in chosen if not covered and s.drafter == "suffix"]
-    assert sum(s == Strategy("suffix", 8) for covered, s in last if covered) >= 25, last
+    assert sum(s == Arm("suffix", 8) for covered, s in last if covered) >= 25, last
     assert sum(s.drafter == "draft" for covered, s in last if not covered) >= 20, last
     assert strategy.acceptance("suffix")[0] > 0.85
 
@@ -397,12 +410,12 @@ def test_a_host_drafter_is_valued_on_the_verify_it_would_run() -> None:
     """A cut verify: no row has more than 3 drafts, so every deeper suffix arm is that step, at its cost."""
     s = AdaptiveStrategy(["suffix"])
     proposals = [3, 0, 1, 3]
-    assert s.verified(Strategy("suffix", 8), proposals) == Strategy("suffix", 3)
-    assert s.verified(Strategy("suffix", 2), proposals) == Strategy("suffix", 2)
-    assert s.verified(Strategy("suffix", 4), [0, 0]) == PLAIN
+    assert s.cut(Arm("suffix", 8), max(proposals)) == Arm("suffix", 3)
+    assert s.cut(Arm("suffix", 2), max(proposals)) == Arm("suffix", 2)
+    assert s.cut(Arm("suffix", 4), max([0, 0])) == PLAIN
     alpha = s.acceptance("suffix")
-    want = (2 * tokens_per_row(alpha, 3) + 1 + tokens_per_row(alpha, 1)) / 4
-    assert s.expected_tokens(Strategy("suffix", 8), proposals) == pytest.approx(want)
+    want = (2 * by_drafts(alpha, 3)[3] + 1 + by_drafts(alpha, 1)[1]) / 4
+    assert expected_tokens(s, Arm("suffix", 8), proposals) == pytest.approx(want)
     for _ in range(3):
         s.record(PLAIN, 4, 1.0)
     assert s.choose(4, {"suffix": [0, 0, 0, 0]}) == PLAIN
@@ -443,12 +456,12 @@ def test_assisted_rows_take_the_table_where_its_drafts_yield_more() -> None:
     # model's 1.996 needs two table drafts.
     tokens, n = assisted_tokens(own, 4, table, rows)
     assert n == 1
-    want = 2 * tokens_per_row(table, 4) + tokens_per_row(table, 1) + tokens_per_row(own, 4)
+    want = 2 * by_drafts(table, 4)[4] + by_drafts(table, 1)[1] + by_drafts(own, 4)[4]
     assert tokens == pytest.approx(want / 4)
     assert assisted_tokens(own, 8, table, rows)[1] == 2
-    assert assisted_tokens(own, 4, [0.1] * 8, rows) == (pytest.approx(tokens_per_row(own, 4)), None)
+    assert assisted_tokens(own, 4, [0.1] * 8, rows) == (pytest.approx(by_drafts(own, 4)[4]), None)
     near_end = Counter({(8, 2): 1, (0, 1): 1})  # rows with room for two drafts and for one
-    want = tokens_per_row(table, 2) + tokens_per_row(own, 1)
+    want = by_drafts(table, 2)[2] + by_drafts(own, 1)[1]
     assert assisted_tokens(own, 4, table, near_end) == (pytest.approx(want / 2), 1)
 
 
@@ -459,7 +472,7 @@ def test_a_catch_up_is_not_spread_over_more_steps_than_the_batch_has_left() -> N
     for batch in (8, 16):
         s.record(PLAIN, batch, 0.010 * (1 + batch / 32))
     for _ in range(6):
-        s.record(Strategy("draft", 2), 8, 0.012, [2] * 8)
+        s.record(Arm("draft", 2), 8, 0.012, [2] * 8)
     for _ in range(40):
         s.record(PLAIN, 8, 0.010)
     s.catch_ups.price["draft"] = Ratio()
@@ -481,11 +494,11 @@ def lost_at_full_batch() -> AdaptiveStrategy:
     for batch in (16, 64):
         s.record(PLAIN, batch, 0.010 * (1 + batch / 32))
     for _ in range(2):
-        s.record(Strategy("draft", 2), 16, 0.02, [1] * 16)  # 2 tokens per row
+        s.record(Arm("draft", 2), 16, 0.02, [1] * 16)  # 2 tokens per row
     s.record(PLAIN, 16, 0.015)
     for _ in range(2):
-        s.record(Strategy("draft", 2), 64, 0.05, [1] * 64)
-    s.record(Strategy("draft", 2), 64, 0.05 + 0.06, [1] * 64, caught_up=(1000, 0.06))  # 60 us per token
+        s.record(Arm("draft", 2), 64, 0.05, [1] * 64)
+    s.record(Arm("draft", 2), 64, 0.05 + 0.06, [1] * 64, caught_up=(1000, 0.06))  # 60 us per token
     for _ in range(30):
         s.record(PLAIN, 64, 0.03)
     return s
@@ -509,13 +522,13 @@ def test_a_switch_is_charged_by_how_long_the_last_stay_begun_in_its_bucket_laste
     in; when one begun at full batch lasts 24 steps, a switch there is charged over 24."""
     s = lost_at_full_batch()
     for _ in range(3):
-        s.record(Strategy("draft", 2), 16, 0.02, [1] * 16)
+        s.record(Arm("draft", 2), 16, 0.02, [1] * 16)
     for _ in range(40):
         s.record(PLAIN, 8, 0.0125)
     assert s.catch_ups.horizon("draft", 64) == 3
     assert [s.choose(64, catch_up={"draft": 3000}).drafter for _ in range(20)].count(None) >= 18
     for batch in [64] * 20 + [32] * 4:  # it wins at full batch, and stays as the batch drains
-        s.record(Strategy("draft", 2), batch, 0.05 * batch / 64, [1] * batch)
+        s.record(Arm("draft", 2), batch, 0.05 * batch / 64, [1] * batch)
     for _ in range(40):
         s.record(PLAIN, 8, 0.0125)
     assert s.catch_ups.horizon("draft", 64) == 24
@@ -529,12 +542,12 @@ def test_rows_near_their_token_budget_are_valued_at_what_they_can_emit() -> None
     for batch in (8, 16):
         s.record(PLAIN, batch, 0.010 * (1 + batch / 32))
     for k in (1, 2, 4, 8, 8, 8):
-        s.record(Strategy("draft", k), 8, 0.010 + 0.0001 * k, [k] * 8)
+        s.record(Arm("draft", k), 8, 0.010 + 0.0001 * k, [k] * 8)
     assert s.choose(8).k == 8
     assert s.choose(8, room=[8] * 8).k == 8
     assert {s.choose(8, room=[2, 1, 0, 2, 0, 0, 1, 2]).k for _ in range(20)} == {2}
     assert s.choose(8, room=[0] * 8) == PLAIN
-    assert s.verified(Strategy("draft", 8), [0, 3, 1]) == Strategy("draft", 3)
+    assert s.cut(Arm("draft", 8), max([0, 3, 1])) == Arm("draft", 3)
 
 
 def test_a_catch_up_is_priced_per_token_and_kept_out_of_the_arms_cost() -> None:
@@ -544,15 +557,15 @@ def test_a_catch_up_is_priced_per_token_and_kept_out_of_the_arms_cost() -> None:
     for batch in (8, 16):
         s.record(PLAIN, batch, 0.010 * (1 + batch / 32))
     for _ in range(6):
-        s.record(Strategy("draft", 2), 8, 0.012, [2] * 8)
-    arm = s.predicted_cost(8, Strategy("draft", 2))
-    s.record(Strategy("draft", 2), 8, 0.012 + 0.2, [2] * 8, caught_up=(400, 0.2))
+        s.record(Arm("draft", 2), 8, 0.012, [2] * 8)
+    arm = predicted_cost(s, 8, Arm("draft", 2))
+    s.record(Arm("draft", 2), 8, 0.012 + 0.2, [2] * 8, caught_up=(400, 0.2))
     assert s.catch_ups.price["draft"].value == pytest.approx(0.2 / 400)
-    assert s.predicted_cost(8, Strategy("draft", 2)) == pytest.approx(arm, rel=0.02)
+    assert predicted_cost(s, 8, Arm("draft", 2)) == pytest.approx(arm, rel=0.02)
     # Each catch-up weighs by its tokens: after a large one at 1 ms per token the price is 0.88 ms, where an
     # average of per-catch-up prices says 0.65 ms (on a CPU, catch-ups of ~3,000 tokens in near-uniform rollouts
     # cost 2-2.8x the price per token that the small ones before them had set).
-    s.record(Strategy("draft", 2), 8, 0.012 + 3.0, [2] * 8, caught_up=(3000, 3.0))
+    s.record(Arm("draft", 2), 8, 0.012 + 3.0, [2] * 8, caught_up=(3000, 3.0))
     assert s.catch_ups.price["draft"].value == pytest.approx((0.7 * 0.2 + 0.3 * 3.0) / (0.7 * 400 + 0.3 * 3000))
 
 
@@ -573,10 +586,10 @@ def test_a_table_covering_few_rows_is_valued_at_the_positions_a_packed_pass_comp
         acc = accepted_counts(8, s.k, 0.97, rng) + [0] * 56 if s.k else None
         strategy.record(s, 64, seconds, acc, s.k, [min(n, s.k) for n in proposals] if s.k else None)
         chosen.append(s)
-    assert sum(s == Strategy("suffix", 8) for s in chosen[-30:]) >= 25, chosen[-30:]
+    assert sum(s == Arm("suffix", 8) for s in chosen[-30:]) >= 25, chosen[-30:]
 
 
-def table_comes_back(shadow: bool) -> list[Strategy]:
+def table_comes_back(shadow: bool) -> list[Arm]:
     """Tail steps (batch 4) where the suffix table proposes 8 drafts for every row and each is right at 0.1,
     then steps of 16 rows where its drafts are right at 0.97; the draft model's at 0.7 throughout (GPU-like
     costs: deep speculation pays at both sizes).
@@ -610,7 +623,7 @@ def test_a_table_written_off_in_the_tail_is_back_as_soon_as_its_drafts_are_right
     counts have faded (what we had: a GRPO run's draft model ran ~300 steps at 8,000 tokens/s where the table
     gave 21,000)."""
 
-    def table(arms: list[Strategy]) -> list[bool]:  # steps that verify the table's drafts (alone or assisting)
+    def table(arms: list[Arm]) -> list[bool]:  # steps that verify the table's drafts (alone or assisting)
         return [s.drafter == "suffix" or s.assist is not None for s in arms]
 
     fed = table_comes_back(shadow=True)
@@ -636,8 +649,8 @@ def test_token_tables_give_what_the_per_call_sums_give() -> None:
     rows = Counter({0: 3, 2: 5, 8: 1})
     pairs = Counter({(8, 8): 2, (1, 8): 1, (0, 3): 4, (5, 2): 1})
     for k in (1, 2, 3, 4, 6, 8):
-        assert mean_from(by_drafts(own, 8), k, rows) == pytest.approx(mean_tokens(own, k, rows))
-        assert mean_from(by_drafts(own, 8), k, None) == pytest.approx(tokens_per_row(own, k))
+        assert mean_from(by_drafts(own, 8), k, rows) == pytest.approx(mean_from(by_drafts(own, k), k, rows))
+        assert mean_from(by_drafts(own, 8), k, None) == pytest.approx(by_drafts(own, k)[k])
         assert assisted_from(by_drafts(own, 8), k, by_drafts(host, 8), pairs) == pytest.approx(
             assisted_tokens(own, k, host, pairs))
     assert by_drafts(0.5, 3) == pytest.approx([1.0, 1.5, 1.75, 1.875])
@@ -659,7 +672,7 @@ def stalled_run(seed: int, stall: float = 6.0, steps: int = 300) -> list[int]:
                 a += 1
             num_accepted.append(a)
         seconds = (0.02 + 0.002 * s.k) * math.exp(rng.gauss(0.0, 0.05))
-        if s == Strategy("draft", 4) and not stalled and "draft" in strategy._deepest:  # its first measured step
+        if s == Arm("draft", 4) and not stalled and "draft" in strategy._deepest:  # its first measured step
             seconds, stalled = seconds * stall, True
         strategy.record(s, 16, seconds, num_accepted or None, s.k)
         chosen.append(s.k)

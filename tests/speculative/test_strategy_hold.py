@@ -8,9 +8,9 @@ import torch
 
 from service.engine import strategy_driver
 from service.engine.drafters.suffix import SuffixDrafter
-from service.engine.sequence import Sequence
-from service.engine.strategy import AdaptiveStrategy, Strategy
+from service.engine.strategy import AdaptiveStrategy, Arm
 from service.engine.strategy_driver import StrategyDriver
+from service.engine.types import Sequence
 from service.params import SamplingParams
 
 MATCHES = [1, 2, 3, 4, 1, 2, 3, 4, 1, 2]  # the table proposes 3, 4, 1, ... for it
@@ -32,7 +32,7 @@ def rows_of(d: StrategyDriver, *prompts: list[int]) -> list[Sequence]:
 
 def driver(monkeypatch, share: float) -> StrategyDriver:
     """A driver past its probes (two buckets' plain steps, the table well known), steps of 1 or 2 rows 1 s long."""
-    monkeypatch.setattr(strategy_driver, "HOST_SHARE", share)
+    monkeypatch.setattr(strategy_driver, "CHOICE_SHARE", share)
     strategy = AdaptiveStrategy(["suffix"], seed=0)
     strategy._plain_buckets.update({1, 2})
     table = strategy.accept["suffix"]
@@ -42,7 +42,7 @@ def driver(monkeypatch, share: float) -> StrategyDriver:
     return out
 
 
-def choose(d: StrategyDriver, seqs: list[Sequence]) -> tuple[Strategy, bool]:
+def choose(d: StrategyDriver, seqs: list[Sequence]) -> tuple[Arm, bool]:
     return d.choose(seqs, [50] * len(seqs)), d.held
 
 
@@ -56,7 +56,7 @@ def test_a_choice_decides_at_most_max_hold_steps(monkeypatch):
         assert choose(d, rows) == (first, True)
     assert choose(d, rows)[1] is False  # a new choice
     assert choose(d, rows)[1] is True
-    d._held, d._last = None, Strategy("suffix", 1)  # the choice before was another arm: a switch
+    d._held, d._last = None, Arm("suffix", 1)  # the choice before was another arm: a switch
     assert choose(d, rows) == (first, False) and choose(d, rows) == (first, False)
     assert choose(d, rows)[1] is True
 

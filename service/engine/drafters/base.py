@@ -8,10 +8,8 @@ from abc import ABC, abstractmethod
 import torch
 from torch import nn
 
-from service.engine.sampler import SamplingBatch
-from service.engine.scheduler import SlotCopy
-from service.engine.sequence import Sequence
-from service.engine.speculative.verify import DraftProposal
+from service.engine.batch_tensors import DraftProposal, SamplingBatch
+from service.engine.types import Sequence, SlotCopy
 
 
 class Drafter(ABC):

@@ -11,13 +11,12 @@ from __future__ import annotations
 import torch
 
 from service.config import ModelConfig
+from service.engine.batch_tensors import DraftProposal, SamplingBatch
 from service.engine.cached_model import CachedModel
 from service.engine.drafters.base import Drafter, clock
 from service.engine.kv_cache import KVCache
-from service.engine.sampler import SamplingBatch, draw_draft
-from service.engine.scheduler import SlotCopy
-from service.engine.sequence import Sequence
-from service.engine.speculative.verify import DraftProposal
+from service.engine.sampler import draw_draft
+from service.engine.types import Sequence, SlotCopy
 from service.models.llama import CausalLM
 
 

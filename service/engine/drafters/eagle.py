@@ -20,13 +20,12 @@ from safetensors.torch import load_file
 from torch import nn
 
 from service.config import ModelConfig
+from service.engine.batch_tensors import DraftProposal, SamplingBatch, int_tensor, padded_ids
 from service.engine.cached_model import CachedModel
 from service.engine.drafters.base import Drafter, clock
 from service.engine.kv_cache import KVCache
-from service.engine.sampler import SamplingBatch, draw_draft
-from service.engine.scheduler import SlotCopy
-from service.engine.sequence import Sequence
-from service.engine.speculative.verify import DraftProposal
+from service.engine.sampler import draw_draft
+from service.engine.types import Sequence, SlotCopy
 from service.models.llama import AttnMeta, CausalLM, DecoderLayer, RMSNorm
 from service.models.packed import Linear
 
@@ -141,12 +140,11 @@ class EagleDrafter(Drafter):
         t0 = clock(dev) if missed else 0.0
         tokens = [s.tokens_from(st + 1) for s, st in zip(seqs, starts, strict=True)]
         q_lens = [len(t) for t in tokens]
-        Q = max(q_lens)
-        ids = torch.tensor([t + [0] * (Q - len(t)) for t in tokens], dtype=torch.int64, device=dev)
+        ids = padded_ids(tokens, dev)
         meta, pos = self.cached.build_meta(0, starts, q_lens)
         feats = self.features[torch.arange(B, device=dev)[:, None], pos]  # [B, Q, H]
         out = self.head(target.embed_tokens(ids), feats, meta, self.cached.cache.k, self.cached.cache.v)
-        last = torch.tensor([n - 1 for n in q_lens], dtype=torch.int64, device=dev)
+        last = int_tensor([n - 1 for n in q_lens], dev)
         feature = out[torch.arange(B, device=dev), last]  # predicted f_{T-1}: [B, H]
         # Timed only when it caught up (a host sync on a GPU); the pass's seconds shared out by positions fed.
         caught_up = (missed, (clock(dev) - t0) * missed / sum(q_lens)) if missed else (0, 0.0)

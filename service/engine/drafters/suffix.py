@@ -14,10 +14,9 @@ from dataclasses import dataclass, field
 
 import torch
 
+from service.engine.batch_tensors import DraftProposal, SamplingBatch, proposal_of
 from service.engine.drafters.base import Drafter
-from service.engine.sampler import SamplingBatch
-from service.engine.sequence import Sequence
-from service.engine.speculative.verify import DraftProposal
+from service.engine.types import Sequence
 
 
 @dataclass(slots=True)
@@ -125,16 +124,7 @@ class SuffixDrafter(Drafter):
         return self._continuations(seqs, k)
 
     def propose(self, seqs: list[Sequence], k: int, sb: SamplingBatch) -> DraftProposal:
-        rows, lengths = [], []
-        for cont in self._continuations(seqs, k):
-            lengths.append(len(cont))
-            rows.append(cont + [0] * (k - len(cont)))
-        return DraftProposal(
-            tokens=torch.tensor(rows, dtype=torch.int64, device=self.device).view(len(seqs), k),
-            lengths=torch.tensor(lengths, dtype=torch.int64, device=self.device),
-            probs=None,
-            row_lengths=lengths,
-        )
+        return proposal_of(self._continuations(seqs, k), k, self.device)
 
     def reset(self) -> None:
         self.history.clear()

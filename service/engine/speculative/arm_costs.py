@@ -16,12 +16,12 @@ import math
 import random
 from dataclasses import dataclass, field
 
+from service.engine.speculative.arms import ArmKey
 from service.engine.speculative.cost_model import StepCostModel
 from service.engine.speculative.estimates import Ewma
 
 STALL = 2.0  # one step this many times the line may be a stall; one this many times cheaper (against the line)
 # than the arm's mean before says that mean was one
-Arm = tuple[int, str | None, int]  # (bucket, drafter, k)
 
 
 @dataclass(slots=True)
@@ -43,9 +43,9 @@ class Measured:
 class ArmCosts:
     model: StepCostModel
     spread: float = 0.05  # relative spread of an unmeasured arm's cost draw; shrinks with measurements
-    measured: dict[Arm, Measured] = field(default_factory=dict)
+    measured: dict[ArmKey, Measured] = field(default_factory=dict)
 
-    def _ratio(self, arm: Arm) -> tuple[float, int]:
+    def _ratio(self, arm: ArmKey) -> tuple[float, int]:
         """The arm's recent seconds over what the line predicts now for them, and its measurements."""
         m = self.measured.get(arm)
         if m is None or m.seconds.value is None:
@@ -54,17 +54,17 @@ class ArmCosts:
         predicted = self.model.predict(drafter, k, round(m.batch.value), round(m.tokens.value))
         return m.seconds.value / predicted, m.seconds.n
 
-    def correction(self, arm: Arm) -> tuple[float, int]:
+    def correction(self, arm: ArmKey) -> tuple[float, int]:
         """What the line misses for this arm (measured / predicted, shrunk towards 1), and its measurements."""
         ratio, n = self._ratio(arm)
         return _shrunk(ratio, n), n
 
-    def predict(self, arm: Arm, batch_size: int, tokens: int | None = None) -> float:
+    def predict(self, arm: ArmKey, batch_size: int, tokens: int | None = None) -> float:
         """Seconds of a step; `tokens`: the draft positions it verifies (default batch_size * k)."""
         _, drafter, k = arm
         return self.model.predict(drafter, k, batch_size, tokens) * self.correction(arm)[0]
 
-    def draw(self, arm: Arm, batch_size: int, tokens: int, rng: random.Random) -> float:
+    def draw(self, arm: ArmKey, batch_size: int, tokens: int, rng: random.Random) -> float:
         """A draw of a step's seconds from what is known of the arm (the module docstring says how)."""
         ratio, n = self._ratio(arm)
         corr = _shrunk(ratio, n)
@@ -74,7 +74,7 @@ class ArmCosts:
         _, drafter, k = arm
         return self.model.predict(drafter, k, batch_size, tokens) * corr * math.exp(z * self.spread / math.sqrt(1 + n))
 
-    def record(self, arm: Arm, batch_size: int, seconds: float, tokens: int) -> None:
+    def record(self, arm: ArmKey, batch_size: int, seconds: float, tokens: int) -> None:
         """One measured step of the arm: `tokens`, the draft positions its verify pass computed."""
         _, drafter, k = arm
         mean_ratio, n = self._ratio(arm)

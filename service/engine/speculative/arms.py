@@ -5,14 +5,14 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from service.engine.speculative.arm_costs import Arm
+ArmKey = tuple[int, str | None, int]  # (bucket, drafter, k)
 
 
 @dataclass(frozen=True, slots=True)
-class Strategy:
+class Arm:
     drafter: str | None  # None = plain decoding
     k: int = 0
-    # (host drafter, n): rows it has n or more drafts for take its drafts (see the module docstring). The same
+    # (lookahead drafter, n): rows it has n or more drafts for take its drafts (see the module docstring). The same
     # arm as without: it costs the same step.
     assist: tuple[str, int] | None = field(default=None, compare=False)
 
@@ -23,12 +23,12 @@ class Strategy:
         return f"{self.drafter}:k={self.k}" + (f"+{self.assist[0]}" if self.assist else "")
 
 
-PLAIN = Strategy(None, 0)
+PLAIN = Arm(None, 0)
 
 
 def bucket_of(batch_size: int) -> int:
     return 1 << max(batch_size - 1, 0).bit_length()
 
 
-def arm_of(batch_size: int, s: Strategy) -> Arm:
+def arm_key(batch_size: int, s: Arm) -> ArmKey:
     return bucket_of(batch_size), s.drafter if s.k else None, s.k

@@ -1,10 +1,11 @@
-"""Acceptance of a host drafter's drafts on the steps that did not verify them. Torch-free.
+"""Acceptance of a lookahead drafter's drafts on the steps that did not verify them. Torch-free.
 
-A host drafter (a suffix table) says what it would draft for every row before each step, whichever arm runs.
-After the step, draft j counts as accepted when drafts 1..j-1 matched the row's first j - 1 new tokens and draft j
-matches its j-th. Every emitted token is a sample of the target's distribution (decoding is lossless), so that is
-the acceptance the drafter would have had, in distribution. Positions past the tokens a row emitted are not
-observed. So the table's posterior never goes stale while another arm runs. docs/design-notes.md has more.
+A lookahead drafter (a suffix table, drafting on the host) says what it would draft for every row before each step,
+whichever arm runs. After the step, draft j counts as accepted when drafts 1..j-1 matched the row's first j - 1 new
+tokens and draft j matches its j-th. Every emitted token is a sample of the target's distribution (decoding is
+lossless), so that is the acceptance the drafter would have had, in distribution. Positions past the tokens a row
+emitted are not observed. So the table's posterior never goes stale while another arm runs. docs/design-notes.md
+has more.
 """
 
 from __future__ import annotations

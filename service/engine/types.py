@@ -1,4 +1,5 @@
-"""Request and sequence state: plain Python objects shared by the scheduler, the runner and the API layers."""
+"""The engine's plain records, torch-free: requests and their sequences, what the scheduler hands the runner, what
+a step produced and what it hands out. Every part of the engine shares them, so they sit under all of it."""
 
 from __future__ import annotations
 
@@ -184,3 +185,64 @@ def completion_of(seq: Sequence) -> CompletionOutput:
         top_logprobs=list(seq.top_logprobs) if p.top_logprobs else None,
         version_spans=[VersionSpan(v.policy_version, v.drafter_version, v.start, v.end) for v in seq.version_spans],
     )
+
+
+@dataclass(slots=True)
+class SlotCopy:
+    """Copy K/V positions [0, length) of cache slot `src` into slot `dst`."""
+
+    src: int
+    dst: int
+    length: int
+
+
+@dataclass(slots=True)
+class SchedulerOutput:
+    kind: str  # "prefill" | "decode" | "idle"
+    # Prefill: the admitted requests; one row per distinct prompt, rows occupy slots [slot_lo, slot_lo +
+    # len(prompts)); seqs are every admitted sample in slot order from slot_lo, row_of[i] the row of seqs[i].
+    requests: list[Request] = field(default_factory=list)
+    prompts: list[list[int]] = field(default_factory=list)
+    row_of: list[int] = field(default_factory=list)
+    # Decode: running sequences in slot order, slots [0, len(seqs)).
+    seqs: list[Sequence] = field(default_factory=list)
+    # Compaction moves to apply, in order, before the forward pass.
+    moves: list[SlotCopy] = field(default_factory=list)
+    # After a prefill: copy each row's prompt K/V into the slots of the other samples with that prompt.
+    forks: list[SlotCopy] = field(default_factory=list)
+    slot_lo: int = 0
+
+
+@dataclass(slots=True)
+class TokenResult:
+    """Host-side result of sampling one token for one sequence."""
+
+    token: int
+    logprob: float
+    raw_logprob: float | None
+    top: dict[int, float] | None
+
+
+@dataclass(slots=True)
+class StepResult:
+    """What one step produced, plain or speculative: per sequence (slot order) the tokens it emits (1..k+1),
+    and for a speculative step the drafts proposed and accepted."""
+
+    seqs: list[Sequence]
+    tokens: list[list[TokenResult]]
+    prev_num_tokens: list[int]  # each sequence's length before the step
+    k: int = 0  # draft depth (0: plain)
+    num_accepted: list[int] = field(default_factory=list)
+    num_drafted: list[int] = field(default_factory=list)
+    assisted: list[bool] = field(default_factory=list)  # rows whose drafts came from the assisting drafter
+    draft_seconds: float = 0.0
+    caught_up: tuple[int, float] = (0, 0.0)  # tokens the drafter fed to catch up before drafting, their seconds
+    captured: bool = False  # the step captured a CUDA graph or compiled a forward: its time measures nothing
+
+    @classmethod
+    def plain(cls, seqs: list[Sequence], results: list[TokenResult]) -> StepResult:
+        return cls(seqs, [[r] for r in results], [s.num_tokens for s in seqs])
+
+    def num_emitted(self) -> int:
+        """Tokens the step's sequences gained (after postprocessing: stops cut a row's tokens short)."""
+        return sum(s.num_tokens - t for s, t in zip(self.seqs, self.prev_num_tokens, strict=True))
