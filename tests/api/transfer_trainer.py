@@ -10,9 +10,8 @@
 0.32.0's `NCCLTrainerWeightTransferEngine.trainer_init` / `send_weights` (distributed/weight_transfer/
 nccl_engine.py, through clients.py `HTTPVLLMWeightSyncClient`), packed in several chunks (`chunk_bytes`):
 `die` is SIGKILLed and `hang` stalls after the first chunk, `staged` leaves finish to the test, `wrong`
-announces a misshaped then an unknown tensor (a new engine after each refusal) before it pushes; `longer` /
-`shorter` print "ready", wait for a line on stdin, then pack the first tensor with 64 elements more / the last
-with 64 fewer than announced (a buggy trainer: a chunk has another size than the server expects).
+announces a misshaped then an unknown tensor (a new engine after each refusal); `longer` / `shorter` print
+"ready", wait for a stdin line, then pack a chunk 64 elements longer / shorter than announced (a buggy trainer).
 The admin token: SPECROLL_ADMIN_TOKEN (on TRL's `requests` session); TRANSFER_BACKEND=nccl runs on CUDA.
 """
 
