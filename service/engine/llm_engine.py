@@ -249,7 +249,7 @@ class LLMEngine:
             result = self.runner.execute(batch, plan.arm, plan.drafter, plan.assistant, plan.room)
             updated = time.perf_counter()
             outputs += self._update_from_output(result)
-            self._record(batch, plan.arm, result, start, updated)
+            self._record(batch, result, start, updated)
             return outputs
         finally:
             self._last_step_end = time.perf_counter()
@@ -286,15 +286,13 @@ class LLMEngine:
                 self.strategy.forget_costs()
             self.compiling = None
 
-    def _record(self, batch: SchedulerOutput, arm: Arm, result: StepResult, start: float,
-                updated: float) -> None:
-        """Feedback for the strategy (what this choice cost), counters for the metrics. `start`, `updated`: when
-        the step began and when its outputs began to be appended."""
+    def _record(self, batch: SchedulerOutput, result: StepResult, start: float, updated: float) -> None:
+        """Feedback for the strategy (what the arm that ran cost), counters for the metrics. `start`, `updated`:
+        when the step began and when its outputs began to be appended."""
         end = time.perf_counter()
         seconds, postprocess_s = end - start, end - updated
         B = len(result.seqs)
-        if arm.k and not result.k:  # the drafter proposed nothing for any row: a plain step ran
-            arm = PLAIN
+        arm = result.arm
         self.last_strategy = arm.name
         if batch.kind == "decode":
             cost = None if result.captured else seconds + self.between_steps_s

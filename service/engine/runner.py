@@ -18,7 +18,7 @@ from service.models.llama import AttnMeta, CausalLM
 
 if TYPE_CHECKING:
     from service.engine.drafters.base import Drafter
-    from service.engine.speculative.arms import Arm
+    from service.engine.types import Arm
 
 
 def to_host(res: SampleResult, seqs: list[Sequence], extra: torch.Tensor | None = None):
@@ -113,6 +113,8 @@ class ModelRunner:
         if arm.k and drafter is not None:
             assist = (assistant, arm.assist[1]) if assistant is not None and arm.assist else None
             result = self._speculative(batch.seqs, drafter, arm.k, assist, room)
+            if result is not None:
+                result.arm = arm
         if result is None:
             result = self._decode(batch.seqs)
         result.captured = self.builds() > built

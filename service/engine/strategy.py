@@ -20,13 +20,13 @@ import random
 from collections import Counter
 from dataclasses import dataclass, field
 
-from service.engine.speculative.arm_costs import ArmCosts
-from service.engine.speculative.arms import PLAIN, Arm, arm_key, bucket_of
+from service.engine.speculative.arm_costs import ArmCosts, arm_key, bucket_of
 from service.engine.speculative.catch_up import CatchUps
 from service.engine.speculative.cost_model import StepCostModel
 from service.engine.speculative.estimates import Acceptance
 from service.engine.speculative.passes import cut_depth, verify_tokens
 from service.engine.speculative.tokens import assisted_from, by_drafts, mean_from
+from service.engine.types import PLAIN, Arm
 
 
 @dataclass(slots=True)

@@ -223,6 +223,24 @@ class TokenResult:
     top: dict[int, float] | None
 
 
+@dataclass(frozen=True, slots=True)
+class Arm:
+    drafter: str | None  # None = plain decoding
+    k: int = 0
+    # (lookahead drafter, n): rows it has n or more drafts for take its drafts (service/engine/strategy.py). The same
+    # arm as without: it costs the same step.
+    assist: tuple[str, int] | None = field(default=None, compare=False)
+
+    @property
+    def name(self) -> str:
+        if self.drafter is None or self.k == 0:
+            return "plain"
+        return f"{self.drafter}:k={self.k}" + (f"+{self.assist[0]}" if self.assist else "")
+
+
+PLAIN = Arm(None, 0)
+
+
 @dataclass(slots=True)
 class StepResult:
     """What one step produced, plain or speculative: per sequence (slot order) the tokens it emits (1..k+1),
@@ -232,6 +250,7 @@ class StepResult:
     tokens: list[list[TokenResult]]
     prev_num_tokens: list[int]  # each sequence's length before the step
     k: int = 0  # draft depth (0: plain)
+    arm: Arm = PLAIN  # the arm that ran: the chosen one, or plain when its drafter proposed nothing for any row
     num_accepted: list[int] = field(default_factory=list)
     num_drafted: list[int] = field(default_factory=list)
     assisted: list[bool] = field(default_factory=list)  # rows whose drafts came from the assisting drafter

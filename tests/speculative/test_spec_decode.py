@@ -14,7 +14,7 @@ from reference import chi_square_pvalue, exact_joint, processed_probs
 from service.config import EngineConfig, ModelConfig
 from service.engine import strategy_driver
 from service.engine.llm_engine import LLMEngine
-from service.engine.speculative.arms import arm_key
+from service.engine.speculative.arm_costs import arm_key
 from service.engine.strategy import PLAIN, AdaptiveStrategy, Arm
 from service.params import SamplingParams
 

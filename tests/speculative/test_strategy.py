@@ -10,8 +10,7 @@ from collections.abc import Callable
 import pytest
 
 from service.engine.speculative import cost_model
-from service.engine.speculative.arm_costs import ArmCosts
-from service.engine.speculative.arms import arm_key
+from service.engine.speculative.arm_costs import ArmCosts, arm_key
 from service.engine.speculative.cost_model import StepCostModel
 from service.engine.speculative.estimates import Ratio
 from service.engine.speculative.tokens import assisted_from, by_drafts, mean_from

@@ -1,4 +1,5 @@
-"""What an arm's step costs in a batch bucket, as the adaptive strategy draws it. Torch-free.
+"""What an arm's step costs in a batch bucket, as the adaptive strategy draws it; measurements are filed by
+`ArmKey` (bucket, drafter, k). Torch-free.
 
 One line for all arms and buckets (`StepCostModel`) and, per (bucket, arm), a correction: the arm's recent seconds
 there over what the line predicts now, shrunk towards 1 by the number of measurements (`correction`).
@@ -16,9 +17,20 @@ import math
 import random
 from dataclasses import dataclass, field
 
-from service.engine.speculative.arms import ArmKey
 from service.engine.speculative.cost_model import StepCostModel
 from service.engine.speculative.estimates import Ewma
+from service.engine.types import Arm
+
+ArmKey = tuple[int, str | None, int]  # (bucket, drafter, k)
+
+
+def bucket_of(batch_size: int) -> int:
+    return 1 << max(batch_size - 1, 0).bit_length()
+
+
+def arm_key(batch_size: int, s: Arm) -> ArmKey:
+    return bucket_of(batch_size), s.drafter if s.k else None, s.k
+
 
 STALL = 2.0  # one step this many times the line may be a stall; one this many times cheaper (against the line)
 # than the arm's mean before says that mean was one
