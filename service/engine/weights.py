@@ -7,7 +7,8 @@ Double buffering: the weights a swap replaced become the buffer the next push of
 allocation, no page faults); `allocate_spares` makes that buffer at start, so the first push is as fast as the
 rest. The engine keeps no reference to replaced weights. A delta push (target only) first copies the serving
 weights into that buffer, then overwrites what the delta names. Staging also lays the weights out for the CPU's
-kernels (service/models/packed.py), so `apply` on the engine thread only swaps references.
+kernels (service/models/packed.py), each layer as soon as its bytes have landed, on a worker thread while the
+rest of the push still arrives, so `apply` on the engine thread only swaps references.
 """
 
 from __future__ import annotations
@@ -30,9 +31,10 @@ from service.models.loader import (
     checkpoint_view,
     copy_into,
     empty_model,
+    linear_parts,
     load_tensors,
 )
-from service.models.packed import ensure_packed, forget_layout
+from service.models.packed import LayoutPipeline, ensure_packed, forget_layout
 
 if TYPE_CHECKING:
     from service.engine.inbox import EngineCore
@@ -181,7 +183,13 @@ class WeightStager:
             elif isinstance(serving, CausalLM):
                 module: nn.Module = spare if spare is not None else empty_model(serving.config, dtype, device)
                 _offer(into, module)
-                nbytes = load_tensors(module, tensors)  # type: ignore[arg-type]
+                layouts = LayoutPipeline(module, linear_parts(module))  # type: ignore[arg-type]
+                try:
+                    nbytes = load_tensors(module, tensors, layouts.landed)  # type: ignore[arg-type]
+                except BaseException:
+                    layouts.cancel()  # before the spare is kept: nothing lays it out any more
+                    raise
+                layouts.finish()
                 if spare is None:
                     nbytes = sum(p.numel() * p.element_size() for p in module.parameters())
             else:

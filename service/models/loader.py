@@ -7,13 +7,14 @@ parameter each here, so the mapping says which slice of which parameter a checkp
 from __future__ import annotations
 
 import re
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from pathlib import Path
 
 import torch
 
 from service.config import ModelConfig
 from service.models.llama import CausalLM
+from service.models.packed import Linear
 from service.safetensors_io import IGNORED, iter_safetensors, read_shapes, safetensors_files, shape_problems
 
 _LAYER = re.compile(r"^model\.layers\.(\d+)\.(.+)$")
@@ -112,9 +113,23 @@ def copy_into(dst: torch.Tensor, src: torch.Tensor) -> None:
         dst.copy_(src)
 
 
+def linear_parts(model: CausalLM) -> dict[str, Linear]:
+    """Checkpoint tensor name -> the `Linear` whose weight it fills (q/k/v and gate/up: three and two names for
+    one layer; a tied checkpoint's embedding: the lm_head's weight). Names of other tensors are left out."""
+    by_weight = {id(m.weight): m for m in model.modules() if isinstance(m, Linear)}
+    parts = {}
+    for name in checkpoint_shapes(model.config):
+        layer = by_weight.get(id(_target(model, name)[0]))
+        if layer is not None:
+            parts[name] = layer
+    return parts
+
+
 @torch.no_grad()
-def load_tensors(model: CausalLM, tensors: Iterable[tuple[str, torch.Tensor]]) -> int:
-    """Copy named checkpoint tensors into the model (casting dtype, moving device). Returns bytes copied."""
+def load_tensors(model: CausalLM, tensors: Iterable[tuple[str, torch.Tensor]],
+                 landed: Callable[[str], None] | None = None) -> int:
+    """Copy named checkpoint tensors into the model (casting dtype, moving device). Returns bytes copied.
+    `landed(name)`: told after each tensor is in place (service/models/packed.py `LayoutPipeline`)."""
     tied = model.config.tie_word_embeddings
     total = 0
     for name, tensor in tensors:
@@ -123,6 +138,8 @@ def load_tensors(model: CausalLM, tensors: Iterable[tuple[str, torch.Tensor]]) -
         param, sl = _target(model, name)
         copy_into(param if sl is None else param[sl], tensor)
         total += tensor.numel() * tensor.element_size()
+        if landed is not None:
+            landed(name)
     return total
 
 

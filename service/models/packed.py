@@ -8,19 +8,23 @@ plus a packed copy while they fit `FLOAT32_COPY_BYTES`; bf16 weights keep their 
 other orders, so results are not bit-identical (logprobs agree within 1e-5); drafting and verification read one
 consistent distribution. docs/design-notes.md has the figures. Each layer remembers which state of its weight
 (storage and version counter) it was laid out for, so `ensure_packed` on a model already prepared (a pushed one,
-staged off the engine thread) costs nothing, and one whose weights changed in place is laid out again.
+staged off the engine thread) costs nothing, and one whose weights changed in place is laid out again. A push
+lays each layer out as soon as its bytes have landed, on a worker thread (`LayoutPipeline`).
 """
 
 from __future__ import annotations
 
 import logging
+import queue
+import threading
 from bisect import bisect_left
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
+from service.cpu_threads import one_cpu_thread
 from service.models.remembered import remembered
 from service.models.timing import Timer, median_seconds
 
@@ -137,20 +141,32 @@ def calibrate(layers: Sequence[Linear], timer: Timer = median_seconds) -> tuple[
 
 
 def _pack(m: Linear) -> None:
-    m.packed = torch.ops.mkldnn._reorder_linear_weight(m.weight.detach().contiguous(), 1)
+    """oneDNN's packed copy of `m`'s weight. A float32 weight laid out transposed is packed from that layout
+    directly: oneDNN reads the strides itself (the same packed copy), faster than from a row-major copy made
+    first, which torch transposes at a fraction of copy speed."""
+    weight = m.weight.detach()
+    if not (weight.is_contiguous() or weight.t().is_contiguous()):
+        weight = weight.contiguous()
+    m.packed = torch.ops.mkldnn._reorder_linear_weight(weight, 1)
 
 
-def _choose(layers: list[Linear], timer: Timer | None) -> tuple[bool, ...]:
-    """The row classes packed weights serve for this layout; the first time, packs and times the leading
-    layers (up to `CALIBRATION_BYTES`), not the whole model. Without a `timer`, that time is the first on this
-    machine (service/models/remembered.py)."""
+def _sample(layers: list[Linear]) -> tuple[list[Linear], tuple]:
+    """The leading layers a layout is timed on (up to `CALIBRATION_BYTES`), and the key its choice is kept by."""
     sample, nbytes = [], 0
     for m in layers:
         if nbytes >= CALIBRATION_BYTES:
             break
         sample.append(m)
         nbytes += m.weight.numel() * m.weight.element_size()
-    key = (sample[0].weight.dtype, tuple((m.out_features, m.in_features, m.bias is not None) for m in sample))
+    return sample, (sample[0].weight.dtype, tuple((m.out_features, m.in_features, m.bias is not None)
+                                                  for m in sample))
+
+
+def _choose(layers: list[Linear], timer: Timer | None) -> tuple[bool, ...]:
+    """The row classes packed weights serve for this layout; the first time, packs and times the leading
+    layers (up to `CALIBRATION_BYTES`), not the whole model. Without a `timer`, that time is the first on this
+    machine (service/models/remembered.py)."""
+    sample, key = _sample(layers)
     if key not in _chosen:
 
         def timed() -> tuple[bool, ...]:
@@ -227,18 +243,24 @@ def pack_linears(model: nn.Module, timer: Timer | None = None) -> int:
     return count
 
 
-def _pack_groups(cpu: list[Linear], fp32: list[Linear], timer: Timer | None) -> int:
+def _groups(cpu: list[Linear], fp32: list[Linear]) -> list[list[Linear]]:
+    """The layers that get a packed copy where it wins, by dtype: float32 while the copies fit
+    `FLOAT32_COPY_BYTES`, bf16 where the CPU runs bf16 natively."""
     if not onednn_available():
-        return 0
+        return []
     groups = []
     if fp32 and sum(m.weight.numel() * 4 for m in fp32) <= FLOAT32_COPY_BYTES:
         groups.append(fp32)
     bf16 = [m for m in cpu if m.weight.dtype == torch.bfloat16]
     if bf16 and native_bf16():
         groups.append(bf16)
+    return groups
+
+
+def _pack_groups(cpu: list[Linear], fp32: list[Linear], timer: Timer | None) -> int:
     count = 0
     with torch.no_grad():
-        for group in groups:
+        for group in _groups(cpu, fp32):
             packed_for = _choose(group, timer)
             if not any(packed_for):
                 for m in group:
@@ -250,3 +272,94 @@ def _pack_groups(cpu: list[Linear], fp32: list[Linear], timer: Timer | None) -> 
                 m.packed_for = packed_for
             count += len(group)
     return count
+
+
+def _lay_out(m: Linear, packed_for: tuple[bool, ...] | None) -> None:
+    """What `pack_linears` does to one layer whose group's choice is `packed_for` (None: the group is not
+    packed)."""
+    with torch.no_grad():
+        if m.weight.dtype == torch.float32 and not m.weight.t().is_contiguous():
+            m.weight.data = m.weight.detach().t().contiguous().t()
+        if packed_for is not None and any(packed_for):
+            _pack(m)
+            m.packed_for = packed_for
+        else:
+            m.packed = None
+        m.laid_out_for = _weight_state(m)
+
+
+class LayoutPipeline:
+    """Lays out a model's `Linear` layers while a push is still writing its weights: each layer as soon as every
+    checkpoint tensor of its weight has landed (`landed(name)`), on a worker thread, so the re-layout overlaps
+    the transfer instead of following it. `finish` lays out what is queued on the calling thread too and returns
+    once all are done; `ensure_packed` then finds the layers prepared (a layer the pipeline could not lay out,
+    say one whose layout was never timed in this process, is laid out there as before). A layer is laid out for
+    the weight state after its last tensor landed (`laid_out_for`), so bytes written into it later (a failed
+    push's) make it stale again only through `forget_layout`, which every push into a reused spare runs first.
+
+    `parts`: checkpoint tensor name -> the layer of `model` whose weight it fills (several names for a fused
+    weight)."""
+
+    def __init__(self, model: nn.Module, parts: Mapping[str, Linear]) -> None:
+        self._layer_of: dict[str, Linear] = {}
+        self._left: dict[int, int] = {}
+        self._plan: dict[int, tuple[bool, ...] | None] = {}
+        self._queue: queue.SimpleQueue[Linear | None] = queue.SimpleQueue()
+        self._error: BaseException | None = None
+        layers = [m for m in model.modules() if isinstance(m, Linear)]  # in `pack_linears`' order: its groups
+        self._plan = dict.fromkeys(map(id, layers))  # not packed: a float32 one is only laid out transposed
+        cpu = [m for m in layers if m.weight.device.type == "cpu"]
+        for group in _groups(cpu, [m for m in cpu if m.weight.dtype == torch.float32]):
+            choice = _chosen.get(_sample(group)[1])
+            for m in group:
+                if choice is None:
+                    del self._plan[id(m)]  # never timed in this process: `ensure_packed` times and packs it
+                else:
+                    self._plan[id(m)] = choice
+        for name, m in parts.items():
+            if id(m) in self._plan:
+                self._layer_of[name] = m
+                self._left[id(m)] = self._left.get(id(m), 0) + 1
+        self._worker = threading.Thread(target=self._work, name="layout", daemon=True)
+        self._worker.start()
+
+    def landed(self, name: str) -> None:
+        """A checkpoint tensor's bytes are all in place: queue its layer once its weight is complete."""
+        m = self._layer_of.get(name)
+        if m is None:
+            return
+        self._left[id(m)] -= 1
+        if not self._left[id(m)]:
+            self._queue.put(m)
+
+    def _do(self, m: Linear) -> None:
+        if self._error is None:
+            try:
+                _lay_out(m, self._plan.get(id(m)))
+            except BaseException as exc:  # raised by finish, on the staging thread
+                self._error = exc
+
+    def _work(self) -> None:
+        one_cpu_thread()  # torch's default would start a thread team of its own here
+        while (m := self._queue.get()) is not None:
+            self._do(m)
+
+    def _drain(self) -> None:
+        try:
+            while (m := self._queue.get_nowait()) is not None:
+                self._do(m)
+        except queue.Empty:
+            pass
+        self._queue.put(None)
+        self._worker.join()
+
+    def finish(self) -> None:
+        """Lay out every queued layer (this thread and the worker), then return; raises what a layout raised."""
+        self._drain()
+        if self._error is not None:
+            raise self._error
+
+    def cancel(self) -> None:
+        """Stop laying out (the push failed): returns once the worker no longer touches the model."""
+        self._error = self._error or RuntimeError("cancelled")
+        self._drain()
