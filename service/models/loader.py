@@ -113,23 +113,25 @@ def copy_into(dst: torch.Tensor, src: torch.Tensor) -> None:
         dst.copy_(src)
 
 
-def linear_parts(model: CausalLM) -> dict[str, Linear]:
-    """Checkpoint tensor name -> the `Linear` whose weight it fills (q/k/v and gate/up: three and two names for
-    one layer; a tied checkpoint's embedding: the lm_head's weight). Names of other tensors are left out."""
+def linear_parts(model: CausalLM) -> dict[str, tuple[Linear, slice | None]]:
+    """Checkpoint tensor name -> the `Linear` whose weight it fills and the rows it fills (None: all; q/k/v and
+    gate/up: three and two names for one layer; a tied checkpoint's embedding: the lm_head's weight). Names of
+    other tensors are left out."""
     by_weight = {id(m.weight): m for m in model.modules() if isinstance(m, Linear)}
     parts = {}
     for name in checkpoint_shapes(model.config):
-        layer = by_weight.get(id(_target(model, name)[0]))
+        param, rows = _target(model, name)
+        layer = by_weight.get(id(param))
         if layer is not None:
-            parts[name] = layer
+            parts[name] = layer, rows
     return parts
 
 
 @torch.no_grad()
 def load_tensors(model: CausalLM, tensors: Iterable[tuple[str, torch.Tensor]],
-                 landed: Callable[[str], None] | None = None) -> int:
+                 landed: Callable[[str, torch.Tensor], None] | None = None) -> int:
     """Copy named checkpoint tensors into the model (casting dtype, moving device). Returns bytes copied.
-    `landed(name)`: told after each tensor is in place (service/models/packed.py `LayoutPipeline`)."""
+    `landed(name, tensor)`: told after each tensor is in place (service/models/packed.py `LayoutPipeline`)."""
     tied = model.config.tie_word_embeddings
     total = 0
     for name, tensor in tensors:
@@ -139,7 +141,7 @@ def load_tensors(model: CausalLM, tensors: Iterable[tuple[str, torch.Tensor]],
         copy_into(param if sl is None else param[sl], tensor)
         total += tensor.numel() * tensor.element_size()
         if landed is not None:
-            landed(name)
+            landed(name, tensor)
     return total
 
 

@@ -34,6 +34,7 @@ ROW_CLASSES = (1, 48, 256)  # upper bounds of the row classes; the last class is
 CLASS_ROWS = (1, 16, 128, 512)  # the row count timed for each class
 FLOAT32_COPY_BYTES = 2 << 30
 CALIBRATION_BYTES = 64 << 20  # time the model's first layers up to this many weight bytes (beyond the caches)
+ROWS_BYTES = 256 << 20  # row-major copies of float32 weights a push holds at once to pack from (LayoutPipeline)
 WIN_MARGIN = 0.97  # packed must take under this fraction of F.linear's time to be chosen
 
 _chosen: dict[tuple, tuple[bool, ...]] = {}  # layout of the timed layers -> packed per row class
@@ -140,11 +141,12 @@ def calibrate(layers: Sequence[Linear], timer: Timer = median_seconds) -> tuple[
     return tuple(choice)
 
 
-def _pack(m: Linear) -> None:
-    """oneDNN's packed copy of `m`'s weight. A float32 weight laid out transposed is packed from that layout
-    directly: oneDNN reads the strides itself (the same packed copy), faster than from a row-major copy made
-    first, which torch transposes at a fraction of copy speed."""
-    weight = m.weight.detach()
+def _pack(m: Linear, rows: torch.Tensor | None = None) -> None:
+    """oneDNN's packed copy of `m`'s weight (`rows`: the same values in row-major order, which packs fastest). A
+    float32 weight laid out transposed is otherwise packed from that layout directly: oneDNN reads the strides
+    itself (the same packed copy), faster than from a row-major copy made first, which torch transposes at a
+    fraction of copy speed."""
+    weight = m.weight.detach() if rows is None else rows
     if not (weight.is_contiguous() or weight.t().is_contiguous()):
         weight = weight.contiguous()
     m.packed = torch.ops.mkldnn._reorder_linear_weight(weight, 1)
@@ -274,14 +276,14 @@ def _pack_groups(cpu: list[Linear], fp32: list[Linear], timer: Timer | None) -> 
     return count
 
 
-def _lay_out(m: Linear, packed_for: tuple[bool, ...] | None) -> None:
+def _lay_out(m: Linear, packed_for: tuple[bool, ...] | None, rows: torch.Tensor | None = None) -> None:
     """What `pack_linears` does to one layer whose group's choice is `packed_for` (None: the group is not
-    packed)."""
+    packed); `rows`: its weight's values in row-major order, to pack from."""
     with torch.no_grad():
         if m.weight.dtype == torch.float32 and not m.weight.t().is_contiguous():
             m.weight.data = m.weight.detach().t().contiguous().t()
         if packed_for is not None and any(packed_for):
-            _pack(m)
+            _pack(m, rows)
             m.packed_for = packed_for
         else:
             m.packed = None
@@ -297,14 +299,21 @@ class LayoutPipeline:
     the weight state after its last tensor landed (`laid_out_for`), so bytes written into it later (a failed
     push's) make it stale again only through `forget_layout`, which every push into a reused spare runs first.
 
-    `parts`: checkpoint tensor name -> the layer of `model` whose weight it fills (several names for a fused
-    weight)."""
+    A float32 weight stored transposed is packed from a row-major copy of its landed tensors (`landed`'s `src`,
+    copied at memory speed into a buffer of the layer's shape, at most `ROWS_BYTES` of them at once): oneDNN packs
+    row-major weights several times faster than transposed ones, and the values are the same.
 
-    def __init__(self, model: nn.Module, parts: Mapping[str, Linear]) -> None:
-        self._layer_of: dict[str, Linear] = {}
+    `parts`: checkpoint tensor name -> the layer of `model` whose weight it fills and the rows of it (None: all;
+    several names for a fused weight)."""
+
+    def __init__(self, model: nn.Module, parts: Mapping[str, tuple[Linear, slice | None]]) -> None:
+        self._layer_of: dict[str, tuple[Linear, slice | None]] = {}
+        self._rows: dict[int, torch.Tensor | None] = {}  # layer -> row-major copy being filled (None: not kept)
+        self._rows_bytes = 0
+        self._rows_lock = threading.Lock()
         self._left: dict[int, int] = {}
         self._plan: dict[int, tuple[bool, ...] | None] = {}
-        self._queue: queue.SimpleQueue[Linear | None] = queue.SimpleQueue()
+        self._queue: queue.SimpleQueue[tuple[Linear, torch.Tensor | None] | None] = queue.SimpleQueue()
         self._error: BaseException | None = None
         layers = [m for m in model.modules() if isinstance(m, Linear)]  # in `pack_linears`' order: its groups
         self._plan = dict.fromkeys(map(id, layers))  # not packed: a float32 one is only laid out transposed
@@ -316,38 +325,69 @@ class LayoutPipeline:
                     del self._plan[id(m)]  # never timed in this process: `ensure_packed` times and packs it
                 else:
                     self._plan[id(m)] = choice
-        for name, m in parts.items():
+        for name, (m, sl) in parts.items():
             if id(m) in self._plan:
-                self._layer_of[name] = m
+                self._layer_of[name] = m, sl
                 self._left[id(m)] = self._left.get(id(m), 0) + 1
         self._worker = threading.Thread(target=self._work, name="layout", daemon=True)
         self._worker.start()
 
-    def landed(self, name: str) -> None:
-        """A checkpoint tensor's bytes are all in place: queue its layer once its weight is complete."""
-        m = self._layer_of.get(name)
-        if m is None:
+    def landed(self, name: str, src: torch.Tensor | None = None) -> None:
+        """A checkpoint tensor's bytes are all in place (`src`: the tensor they came from, read here only):
+        queue its layer once its weight is complete."""
+        found = self._layer_of.get(name)
+        if found is None:
             return
+        m, sl = found
+        self._keep_rows(m, sl, src)
         self._left[id(m)] -= 1
         if not self._left[id(m)]:
-            self._queue.put(m)
+            self._queue.put((m, self._rows.pop(id(m), None)))
 
-    def _do(self, m: Linear) -> None:
+    def _keep_rows(self, m: Linear, sl: slice | None, src: torch.Tensor | None) -> None:
+        if not any(self._plan[id(m)] or ()) or m.weight.is_contiguous():
+            return  # not packed, or packed from its own row-major storage
+        if id(m) not in self._rows:
+            nbytes = m.weight.numel() * m.weight.element_size()
+            with self._rows_lock:
+                fits = self._rows_bytes + nbytes <= ROWS_BYTES
+                self._rows_bytes += nbytes if fits else 0
+            self._rows[id(m)] = torch.empty(m.weight.shape, dtype=m.weight.dtype) if fits else None
+        rows = self._rows[id(m)]
+        if rows is None:
+            return
+        part = rows if sl is None else rows[sl]
+        if src is None or src.device.type != "cpu" or tuple(src.shape) != tuple(part.shape):
+            self._drop_rows(m)
+            return
+        part.copy_(src)
+
+    def _drop_rows(self, m: Linear) -> None:
+        rows = self._rows.get(id(m))
+        self._rows[id(m)] = None
+        if rows is not None:
+            with self._rows_lock:
+                self._rows_bytes -= rows.numel() * rows.element_size()
+
+    def _do(self, m: Linear, rows: torch.Tensor | None) -> None:
         if self._error is None:
             try:
-                _lay_out(m, self._plan.get(id(m)))
+                _lay_out(m, self._plan.get(id(m)), rows)
             except BaseException as exc:  # raised by finish, on the staging thread
                 self._error = exc
+        if rows is not None:
+            with self._rows_lock:
+                self._rows_bytes -= rows.numel() * rows.element_size()
 
     def _work(self) -> None:
         one_cpu_thread()  # torch's default would start a thread team of its own here
-        while (m := self._queue.get()) is not None:
-            self._do(m)
+        while (item := self._queue.get()) is not None:
+            self._do(*item)
 
     def _drain(self) -> None:
         try:
-            while (m := self._queue.get_nowait()) is not None:
-                self._do(m)
+            while (item := self._queue.get_nowait()) is not None:
+                self._do(*item)
         except queue.Empty:
             pass
         self._queue.put(None)

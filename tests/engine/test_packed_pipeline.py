@@ -1,6 +1,7 @@
 """Linear layers laid out while a push lands (service/models/packed.py `LayoutPipeline`): each layer is laid out
 for the pushed bytes, never the spare's old ones, a fused weight only once all of its checkpoint tensors have
-landed, and the result is the layout `pack_linears` gives the same weights (same packs, same products). A push
+landed, and the result is the layout `pack_linears` gives the same weights (same packs, same products), whether a
+float32 layer is packed from a row-major copy of its tensors or from its transposed layout. A push
 that fails stops the worker before the spare is kept. A float32 weight packed from its transposed layout gives
 the pack of its row-major copy."""
 
@@ -58,8 +59,11 @@ def _same_products(got, want) -> None:
 
 
 @needs_onednn
+@pytest.mark.parametrize("rows_bytes", [packed.ROWS_BYTES, 0], ids=["row-major-copies", "from-the-layout"])
 @pytest.mark.parametrize("dtype", DTYPES)
-def test_layers_laid_out_during_a_push_are_laid_out_for_the_pushed_bytes(tiny_qwen2, dtype):
+def test_layers_laid_out_during_a_push_are_laid_out_for_the_pushed_bytes(tiny_qwen2, dtype, rows_bytes,
+                                                                         monkeypatch):
+    monkeypatch.setattr(packed, "ROWS_BYTES", rows_bytes)  # float32: packed from row-major copies, or without
     served, spare = _served_and_spare(tiny_qwen2, dtype)
     weights = _pushed(served)
     forget_layout(spare)  # what staging does before the transport writes into the spare
