@@ -7,14 +7,13 @@ import logging
 from collections.abc import Awaitable, Callable, MutableMapping
 from typing import Any
 
-import h11
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.openapi.utils import get_openapi
 from fastapi.responses import JSONResponse, PlainTextResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST
 from starlette.exceptions import HTTPException
-from uvicorn.protocols.http.h11_impl import H11Protocol
+from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
 
 from service.api.context import ServiceContext
 from service.api.deps import UPLOAD_PATH
@@ -33,15 +32,23 @@ Scope = MutableMapping[str, Any]
 ASGIApp = Callable[[Scope, Callable[[], Awaitable[Any]], Callable[[Any], Awaitable[None]]], Awaitable[None]]
 
 
-def header_deadline(timeout_s: float) -> type[H11Protocol]:
-    """uvicorn's h11 protocol with a deadline on each request's head: a connection that has not sent a whole
+def header_deadline(timeout_s: float) -> type[HttpToolsProtocol]:
+    """uvicorn's HTTP protocol with a deadline on each request's head: a connection that has not sent a whole
     request line and headers within `timeout_s` of opening (or of its last response) is closed. uvicorn's own
-    keep-alive timer restarts on every byte, so a client trickling a header would hold its socket for ever."""
+    keep-alive timer restarts on every byte, so a client trickling a header would hold its socket for ever.
+    uvicorn's httptools protocol (llhttp, a C parser): bodies such as weight uploads stream faster than through
+    its pure-Python h11 one."""
 
-    class HeaderDeadline(H11Protocol):
+    class HeaderDeadline(HttpToolsProtocol):
+        _head_seen = False  # a whole request head arrived since the deadline was armed
+
         def connection_made(self, transport: Any) -> None:
             super().connection_made(transport)
             self._arm_head_deadline()
+
+        def on_headers_complete(self) -> None:  # the parser's callback
+            self._head_seen = True
+            super().on_headers_complete()
 
         def on_response_complete(self) -> None:
             super().on_response_complete()
@@ -55,11 +62,12 @@ def header_deadline(timeout_s: float) -> type[H11Protocol]:
             timer = getattr(self, "_head_timer", None)
             if timer is not None:
                 timer.cancel()
+            self._head_seen = False
             self._head_timer = self.loop.call_later(timeout_s, self._head_deadline)
 
         def _head_deadline(self) -> None:
             idle = self.cycle is None or self.cycle.response_complete
-            if idle and self.conn.their_state is h11.IDLE and not self.transport.is_closing():
+            if idle and not self._head_seen and not self.pipeline and not self.transport.is_closing():
                 self.transport.close()
 
     return HeaderDeadline
