@@ -11,9 +11,8 @@ drafter, whose acceptance would collapse). A newer parked drafter replaces an ol
 A delta push (a `base_version`) holds only what changed since the version it names; it is refused (409 /
 FAILED_PRECONDITION, nothing changed) unless that version is the one served when the push takes its role's lock.
 
-A backend that loads in place (`--weight-spare in-place`) has no spare: once checked, a push pauses generation
-by its mode, loads into the serving weights, commits and resumes. A failure after that pause leaves the weights
-no version: the backend refuses generation and readiness until a complete push succeeds (docs/weights.md).
+In place (`--weight-spare in-place`, no spare): a checked push pauses generation by its mode, loads into the
+serving weights and resumes; failing after that pause, the weights are no version until a complete push.
 """
 
 from __future__ import annotations
