@@ -1,4 +1,5 @@
-"""Docs explain, they do not log: short module docstrings, no commit ids in code, a README a newcomer reads quickly.
+"""Docs explain, they do not log: short module docstrings, no commit ids in code, a README a newcomer reads quickly,
+guides in short sentences.
 
 Measurement history (machines, commits, timings) belongs in docs/measurements.md, where each figure has its context.
 The checks parse code with ast and tokenize, and ask git whether a hex word in a comment or docstring is a commit.
@@ -9,6 +10,7 @@ from __future__ import annotations
 import ast
 import io
 import re
+import statistics
 import subprocess
 import tokenize
 from pathlib import Path
@@ -18,6 +20,9 @@ CODE_DIRS = ("service", "client", "drafter_trainer", "bench", "examples", "tests
 MAX_MODULE_DOCSTRING_LINES = 15
 MAX_README_LINES = 150
 HEX_WORD = re.compile(r"\b[0-9a-f]{7,40}\b")
+MAX_MEDIAN_SENTENCE_WORDS = 25
+RECORDS = ("measurements.md",)  # the one place figures keep their machine, commit and command: not a guide
+SENTENCE_END = re.compile(r"(?<=[.!?:;])\s+(?=[A-Z(*])")
 
 
 def _modules() -> list[Path]:
@@ -74,6 +79,38 @@ def commit_id_problems(paths: list[Path]) -> list[str]:
     return [f"{where}: names commit {w}" for w in sorted(_commits(set(found))) for where in found[w]]
 
 
+def sentence_lengths(markdown: str) -> list[int]:
+    """Words per sentence of a Markdown text's prose: code blocks, tables and headings left out, each list item
+    and paragraph split at sentence ends, inline code counted as one word."""
+    text = re.sub(r"```.*?```", "", markdown, flags=re.S)
+    blocks, current = [], []
+    for line in [*text.splitlines(), ""]:
+        line = line.strip()
+        item = re.match(r"^([-*]|\d+\.)\s+", line)
+        if not line or line.startswith(("|", "#")) or item:
+            if current:
+                blocks.append(" ".join(current))
+            current = []
+            line = line[item.end():] if item else ""
+        if line:
+            current.append(line)
+    lengths = []
+    for block in blocks:
+        for sentence in SENTENCE_END.split(re.sub(r"`[^`]*`", "code", block)):
+            if len(sentence.split()) >= 3:  # not a label such as "Before:"
+                lengths.append(len(sentence.split()))
+    return lengths
+
+
+def sentence_problems(paths: list[Path]) -> list[str]:
+    problems = []
+    for path in paths:
+        lengths = sentence_lengths(path.read_text())
+        if lengths and statistics.median(lengths) > MAX_MEDIAN_SENTENCE_WORDS:
+            problems.append(f"{_name(path)}: median sentence of {statistics.median(lengths)} words")
+    return problems
+
+
 def test_module_docstrings_are_short():
     problems = module_docstring_problems(_modules())
     assert not problems, "module docstrings over 15 lines (move history to docs/):\n" + "\n".join(problems)
@@ -90,15 +127,27 @@ def test_readme_is_short():
     assert len(lines) <= MAX_README_LINES, f"README.md has {len(lines)} lines; guides go in docs/"
 
 
+def test_readme_and_guides_speak_in_short_sentences():
+    guides = [p for p in sorted((ROOT / "docs").glob("*.md")) if p.name not in RECORDS]
+    problems = sentence_problems([ROOT / "README.md", *guides])
+    assert not problems, f"median sentence over {MAX_MEDIAN_SENTENCE_WORDS} words:\n" + "\n".join(problems)
+
+
 def test_the_checks_catch_what_they_claim(tmp_path):
-    """The checkers themselves: a long module docstring and a comment naming a real commit are reported; a short
-    docstring and a hex word that is no commit are not."""
+    """The checkers themselves: a long module docstring, a comment naming a real commit and a guide of long
+    sentences are reported; a short docstring, a hex word that is no commit and short sentences are not."""
     long_doc = tmp_path / "long.py"
     long_doc.write_text('"""' + "\n".join(f"line {i}" for i in range(20)) + '"""\n')
     clean = tmp_path / "clean.py"
     clean.write_text('"""One line."""\n# a hex word that is no commit: deadbeef1234\nX = 1\n')
     assert len(module_docstring_problems([long_doc, clean])) == 1
     assert commit_id_problems([clean]) == []
+    long_words, short_words = tmp_path / "long.md", tmp_path / "short.md"
+    long_words.write_text("# Title\n\n" + " ".join(["This sentence goes on " + "and on " * 15 + "to its end."] * 3))
+    short_words.write_text("# Title\n\n- One short item here.\n- Another short one. It has two sentences.\n\n"
+                           "```\n" + "code " * 100 + "\n```\n| a table " + "cell " * 60 + "|\n")
+    assert len(sentence_problems([long_words, short_words])) == 1
+    assert sentence_lengths(short_words.read_text()) == [4, 3, 4]
     head = subprocess.run(["git", "-C", str(ROOT), "rev-parse", "--short=10", "HEAD"], capture_output=True,
                           text=True, check=False).stdout.strip()
     if head:  # a checkout with history: a comment naming HEAD is a commit id
