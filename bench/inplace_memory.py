@@ -6,11 +6,13 @@ Prints one JSON line per setting: the server's peak RSS (VmHWM) after start and 
 its seconds and the longest gap between two of the stream's token chunks while it ran (the generation pause).
 
     python bench/inplace_memory.py --size-mb 256 --dtype bfloat16 [--pushes 2] [--settings start,in-place]
+        [--stream-tokens 300]
 """
 
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
 import logging
 import os
@@ -45,7 +47,8 @@ def _status_kb(pid: int, field: str) -> int:
     raise KeyError(field)
 
 
-def _run(model: Path, weights: dict[str, torch.Tensor], dtype: str, spare: str, pushes: int) -> dict[str, object]:
+def _run(model: Path, weights: dict[str, torch.Tensor], dtype: str, spare: str, pushes: int,
+         stream_tokens: int) -> dict[str, object]:
     http, grpc_port = _port(), _port()
     cmd = [sys.executable, "-c", "from service.cli import main; main()", "serve", "--model", str(model),
            "--weight-spare", spare, "--enforce-eager", "--drafter", "none", "--dtype", dtype, "--http-port",
@@ -72,9 +75,9 @@ def _run(model: Path, weights: dict[str, torch.Tensor], dtype: str, spare: str, 
                 arrivals: list[float] = []
                 first = threading.Event()
 
-                def consume() -> None:
+                def consume(arrivals: list[float] = arrivals, first: threading.Event = first) -> None:
                     with SpecrollClient(f"127.0.0.1:{grpc_port}", admin_token=TOKEN) as s:
-                        for _ in s.stream([5, 6, 7], temperature=0.0, max_tokens=900, ignore_eos=True):
+                        for _ in s.stream([5, 6, 7], temperature=0.0, max_tokens=stream_tokens, ignore_eos=True):
                             arrivals.append(time.monotonic())
                             first.set()
 
@@ -86,7 +89,7 @@ def _run(model: Path, weights: dict[str, torch.Tensor], dtype: str, spare: str, 
                 c.push_weights(new, f"bench-{r}", mode="keep")
                 t1 = time.monotonic()
                 stream.join(600)
-                during = [b - a for a, b in zip(arrivals, arrivals[1:], strict=False) if b >= t0 and a <= t1]
+                during = [b - a for a, b in itertools.pairwise(arrivals) if b >= t0 and a <= t1]
                 results.append({"push_s": round(t1 - t0, 3), "pause_s": round(max(during, default=0.0), 3),
                                 "stream_still_ran": bool(arrivals and arrivals[-1] > t1)})
         peak_kb = _status_kb(proc.pid, "VmHWM")
@@ -103,13 +106,14 @@ def main() -> None:
     p.add_argument("--dtype", default="bfloat16", choices=["float32", "bfloat16"])
     p.add_argument("--pushes", type=int, default=2)
     p.add_argument("--settings", default="start,in-place")
+    p.add_argument("--stream-tokens", type=int, default=300, help="tokens the stream generating across a push asks")
     args = p.parse_args()
     logging.basicConfig(level=logging.WARNING, format="%(asctime)s %(message)s")
     with tempfile.TemporaryDirectory(prefix="specroll-inplace-") as tmp:
         weights = build_checkpoint(Path(tmp) / "model", args.size_mb, getattr(torch, args.dtype))
         nbytes = sum(t.numel() * t.element_size() for t in weights.values())
         for spare in args.settings.split(","):
-            out = _run(Path(tmp) / "model", weights, args.dtype, spare, args.pushes)
+            out = _run(Path(tmp) / "model", weights, args.dtype, spare, args.pushes, args.stream_tokens)
             print(json.dumps({"bytes": nbytes, "dtype": args.dtype, "loadavg": os.getloadavg(), **out}), flush=True)
 
 
