@@ -15,6 +15,7 @@ import pytest
 import torch
 from helpers import make_checkpoint
 from probes import metric, wait_for
+from safetensors.torch import save
 from service_utils import (
     ADMIN,
     across,
@@ -29,7 +30,7 @@ from service_utils import (
     write_checkpoint,
 )
 
-from client import SpecrollClient
+from client import SpecrollClient, checksums
 from client import weights as wt
 from client.errors import SpecrollError
 from service.app import BackgroundServer
@@ -171,3 +172,25 @@ def test_the_vllm_backend_refuses_in_place():
     args = build_parser().parse_args(["serve", "--backend", "vllm", "--weight-spare", "in-place"])
     with pytest.raises(ValueError, match="in-place is for the native backend"):
         cmd_serve(args)
+
+
+def test_a_torn_http_upload_is_restored_by_an_sglang_disk_load(server, client, base_dir, pushes, tmp_path):
+    """The HTTP body and SGLang's /update_weights_from_disk load in place too: a body whose bytes fail its
+    checksum after the first writes leaves the server not ready; a good folder load restores it exactly."""
+    body = save({k: v.contiguous() for k, v in pushes[0].items()})
+    digest = checksums.digest_of("xxh3_128", body)
+    corrupt = bytearray(body)
+    corrupt[-5] ^= 0x01  # in the last tensor: every earlier one is already written
+    r = httpx.post(server.http_url + "/weights/upload", params={"version": "torn", "xxh3_128": digest,
+                                                                 "mode": "keep"},
+                   content=bytes(corrupt), headers=auth(), timeout=60)
+    assert r.status_code == 400 and "checksum mismatch" in r.text
+    assert httpx.get(server.http_url + "/ready").status_code == 503
+    folder = write_checkpoint(base_dir, pushes[1], tmp_path / "sglang")
+    r = httpx.post(server.http_url + "/update_weights_from_disk", json={"model_path": str(folder),
+                                                                         "weight_version": "sg-1"},
+                   headers=auth(), timeout=60)
+    assert r.status_code == 200 and r.json()["success"], r.text
+    assert httpx.get(server.http_url + "/ready").status_code == 200
+    assert server.server.backend.stager.spare("target") is None
+    assert_same(served(client), fresh(base_dir, pushes[1], tmp_path / "f", enforce_eager=True, drafter="none"))
