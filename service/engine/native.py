@@ -249,6 +249,9 @@ class NativeBackend(RolloutBackend):
 
     def drafter_copy(self) -> Future[DrafterCopy | None]:
         self._loaded()
+        if self.weights_in_place:  # the in-process trainer then stays off (drafter_trainer/embedded.py)
+            raise PushUnsupported("with --weight-spare in-place a push overwrites the serving target a teacher "
+                                  "would read; train the drafter with the sidecar (--redis-url) instead")
         return self.loop.post(CopyDrafter()).future
 
     def must_exit_hard(self) -> bool:

@@ -34,6 +34,7 @@ from client import SpecrollClient, checksums
 from client import weights as wt
 from client.errors import SpecrollError
 from service.app import BackgroundServer
+from service.backend.base import PushUnsupported
 from service.cli import build_parser, cmd_serve
 from service.models import packed
 from service.protogen import pb2
@@ -194,3 +195,10 @@ def test_a_torn_http_upload_is_restored_by_an_sglang_disk_load(server, client, b
     assert httpx.get(server.http_url + "/ready").status_code == 200
     assert server.server.backend.stager.spare("target") is None
     assert_same(served(client), fresh(base_dir, pushes[1], tmp_path / "f", enforce_eager=True, drafter="none"))
+
+
+def test_in_place_lends_no_drafter_copy_to_an_in_process_trainer(server):
+    """An in-place push overwrites the serving target an in-process trainer's teacher would read: the backend
+    lends no drafter copy, so that trainer stays off (drafter_trainer/embedded.py) and the sidecar is named."""
+    with pytest.raises(PushUnsupported, match="sidecar"):
+        server.server.backend.drafter_copy()
