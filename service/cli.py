@@ -121,6 +121,10 @@ def cmd_serve(args: argparse.Namespace) -> int:
         raise ValueError(f"--free-replaced-weights is --weight-spare free; it contradicts --weight-spare "
                          f"{args.weight_spare}")
     spare = "free" if args.free_replaced_weights else args.weight_spare or "start"
+    if spare == "in-place" and args.backend == "vllm":
+        raise ValueError("--weight-spare in-place is for the native backend: the vLLM backend loads pushes through "
+                         "vLLM's own weight loader, which keeps no spare of ours to drop and cannot mark its "
+                         "weights invalid after a failed load; start without --weight-spare")
     engine_config = _engine_config(args, compile_background=not args.compile_before_serving, weight_spare=spare)
     if args.max_upload_gb <= 0:
         raise ValueError(f"--max-upload-gb must be > 0, got {args.max_upload_gb}")
@@ -195,7 +199,10 @@ def _serve_args(p: argparse.ArgumentParser) -> None:
                         "weights made at start, so the first push is as fast as the rest; on-demand: made by the "
                         "first push; both keep the weights a push replaced as the next push's buffer (memory: "
                         "twice the weights). free: a new buffer per push, the replaced weights freed after its "
-                        "swap (slower pushes, twice the weights only during one)")
+                        "swap (slower pushes, twice the weights only during one); in-place: no second copy "
+                        "ever: a push pauses generation (its mode: wait, abort or keep), loads into the serving "
+                        "weights and resumes; one failing after its first write leaves the server not ready "
+                        "until a complete push (docs/weights.md)")
     p.add_argument("--free-replaced-weights", action="store_true",
                    default=_env("free_replaced_weights", "") not in ("", "0", "false"),
                    help="the same as --weight-spare free")

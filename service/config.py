@@ -33,7 +33,7 @@ SUPPORTED_ARCHITECTURES = {
 DTYPES = ("float32", "bfloat16", "float16")
 # When the native engine allocates the buffer a weight push is loaded into (docs/weights.md): at start, at the
 # first push (then kept), or at every push (freed after its swap)
-WEIGHT_SPARES = ("start", "on-demand", "free")
+WEIGHT_SPARES = ("start", "on-demand", "free", "in-place")
 
 
 class ConfigError(ValueError):

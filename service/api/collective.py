@@ -375,7 +375,7 @@ class WeightGroups:
 
         def stage() -> None:
             try:
-                pending.staged = self.pushes.stage_sync("target", pending.tensors(), cast)
+                pending.staged = self.pushes.stage_sync("target", pending.tensors(), cast, mode=mode)
             except BaseException as exc:
                 pending.error = exc
             finally:

@@ -10,6 +10,9 @@ drafter, whose acceptance would collapse). A newer parked drafter replaces an ol
 
 A delta push (a `base_version`) holds only what changed since the version it names; it is refused (409 /
 FAILED_PRECONDITION, nothing changed) unless that version is the one served when the push takes its role's lock.
+
+In place (`--weight-spare in-place`, no spare): a checked push pauses generation by its mode, loads into the
+serving weights and resumes; failing after that pause, the weights are no version until a complete push.
 """
 
 from __future__ import annotations
@@ -92,6 +95,9 @@ class PushService:
         self._locks: dict[str, asyncio.Lock] = {}
         self._parked: tuple[Staged, str] | None = None  # a drafter waiting for the next target push
         self._staging: dict[str, Staging] = {}  # per role: where chunked pushes gather their tensors
+        self._paused_for: dict[str, bool] = {}  # in-place pushes under way, per role: whether they resume after
+        self._aborted_for: dict[str, list[str]] = {}  # per role: what an in-place push's pause aborted
+        self._invalid: dict[str, str] = {}  # per role: why an in-place push left its weights no version
         from service.api.collective import WeightGroups  # it builds on this service
 
         self.groups = WeightGroups(self)  # pushes over process groups (SGLang's update_weights_from_distributed)
@@ -103,11 +109,65 @@ class PushService:
         return spec
 
     def _stage(self, role: str, tensors: Iterable[tuple[str, torch.Tensor | SparseValues]], cast: bool,
-               delta: bool = False, into: Destinations | None = None) -> Staged:
+               delta: bool = False, into: Destinations | None = None, mode: str = "wait") -> Staged:
         """Runs off the event loop: the backend checks each tensor (the one weight validation's `stream` half)
         and copies it beside the serving weights (`delta`: into a copy of them; `into`: the transport writes
-        where the backend offers, service/backend/base.py `Destinations`)."""
-        return self.backend.stage_weights(role, tensors, cast=cast, delta=delta, into=into)
+        where the backend offers, service/backend/base.py `Destinations`). In place: generation pauses by
+        `mode` first and the backend writes into the serving weights."""
+        if not self.backend.weights_in_place:
+            return self.backend.stage_weights(role, tensors, cast=cast, delta=delta, into=into)
+        if mode == PAIR_MODE:
+            raise PushUnsupported(f"mode {PAIR_MODE!r} parks a staged drafter until the next target push; a server "
+                                  "loading pushes in place (--weight-spare in-place) has nowhere to park it: push "
+                                  "the drafter with mode keep")
+        self._pause_in_place(role, mode)
+        try:
+            return self.backend.stage_weights(role, tensors, cast=cast, delta=delta, into=into)
+        except BaseException as exc:
+            self._fail_in_place(role, f"the {role} push failed while loading in place ({exc})")
+            raise
+
+    def _pause_in_place(self, role: str, mode: str) -> None:
+        """Blocks (a worker thread): generation paused by the push's mode (a drafter's: keep) before any write."""
+        was_paused = self.backend.stats().paused
+        t0 = time.perf_counter()
+        aborted = self.backend.pause(mode if role == "target" else "keep").result()
+        self._paused_for[role] = not was_paused
+        self._aborted_for[role] = list(aborted)
+        logger.info("generation paused (%s) for an in-place %s push after %.3f s%s", mode, role,
+                    time.perf_counter() - t0, f", {len(aborted)} aborted" if aborted else "")
+
+    def _fail_in_place(self, role: str, reason: str) -> None:
+        """Blocks: an in-place push ended after its pause without serving: its weights are marked no version,
+        what was paused or queued on them is aborted, and the engine leaves the pause (it admits nothing)."""
+        if role not in self._paused_for:
+            return
+        resume = self._paused_for.pop(role)
+        self._invalid[role] = reason
+        self.backend.set_weights_invalid("; ".join(self._invalid.values()))
+        if self.metrics is not None:
+            self.metrics.weights_invalid.set(1)
+        self.backend.abort_all("weight_push").result()
+        if resume:
+            self.backend.resume().result()
+
+    def _settle_in_place(self, role: str, version: str, pending: Future[SwapResult]) -> None:
+        """Blocks: once the engine has answered an in-place commit, the role's weights are a version again and
+        generation resumes, or (not served) they are marked no version."""
+        try:
+            pending.result()
+        except BaseException as exc:
+            self._fail_in_place(role, f"the {role} push {version} was loaded in place but not served ({exc!r})")
+            return
+        resume = self._paused_for.pop(role, None)
+        if resume is None:
+            return
+        self._invalid.pop(role, None)
+        self.backend.set_weights_invalid("; ".join(self._invalid.values()))
+        if self.metrics is not None and not self._invalid:
+            self.metrics.weights_invalid.set(0)
+        if resume:
+            self.backend.resume().result()
 
     def check_base(self, role: str, base_version: str) -> None:
         """A delta push may apply: this backend takes deltas for `role`, and `base_version` is the one served."""
@@ -149,6 +209,14 @@ class PushService:
         if paired is not None:
             logger.info("target %s and drafter %s publish as one pair", version, paired[1])
         pending: Future[SwapResult] = self.backend.commit_weights(staged, version, mode, paired)
+        if staged.role in self._paused_for:
+            try:
+                swap = await asyncio.wrap_future(pending)
+            finally:  # whatever became of the commit (a caller that left cannot stop one applying), settled here
+                await asyncio.shield(asyncio.to_thread(self._settle_in_place, staged.role, version, pending))
+            aborted = self._aborted_for.pop(staged.role, [])
+            return PushResult(staged.role, version, staged.nbytes, time.perf_counter() - start, swap.swap_seconds,
+                              swap.wait_seconds, [*aborted, *swap.aborted])
         try:
             swap = await asyncio.wrap_future(pending)
         except asyncio.CancelledError:
@@ -170,7 +238,13 @@ class PushService:
         lock = self.role_lock(role)
         try:
             async with lock:
-                result: PushResult = await work
+                try:
+                    result: PushResult = await work
+                except BaseException as exc:
+                    if role in self._paused_for:  # failed between its load and its commit
+                        await asyncio.shield(asyncio.to_thread(
+                            self._fail_in_place, role, f"the {role} push failed after loading in place ({exc!r})"))
+                    raise
         except BaseException:
             if self.metrics is not None:
                 self.metrics.weight_push(role, ok=False)
@@ -202,7 +276,8 @@ class PushService:
     def _receiver(self, manifest: Manifest, **kw: Any) -> ChunkReceiver[Staged]:
         delta = bool(manifest.base_version)
         into = None if delta else Destinations()
-        return ChunkReceiver(manifest, lambda ts: self._stage(manifest.role, ts, manifest.cast, delta, into),
+        return ChunkReceiver(manifest, lambda ts: self._stage(manifest.role, ts, manifest.cast, delta, into,
+                                                              manifest.mode),
                              staging=self.staging(manifest.role),
                              discard=self.backend.discard, into=into, **kw)
 
@@ -319,7 +394,8 @@ class PushService:
 
         async def work() -> PushResult:
             self.check_base(role, base_version)  # again under the lock: no push of it ran between
-            staged = await asyncio.to_thread(self._stage, role, entries.items(), cast, bool(base_version))
+            staged = await asyncio.to_thread(self._stage, role, entries.items(), cast, bool(base_version), None,
+                                             mode)
             staged.nbytes = nbytes
             return await self._apply(staged, version, mode, start)
 
@@ -335,7 +411,7 @@ class PushService:
         self.role_spec(role)
 
         async def work() -> PushResult:
-            staged = await asyncio.to_thread(self._read_folder, role, folder, cast)
+            staged = await asyncio.to_thread(self._read_folder, role, folder, cast, mode)
             return await self._apply(staged, version, mode, start)
 
         return await self._locked(role, start, work())
@@ -391,16 +467,27 @@ class PushService:
                 raise PushError(f"the index names tensors no file holds: {absent[:8]}")
         return out
 
-    def _read_folder(self, role: str, folder: Path, cast: bool) -> Staged:
+    def _read_folder(self, role: str, folder: Path, cast: bool, mode: str = "wait") -> Staged:
         files = self._files(folder)
         try:
             WeightCheck(self.role_spec(role), cast).declared(self._declared(folder, files))
+            if self.backend.weights_in_place:  # refused here leaves the serving weights as they are
+                self._read_checked(role, [real for _, real in files], cast)
         except PushError as exc:
+            raise PushError(f"{role} folder {str(folder)!r}: {exc}") from exc
+        except ConfigError as exc:
             raise PushError(f"{role} folder {str(folder)!r}: {exc}") from exc
         into = Destinations()
         try:
-            staged = self._stage(role, read_tensors([real for _, real in files], into.get), cast, into=into)
+            staged = self._stage(role, read_tensors([real for _, real in files], into.get), cast, into=into,
+                                 mode=mode)
         except ConfigError as exc:  # a file changed or tore after its header was checked
             raise PushError(f"{role} folder {str(folder)!r}: {exc}") from exc
         staged.nbytes = sum(real.stat().st_size for _, real in files)
         return staged
+
+    def _read_checked(self, role: str, files: list[Path], cast: bool) -> None:
+        """Before an in-place load pauses anything: every tensor of the files read and put through the one
+        weight validation (shapes, dtype, finite values), so a bad file is refused with nothing written."""
+        for _ in WeightCheck(self.role_spec(role), cast).stream(read_tensors(files)):
+            pass

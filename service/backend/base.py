@@ -292,6 +292,23 @@ class RolloutBackend(abc.ABC):
     @abc.abstractmethod
     def resume(self) -> Future[None]: ...
 
+    # -- in-place pushes (a backend that loads a push into the serving weights, no spare) ----------------
+    @property
+    def weights_in_place(self) -> bool:
+        """A push pauses generation and loads into the serving weights (no second copy of them)."""
+        return False
+
+    @property
+    def weights_invalid(self) -> str:
+        """Why the serving weights are no version at all (an in-place push failed after its first write); ""
+        while they are valid. Generation is refused and readiness fails until a complete push succeeds."""
+        return ""
+
+    def set_weights_invalid(self, reason: str) -> None:
+        """Mark the serving weights invalid (`reason`) or, with "", valid again (a complete push served)."""
+        if reason:
+            raise PushUnsupported("this backend does not load pushes into its serving weights")
+
     def reset_prefix_cache(self) -> Future[bool]:
         """Drop KV cached across requests (prefix caching); True once dropped. A backend that caches nothing
         across requests has nothing to drop. Outputs do not change either way: cached KV is always of the

@@ -111,6 +111,9 @@ class Metrics:
                                   "failed to take: they reached the client but not the buffer", registry=r)
         self.sampling_exact = Gauge(P + "spec_decode_sampling_exact", "1 when sampled requests are served with "
                                     "speculation on, 0 when refused (the reason in the label)", ["reason"], registry=r)
+        self.weights_invalid = Gauge(P + "weights_invalid", "1 while the serving weights are no version (an "
+                                     "in-place push failed after its first write): generation is refused",
+                                     registry=r)
         r.register(_EngineCollector(self))
 
     def rollout_unrecorded(self) -> None:

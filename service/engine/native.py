@@ -68,11 +68,12 @@ class NativeBackend(RolloutBackend):
         self._roles: dict[str, WeightSpec] = {}
         self._lent: weakref.WeakSet[TeacherSnapshot] = weakref.WeakSet()  # teacher snapshots alive
         self._lent_lock = threading.Lock()
+        self._invalid = ""  # why the serving weights are no version (an in-place push failed after writing)
 
     def _load(self) -> tuple[LLMEngine, WeightStager]:
         """Engine thread: build the engine, its weight stager and what never changes while it serves."""
         engine = LLMEngine(self.config)
-        self._stager = WeightStager(engine, self.config.weight_spare != "free")
+        self._stager = WeightStager(engine, self.config.weight_spare not in ("free", "in-place"))
         self._stager.lent = self._is_lent
         if self.config.weight_spare == "start":
             t0 = time.perf_counter()
@@ -109,7 +110,7 @@ class NativeBackend(RolloutBackend):
 
     @property
     def ready(self) -> bool:
-        return self.loop.ready.is_set() and self.loop.alive
+        return self.loop.ready.is_set() and self.loop.alive and not self._invalid
 
     @property
     def alive(self) -> bool:
@@ -137,6 +138,9 @@ class NativeBackend(RolloutBackend):
     # -- generation ------------------------------------------------------------------------------------------
     def submit_all(self, items: list[tuple[GenRequest, RequestHandle]]) -> None:
         self._loaded()
+        if self._invalid:
+            raise NotReady(f"the serving weights are no valid version: {self._invalid}; generation resumes once a "
+                           "complete weight push succeeds")
         self.loop.submit_all(items)
 
     def abort(self, request_id: str, reason: str = "client") -> Future[bool]:
@@ -178,11 +182,31 @@ class NativeBackend(RolloutBackend):
 
     def stage_checked(self, role: str, tensors: Iterable[tuple[str, torch.Tensor | SparseValues]], *,
                       delta: bool = False) -> Staged:
+        if self.weights_in_place:
+            return self._stager_for(role).stage_in_place(role, tensors, delta)
         return self._stager_for(role).stage(role, tensors, delta)
 
     def stage_into(self, role: str, tensors: Iterable[tuple[str, torch.Tensor | SparseValues]],
                    into: Destinations, *, delta: bool = False) -> Staged:
+        if self.weights_in_place:
+            return self._stager_for(role).stage_in_place(role, tensors, delta, into)
         return self._stager_for(role).stage(role, tensors, delta, into)
+
+    @property
+    def weights_in_place(self) -> bool:
+        return self.config.weight_spare == "in-place"
+
+    @property
+    def weights_invalid(self) -> str:
+        return self._invalid
+
+    def set_weights_invalid(self, reason: str) -> None:
+        if reason and not self._invalid:
+            logger.error("the serving weights are no valid version: %s; generation is refused until a complete "
+                         "push succeeds", reason)
+        elif not reason and self._invalid:
+            logger.info("serving weights valid again")
+        self._invalid = reason
 
     def commit_weights(self, staged: Staged, version: str, mode: str,
                        drafter: tuple[Staged, str] | None = None) -> Future[SwapResult]:
@@ -225,6 +249,9 @@ class NativeBackend(RolloutBackend):
 
     def drafter_copy(self) -> Future[DrafterCopy | None]:
         self._loaded()
+        if self.weights_in_place:  # the in-process trainer then stays off (drafter_trainer/embedded.py)
+            raise PushUnsupported("with --weight-spare in-place a push overwrites the serving target a teacher "
+                                  "would read; train the drafter with the sidecar (--redis-url) instead")
         return self.loop.post(CopyDrafter()).future
 
     def must_exit_hard(self) -> bool:

@@ -205,6 +205,32 @@ class WeightStager:
             raise
         return Staged(role, nbytes, module.eval().requires_grad_(False))
 
+    @torch.no_grad()
+    def stage_in_place(self, role: str, tensors: Iterable[tuple[str, torch.Tensor | SparseValues]],
+                       delta: bool = False, into: Destinations | None = None) -> Staged:
+        """`stage`, writing into the serving weights themselves (`--weight-spare in-place`): no spare exists.
+        Only while generation is paused for this push (the push service holds that pause); a failure here leaves
+        the serving weights part old, part new, and the caller must mark them invalid."""
+        one_cpu_thread()
+        serving = self._serving(role)
+        forget_layout(serving)  # its CPU packs describe the old bytes
+        try:
+            if delta:
+                if not isinstance(serving, CausalLM):
+                    raise PushUnsupported(f"delta pushes go to the target only; push the {role} in full")
+                nbytes = apply_delta(serving, tensors)
+            elif isinstance(serving, CausalLM):
+                _offer(into, serving)
+                nbytes = load_tensors(serving, tensors)  # type: ignore[arg-type]
+            else:
+                _offer(into, serving)
+                nbytes = _load_state(serving, tensors)
+        except WeightError as exc:
+            raise PushError(f"{role} weights: {exc}") from exc
+        finally:
+            ensure_packed(serving)  # laid out again whatever was written: the engine only ever sees packed weights
+        return Staged(role, nbytes, serving)
+
     def allocate_spares(self) -> int:
         """Make each role's spare now (a copy of the serving weights, its pages touched) rather than at the first
         push. Returns the bytes allocated."""
@@ -225,7 +251,8 @@ class WeightStager:
             return self._spare.get(role)
 
     def apply(self, staged: Staged, version: str) -> None:
-        """Engine thread, between two steps: serve the staged weights; the replaced ones become the spare."""
+        """Engine thread, between two steps: serve the staged weights; the replaced ones become the spare (an
+        in-place push: they are the same module, which is kept by nobody else)."""
         if staged.role == "target":
             old: nn.Module = self.engine.runner.model
             self.engine.swap_target(staged.payload, version)
@@ -243,7 +270,13 @@ class WeightStager:
         self._keep(staged.role, module)
 
     def _keep(self, role: str, module: nn.Module | None) -> None:
-        if module is None or not self.reuse_buffers:
+        if module is None or not self.reuse_buffers or module is self._serving_or_none(role):
             return
         with self._lock:
             self._spare[role] = module
+
+    def _serving_or_none(self, role: str) -> nn.Module | None:
+        try:
+            return self._serving(role)
+        except (PushError, PushUnsupported):
+            return None
