@@ -250,13 +250,13 @@ class StepResult:
     tokens: list[list[TokenResult]]
     prev_num_tokens: list[int]  # each sequence's length before the step
     k: int = 0  # draft depth (0: plain)
-    arm: Arm = PLAIN  # the arm that ran: the chosen one, or plain when its drafter proposed nothing for any row
     num_accepted: list[int] = field(default_factory=list)
     num_drafted: list[int] = field(default_factory=list)
     assisted: list[bool] = field(default_factory=list)  # rows whose drafts came from the assisting drafter
     draft_seconds: float = 0.0
     caught_up: tuple[int, float] = (0, 0.0)  # tokens the drafter fed to catch up before drafting, their seconds
     captured: bool = False  # the step captured a CUDA graph or compiled a forward: its time measures nothing
+    arm: Arm = PLAIN  # the arm that ran: the chosen one, or plain when its drafter proposed nothing for any row
 
     @classmethod
     def plain(cls, seqs: list[Sequence], results: list[TokenResult]) -> StepResult:
