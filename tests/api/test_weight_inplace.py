@@ -36,19 +36,9 @@ from client.errors import SpecrollError
 from service.app import BackgroundServer
 from service.backend.base import PushUnsupported
 from service.cli import build_parser, cmd_serve
-from service.models import packed
 from service.protogen import pb2
 
 IN_PLACE = {"enforce_eager": True, "drafter": "none", "weight_spare": "in-place"}
-
-
-@pytest.fixture(scope="module")
-def every_row_class_packed() -> Iterator[None]:
-    """The packed copies serve every row class where oneDNN is here: a pack left stale shows in the outputs."""
-    with pytest.MonkeyPatch.context() as mp:
-        if packed.onednn_available():
-            mp.setattr(packed, "_choose", lambda layers, timer: (True,) * (len(packed.ROW_CLASSES) + 1))
-        yield
 
 
 @pytest.fixture(scope="module")

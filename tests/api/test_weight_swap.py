@@ -5,7 +5,6 @@ stored transposed, oneDNN packs), so the engine thread only swaps references; a 
 from __future__ import annotations
 
 import threading
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -25,16 +24,6 @@ PROMPTS = [[5, 6, 7], [9, 8, 7, 6, 5, 4, 3, 2, 1, 11], [300, 2]]
 GREEDY: dict[str, Any] = {"temperature": 0.0, "max_tokens": 12, "ignore_eos": True, "raw_logprobs": True}
 SAMPLED: dict[str, Any] = {"temperature": 0.9, "seed": 4, "max_tokens": 12, "ignore_eos": True,
                            "raw_logprobs": True}
-
-
-@pytest.fixture(scope="module")
-def every_row_class_packed() -> Iterator[None]:
-    """Every row class runs the packed copies where oneDNN is here, whatever this machine's timing would pick:
-    a stale pack then shows in the outputs."""
-    with pytest.MonkeyPatch.context() as mp:
-        if packed.onednn_available():
-            mp.setattr(packed, "_choose", lambda layers, timer: (True,) * (len(packed.ROW_CLASSES) + 1))
-        yield
 
 
 @pytest.fixture(scope="module")
