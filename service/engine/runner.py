@@ -231,5 +231,6 @@ class ModelRunner:
         own = [0 if assisted and assisted[b] else a for b, a in enumerate(num_accepted)]
         drafter.after_step(seqs, prev_num_tokens, own, k)
         tokens = [rows[b * (k + 1) : b * (k + 1) + num_accepted[b] + 1] for b in range(B)]
-        return StepResult(seqs, tokens, prev_num_tokens, k, num_accepted, [e[1] for e in extra],
-                          assisted=assisted, draft_seconds=draft_seconds, caught_up=caught_up)
+        return StepResult(seqs, tokens, prev_num_tokens, k=k, num_accepted=num_accepted,
+                          num_drafted=[e[1] for e in extra], assisted=assisted, draft_seconds=draft_seconds,
+                          caught_up=caught_up)

@@ -6,7 +6,7 @@ from __future__ import annotations
 import enum
 import itertools
 import time
-from dataclasses import dataclass, field
+from dataclasses import KW_ONLY, dataclass, field
 
 from service.params import FinishReason, SamplingParams, VersionSpan
 
@@ -249,6 +249,7 @@ class StepResult:
     seqs: list[Sequence]
     tokens: list[list[TokenResult]]
     prev_num_tokens: list[int]  # each sequence's length before the step
+    _: KW_ONLY  # the rest by name: several share a type, so a reorder cannot pass one for another
     k: int = 0  # draft depth (0: plain)
     num_accepted: list[int] = field(default_factory=list)
     num_drafted: list[int] = field(default_factory=list)
