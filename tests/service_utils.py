@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
+import os
 import shutil
+import subprocess
+import sys
 import threading
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -19,6 +22,8 @@ from service.netutil import free_port
 T = TypeVar("T")
 
 ADMIN = "test-admin-token"
+GROUP_TRAINER = Path(__file__).parent / "api" / "group_trainer.py"
+ROOT = Path(__file__).resolve().parents[1]
 MAX_MODEL_LEN = 256
 MAX_NUM_SEQS = 40
 
@@ -123,3 +128,14 @@ def across(srv: BackgroundServer, act: Callable[[], T], max_tokens: int = 240) -
     finally:
         stream.join(120)
     return result, (final[-1] if final else None)
+
+
+def group_trainer(how: str, srv: BackgroundServer, weights: dict[str, torch.Tensor], version: str, tmp: Path,
+                  group: str = "wug") -> subprocess.CompletedProcess[str]:
+    """Push `weights` over a gloo process group from a trainer process (tests/api/group_trainer.py: `how` is
+    slime, client, die, ...); returns the finished process, its replies as JSON lines on stdout."""
+    path = tmp / f"{version}.safetensors"
+    save_file({k: v.contiguous() for k, v in weights.items()}, str(path))
+    env = {**os.environ, "SPECROLL_ADMIN_TOKEN": ADMIN, "PYTHONPATH": str(ROOT)}
+    return subprocess.run([sys.executable, str(GROUP_TRAINER), how, srv.http_url, str(path), version, group],
+                          env=env, capture_output=True, text=True, timeout=300)

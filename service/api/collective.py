@@ -8,8 +8,9 @@ thread that builds the spare; the bucket that completes the checkpoint commits t
 
 A refused bucket closes the group (the trainer broadcasts it anyway; its bytes must never be read as the next
 bucket's). A failed broadcast (trainer died, group timed out, a size other than announced) discards the push and
-closes the group; the old weights serve on. Gloo groups are received in a child process (collective_child.py):
-gloo aborts the process a mismatched broadcast reaches. NCCL groups (CUDA) are received here: NCCL does not abort.
+closes the group; the old weights serve on (in place: no version serves until a complete push). Gloo groups
+are received in a child process (collective_child.py): gloo aborts the process a mismatched broadcast reaches.
+NCCL groups (CUDA) are received here: NCCL does not abort.
 
 vLLM's weight-transfer protocol (TRL, vLLM's trainer engine) runs on the same groups: `start` opens the push,
 each `update` is a bucket (maybe packed into chunks of a size both sides know: `packed_chunks`), `finish` commits.
@@ -302,7 +303,7 @@ class WeightGroups:
             if left:
                 self._discard(group, f"finished with {len(left)} tensors not sent")
                 raise PushError(f"the weight update is incomplete: {len(left)} tensors were not sent (first: "
-                                f"{left[:4]}); nothing changed")
+                                f"{left[:4]}); {self._outcome()}")
             if group.expiry is not None:
                 group.expiry.cancel()
                 group.expiry = None
@@ -443,10 +444,16 @@ class WeightGroups:
             await asyncio.to_thread(group.receive, bucket, packed_bytes, pending.emit)
         except Exception as exc:  # ReceiveFailed, or a gloo/NCCL error raised here
             self._close(group, f"the broadcast failed: {exc}")
-            raise PushError(f"the broadcast of version {pending.version} failed, nothing changed (the group is "
+            raise PushError(f"the broadcast of version {pending.version} failed, {self._outcome()} (the group is "
                             f"closed): {exc}") from exc
         pending.received.update(d.name for d in bucket)
         return len(set(pending.check.spec.shapes) - pending.received)
+
+    def _outcome(self) -> str:
+        """What a discarded push left serving: the old weights, or (loaded in place) no version at all."""
+        if self.pushes.backend.weights_in_place:
+            return "the weights it wrote in place serve no version until a complete push"
+        return "nothing changed"
 
     async def _commit(self, pending: Pending) -> PushResult:
         lock = self.pushes.role_lock("target")

@@ -16,16 +16,18 @@ from pathlib import Path
 
 import httpx
 import pytest
-import torch
 from helpers import default_checkpoint
 from safetensors.torch import save_file
 from service_utils import (
     ADMIN,
+    GROUP_TRAINER,
+    ROOT,
     across,
     assert_same,
     auth,
     checkpoint_tensors,
     fresh,
+    group_trainer,
     perturbed,
     running,
     served,
@@ -34,9 +36,6 @@ from service_utils import (
 
 from client import Sample, SpecrollClient
 from service.app import BackgroundServer
-
-TRAINER = Path(__file__).with_name("group_trainer.py")
-ROOT = Path(__file__).resolve().parents[2]
 
 
 @pytest.fixture(scope="module")
@@ -49,21 +48,12 @@ def server(base_dir: Path) -> Iterator[BackgroundServer]:
     yield from running(start_server(base_dir))
 
 
-def trainer(how: str, srv: BackgroundServer, weights: dict[str, torch.Tensor], version: str, tmp: Path,
-            group: str = "wug") -> subprocess.CompletedProcess[str]:
-    path = tmp / f"{version}.safetensors"
-    save_file({k: v.contiguous() for k, v in weights.items()}, str(path))
-    env = {**os.environ, "SPECROLL_ADMIN_TOKEN": ADMIN, "PYTHONPATH": str(ROOT)}
-    return subprocess.run([sys.executable, str(TRAINER), how, srv.http_url, str(path), version, group], env=env,
-                          capture_output=True, text=True, timeout=300)
-
-
 def test_slime_and_client_trainers_push_over_gloo(server, base_dir, tmp_path):
     base = checkpoint_tensors(base_dir)
     first, second = perturbed(base, seed=41), perturbed(base, seed=42)
     with SpecrollClient(server.grpc_target, admin_token=ADMIN) as c:
         before = served(c)
-        run = trainer("slime", server, first, "slime-v1", tmp_path)
+        run = group_trainer("slime", server, first, "slime-v1", tmp_path)
         assert run.returncode == 0, run.stderr[-3000:]
         replies = json.loads(run.stdout.strip().splitlines()[-1])
         assert [r.get("success") for r in replies] == [True] * 4, replies  # init, two buckets, destroy
@@ -73,7 +63,7 @@ def test_slime_and_client_trainers_push_over_gloo(server, base_dir, tmp_path):
         assert got[0] != before[0]
         assert_same(got, fresh(base_dir, first, tmp_path / "ref1"))
 
-        run = trainer("client-wrong", server, second, "client-v2", tmp_path, group="ours")
+        run = group_trainer("client-wrong", server, second, "client-v2", tmp_path, group="ours")
         assert run.returncode == 0, run.stderr[-3000:]
         refused, reply = (json.loads(line) for line in run.stdout.strip().splitlines()[-2:])
         assert "wrong shapes" in refused["refused"] and "HTTP 400" in refused["refused"]
@@ -87,7 +77,7 @@ def test_a_trainer_killed_mid_broadcast_changes_nothing(server, base_dir, tmp_pa
     with SpecrollClient(server.grpc_target, admin_token=ADMIN) as c:
         c.push_weights(base, "before-kill")
         before = served(c)
-        run = trainer("die", server, perturbed(base, seed=43), "killed", tmp_path, group="dies")
+        run = group_trainer("die", server, perturbed(base, seed=43), "killed", tmp_path, group="dies")
         assert run.returncode == -9, run.stderr[-3000:]
         assert c.server_info().policy_version == "before-kill" and served(c) == before
         for _ in range(100):  # the server closes the dead group as soon as its broadcast fails
@@ -98,7 +88,7 @@ def test_a_trainer_killed_mid_broadcast_changes_nothing(server, base_dir, tmp_pa
         else:
             pytest.fail(f"the dead trainer's group is still open: {r.text}")
         after = perturbed(base, seed=44)
-        run = trainer("slime", server, after, "after-kill", tmp_path, group="dies")  # same name, new group
+        run = group_trainer("slime", server, after, "after-kill", tmp_path, group="dies")  # same name, new group
         assert run.returncode == 0, run.stderr[-3000:]
         assert c.server_info().policy_version == "after-kill"
         assert_same(served(c), fresh(base_dir, after, tmp_path / "ref"))
@@ -121,8 +111,8 @@ def test_a_broadcast_of_another_size_fails_its_call_not_the_server(server, base_
     with SpecrollClient(server.grpc_target, admin_token=ADMIN) as c:
         c.push_weights(base, f"before-{how}")
         before = served(c)
-        proc = subprocess.Popen([sys.executable, str(TRAINER), how, server.http_url, str(path), f"wrong-{how}", how],
-                                env=env, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+        argv = [sys.executable, str(GROUP_TRAINER), how, server.http_url, str(path), f"wrong-{how}", how]
+        proc = subprocess.Popen(argv, env=env, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                                 text=True)
 
         def fault() -> str:
@@ -153,7 +143,7 @@ def test_a_broadcast_of_another_size_fails_its_call_not_the_server(server, base_
         assert c.server_info().policy_version == f"before-{how}" and served(c) == before
         assert closed(server, how)
         after = perturbed(base, seed=46)
-        run = trainer("slime", server, after, f"after-{how}", tmp_path, group=how)  # same name, new group
+        run = group_trainer("slime", server, after, f"after-{how}", tmp_path, group=how)  # same name, new group
         assert run.returncode == 0, run.stderr[-3000:]
         assert c.server_info().policy_version == f"after-{how}"
         assert_same(served(c), fresh(base_dir, after, tmp_path / "ref"))

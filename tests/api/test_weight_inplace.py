@@ -5,6 +5,7 @@ first write leaves the server refusing generation (503) and not ready until a co
 
 from __future__ import annotations
 
+import json
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -23,6 +24,7 @@ from service_utils import (
     auth,
     checkpoint_tensors,
     fresh,
+    group_trainer,
     perturbed,
     running,
     served,
@@ -192,3 +194,52 @@ def test_in_place_lends_no_drafter_copy_to_an_in_process_trainer(server):
     lends no drafter copy, so that trainer stays off (drafter_trainer/embedded.py) and the sidecar is named."""
     with pytest.raises(PushUnsupported, match="sidecar"):
         server.server.backend.drafter_copy()
+
+
+def test_a_collective_push_loads_in_place(server, client, base_dir, pushes, tmp_path):
+    """slime's process-group payloads reach an in-place server too: each bucket is written into the serving
+    weights while generation is paused; outputs then equal a fresh server's on the pushed weights."""
+    run = group_trainer("slime", server, pushes[0], "group-1", tmp_path, group="inplace")
+    assert run.returncode == 0, run.stderr[-3000:]
+    replies = json.loads(run.stdout.strip().splitlines()[-1])
+    assert [r.get("success") for r in replies] == [True] * 4, replies  # init, two buckets, destroy
+    assert client.server_info().policy_version == "group-1"
+    assert server.server.backend.stager.spare("target") is None
+    assert_same(served(client), fresh(base_dir, pushes[0], tmp_path / "f", enforce_eager=True, drafter="none"))
+
+
+def test_a_trainer_killed_mid_broadcast_in_place_leaves_the_server_not_ready_until_a_good_push(
+        server, client, base_dir, pushes, tmp_path):
+    """In place, the buckets before the kill are in the serving weights already: the server refuses
+    generation and is not ready (it cannot serve a half-written model); the next group's push restores it."""
+    client.push_weights(pushes[0], "before-kill", mode="keep")
+    run = group_trainer("die", server, pushes[1], "killed", tmp_path, group="dies-in-place")
+    assert run.returncode == -9, run.stderr[-3000:]
+    wait_for(lambda: httpx.get(server.http_url + "/ready").status_code == 503, 60, "the server not ready")
+    with pytest.raises(SpecrollError, match="no valid version"):
+        served(client)
+    run = group_trainer("slime", server, pushes[1], "after-kill", tmp_path, group="dies-in-place")
+    assert run.returncode == 0, run.stderr[-3000:]
+    wait_for(lambda: httpx.get(server.http_url + "/ready").status_code == 200, 10, "the server ready again")
+    assert client.server_info().policy_version == "after-kill"
+    assert_same(served(client), fresh(base_dir, pushes[1], tmp_path / "f", enforce_eager=True, drafter="none"))
+
+
+def test_a_delta_push_applies_in_place_and_a_stale_one_changes_nothing(server, client, base_dir, pushes, tmp_path):
+    """A delta is written into the serving weights like any push; one against a version not served is refused
+    before the pause, so the server stays ready on what it served."""
+    near = dict(pushes[0])
+    for name in sorted(near)[:3]:  # a few elements of a few tensors change
+        t = near[name].clone()
+        t.view(-1)[:: max(1, t.numel() // 7)] += 0.25
+        near[name] = t
+    pushed = wt.PushedState()
+    client.push_weights(pushes[0], "d0", mode="keep", delta_from=pushed)
+    with pytest.raises(SpecrollError, match="applies to version 'old'"):
+        client.push_delta(near, "stale", base=pushes[0], base_version="old", mode="keep")
+    assert httpx.get(server.http_url + "/ready").status_code == 200
+    assert client.server_info().policy_version == "d0"
+    full_bytes = sum(t.numel() * t.element_size() for t in near.values())
+    r = client.push_weights(near, "d1", mode="keep", delta_from=pushed)
+    assert r.version == "d1" and 0 < r.bytes < 0.5 * full_bytes  # only the changed part travelled
+    assert_same(served(client), fresh(base_dir, near, tmp_path / "f", enforce_eager=True, drafter="none"))
