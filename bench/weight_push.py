@@ -429,7 +429,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--paths", nargs="+", default=list(PATHS), choices=PATHS)
     p.add_argument("--rounds", type=int, default=3)
     p.add_argument("--streams", type=int, default=4, help="greedy streams generating during the pause round")
-    p.add_argument("--png", type=Path, default=None, help="write a bar chart here")
+    p.add_argument("--png", type=Path, default=None, help="write a bar chart here ('' or none: no chart)")
     p.add_argument("--quick", action="store_true", help="one 8 MB checkpoint per dtype (the test's size)")
     p.add_argument("--raw-server", nargs=2, type=int, metavar=("GRPC_PORT", "HTTP_PORT"), help=argparse.SUPPRESS)
     args = p.parse_args(argv)
@@ -449,7 +449,7 @@ def main(argv: list[str] | None = None) -> int:
             logger.info("config done: %s", json.dumps(configs[-1]))
     result: dict[str, Any] = {"bench": "weight_push", "rounds": args.rounds, "configs": configs,
                               "loadavg": [round(x, 2) for x in (*load_start, os.getloadavg()[0])]}
-    if args.png is not None:
+    if args.png is not None and str(args.png) not in ("", ".", "none"):
         result["png"] = plot(result, args.png) or str(args.png)
     print(json.dumps(result))
     return 0

@@ -73,6 +73,19 @@ def _load_state(module: nn.Module, tensors: Iterable[tuple[str, torch.Tensor]]) 
     return total
 
 
+def _load_laid_out(module: CausalLM, tensors: Iterable[tuple[str, torch.Tensor]]) -> int:
+    """`load_tensors` into `module`, each linear layer laid out for the CPU kernels as soon as its bytes have
+    landed (packed.py `LayoutPipeline`), so the layout overlaps the transfer. Returns the bytes loaded."""
+    layouts = LayoutPipeline(module, linear_parts(module))
+    try:
+        nbytes = load_tensors(module, tensors, layouts.landed)
+    except BaseException:
+        layouts.cancel()  # before the caller keeps or marks the module: nothing lays it out any more
+        raise
+    layouts.finish()
+    return nbytes
+
+
 def _offer(into: Destinations | None, module: nn.Module) -> None:
     """Let the transport write each tensor of a full push straight into `module` (never the serving one)."""
     if into is None:
@@ -183,13 +196,7 @@ class WeightStager:
             elif isinstance(serving, CausalLM):
                 module: nn.Module = spare if spare is not None else empty_model(serving.config, dtype, device)
                 _offer(into, module)
-                layouts = LayoutPipeline(module, linear_parts(module))  # type: ignore[arg-type]
-                try:
-                    nbytes = load_tensors(module, tensors, layouts.landed)  # type: ignore[arg-type]
-                except BaseException:
-                    layouts.cancel()  # before the spare is kept: nothing lays it out any more
-                    raise
-                layouts.finish()
+                nbytes = _load_laid_out(module, tensors)  # type: ignore[arg-type]
                 if spare is None:
                     nbytes = sum(p.numel() * p.element_size() for p in module.parameters())
             else:
@@ -221,7 +228,7 @@ class WeightStager:
                 nbytes = apply_delta(serving, tensors)
             elif isinstance(serving, CausalLM):
                 _offer(into, serving)
-                nbytes = load_tensors(serving, tensors)  # type: ignore[arg-type]
+                nbytes = _load_laid_out(serving, tensors)  # type: ignore[arg-type]
             else:
                 _offer(into, serving)
                 nbytes = _load_state(serving, tensors)
