@@ -8,9 +8,8 @@ thread that builds the spare; the bucket that completes the checkpoint commits t
 
 A refused bucket closes the group (the trainer broadcasts it anyway; its bytes must never be read as the next
 bucket's). A failed broadcast (trainer died, group timed out, a size other than announced) discards the push and
-closes the group; the old weights serve on (in place: no version serves until a complete push). Gloo groups
-are received in a child process (collective_child.py): gloo aborts the process a mismatched broadcast reaches.
-NCCL groups (CUDA) are received here: NCCL does not abort.
+closes the group; the old weights serve on (in place: no version until a complete push). Gloo groups are
+received in a child process (collective_child.py), which a mismatched broadcast aborts; NCCL groups here.
 
 vLLM's weight-transfer protocol (TRL, vLLM's trainer engine) runs on the same groups: `start` opens the push,
 each `update` is a bucket (maybe packed into chunks of a size both sides know: `packed_chunks`), `finish` commits.
