@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import ctypes
 import logging
+import os
 import re
 import threading
 from functools import cache
@@ -54,6 +55,11 @@ def _setters() -> tuple[ctypes._CFuncPtr | None, ctypes._CFuncPtr | None]:
     if found[0] is None:
         logger.info("no OpenMP runtime found: threads other than the engine's keep torch's thread count")
     return found[0], found[1]
+
+
+def usable_cpus() -> int:
+    """The CPUs this process may run on (its affinity mask, which a container's cpuset narrows)."""
+    return len(os.sched_getaffinity(0))
 
 
 def one_cpu_thread() -> bool:

@@ -23,7 +23,7 @@ import torch
 from torch import nn
 
 from service.backend.base import Destinations, PushError, PushUnsupported, SparseValues, Staged, WeightSpec
-from service.cpu_threads import one_cpu_thread
+from service.cpu_threads import one_cpu_thread, usable_cpus
 from service.models.llama import CausalLM
 from service.models.loader import (
     WeightError,
@@ -73,10 +73,11 @@ def _load_state(module: nn.Module, tensors: Iterable[tuple[str, torch.Tensor]]) 
     return total
 
 
-def _load_laid_out(module: CausalLM, tensors: Iterable[tuple[str, torch.Tensor]]) -> int:
+def _load_laid_out(module: CausalLM, tensors: Iterable[tuple[str, torch.Tensor]], workers: int = 1) -> int:
     """`load_tensors` into `module`, each linear layer laid out for the CPU kernels as soon as its bytes have
-    landed (packed.py `LayoutPipeline`), so the layout overlaps the transfer. Returns the bytes loaded."""
-    layouts = LayoutPipeline(module, linear_parts(module))
+    landed (packed.py `LayoutPipeline`, `workers` threads), so the layout overlaps the transfer. Returns the bytes
+    loaded."""
+    layouts = LayoutPipeline(module, linear_parts(module), workers)
     try:
         nbytes = load_tensors(module, tensors, layouts.landed)
     except BaseException:
@@ -228,7 +229,8 @@ class WeightStager:
                 nbytes = apply_delta(serving, tensors)
             elif isinstance(serving, CausalLM):
                 _offer(into, serving)
-                nbytes = _load_laid_out(serving, tensors)  # type: ignore[arg-type]
+                # generation is paused: the cores this thread does not load on lay out
+                nbytes = _load_laid_out(serving, tensors, max(1, usable_cpus() - 1))  # type: ignore[arg-type]
             else:
                 _offer(into, serving)
                 nbytes = _load_state(serving, tensors)

@@ -304,9 +304,12 @@ class LayoutPipeline:
     row-major weights several times faster than transposed ones, and the values are the same.
 
     `parts`: checkpoint tensor name -> the layer of `model` whose weight it fills and the rows of it (None: all;
-    several names for a fused weight)."""
+    several names for a fused weight). `workers`: threads laying out at once, one CPU thread each (one while
+    generation runs beside the push; more while it is paused for an in-place push)."""
 
-    def __init__(self, model: nn.Module, parts: Mapping[str, tuple[Linear, slice | None]]) -> None:
+    def __init__(self, model: nn.Module, parts: Mapping[str, tuple[Linear, slice | None]], workers: int = 1) -> None:
+        if workers < 1:
+            raise ValueError(f"workers must be at least 1, got {workers}")
         self._layer_of: dict[str, tuple[Linear, slice | None]] = {}
         self._rows: dict[int, torch.Tensor | None] = {}  # layer -> row-major copy being filled (None: not kept)
         self._rows_bytes = 0
@@ -329,8 +332,10 @@ class LayoutPipeline:
             if id(m) in self._plan:
                 self._layer_of[name] = m, sl
                 self._left[id(m)] = self._left.get(id(m), 0) + 1
-        self._worker = threading.Thread(target=self._work, name="layout", daemon=True)
-        self._worker.start()
+        self._workers = [threading.Thread(target=self._work, name=f"layout-{i}", daemon=True)
+                         for i in range(workers)]
+        for worker in self._workers:
+            worker.start()
 
     def landed(self, name: str, src: torch.Tensor | None = None) -> None:
         """A checkpoint tensor's bytes are all in place (`src`: the tensor they came from, read here only):
@@ -390,11 +395,13 @@ class LayoutPipeline:
                 self._do(*item)
         except queue.Empty:
             pass
-        self._queue.put(None)
-        self._worker.join()
+        for _ in self._workers:
+            self._queue.put(None)
+        for worker in self._workers:
+            worker.join()
 
     def finish(self) -> None:
-        """Lay out every queued layer (this thread and the worker), then return; raises what a layout raised."""
+        """Lay out every queued layer (this thread and the workers), then return; raises what a layout raised."""
         self._drain()
         if self._error is not None:
             raise self._error

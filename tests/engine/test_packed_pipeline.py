@@ -61,13 +61,14 @@ def _same_products(got, want) -> None:
 @needs_onednn
 @pytest.mark.parametrize("rows_bytes", [packed.ROWS_BYTES, 0], ids=["row-major-copies", "from-the-layout"])
 @pytest.mark.parametrize("dtype", DTYPES)
-def test_layers_laid_out_during_a_push_are_laid_out_for_the_pushed_bytes(tiny_qwen2, dtype, rows_bytes,
+@pytest.mark.parametrize("workers", [1, 3])  # 3: an in-place push lays out on the cores generation left idle
+def test_layers_laid_out_during_a_push_are_laid_out_for_the_pushed_bytes(tiny_qwen2, dtype, rows_bytes, workers,
                                                                          monkeypatch):
     monkeypatch.setattr(packed, "ROWS_BYTES", rows_bytes)  # float32: packed from row-major copies, or without
     served, spare = _served_and_spare(tiny_qwen2, dtype)
     weights = _pushed(served)
     forget_layout(spare)  # what staging does before the transport writes into the spare
-    layouts = LayoutPipeline(spare, linear_parts(spare))
+    layouts = LayoutPipeline(spare, linear_parts(spare), workers)
     load_tensors(spare, weights.items(), layouts.landed)
     layouts.finish()
     assert prepared(spare) and not packed.ensure_packed(spare)  # nothing left for the end of staging
@@ -100,10 +101,10 @@ def test_a_fused_weight_waits_for_all_of_its_tensors(tiny_qwen2, dtype):
 
 
 @needs_onednn
-def test_a_failed_push_stops_the_worker_before_the_spare_is_kept(tiny_qwen2):
+def test_a_failed_push_stops_the_workers_before_the_spare_is_kept(tiny_qwen2):
     served, spare = _served_and_spare(tiny_qwen2, torch.float32)
     forget_layout(spare)
-    layouts = LayoutPipeline(spare, linear_parts(spare))
+    layouts = LayoutPipeline(spare, linear_parts(spare), workers=2)
 
     def broken():
         yield from list(_pushed(served).items())[:5]
@@ -112,7 +113,7 @@ def test_a_failed_push_stops_the_worker_before_the_spare_is_kept(tiny_qwen2):
     with pytest.raises(ValueError):
         load_tensors(spare, broken(), layouts.landed)
     layouts.cancel()
-    assert not layouts._worker.is_alive()
+    assert not any(worker.is_alive() for worker in layouts._workers)
     assert not prepared(spare)  # the next push lays it out again
 
 
@@ -131,3 +132,9 @@ def test_a_float32_weight_packed_from_its_transposed_layout_is_the_row_major_pac
         got = torch.ops.mkldnn._linear_pointwise(x, transposed.packed, transposed.bias, "none", [], "")
         want = torch.ops.mkldnn._linear_pointwise(x, row_major.packed, row_major.bias, "none", [], "")
         assert torch.equal(got, want)
+
+
+def test_a_pipeline_needs_a_worker(tiny_qwen2):
+    _, spare = _served_and_spare(tiny_qwen2, torch.float32)
+    with pytest.raises(ValueError, match="at least 1"):
+        LayoutPipeline(spare, linear_parts(spare), workers=0)
