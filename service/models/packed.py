@@ -292,7 +292,7 @@ def _lay_out(m: Linear, packed_for: tuple[bool, ...] | None, rows: torch.Tensor 
 
 class LayoutPipeline:
     """Lays out a model's `Linear` layers while a push is still writing its weights: each layer as soon as every
-    checkpoint tensor of its weight has landed (`landed(name)`), on a worker thread, so the re-layout overlaps
+    checkpoint tensor of its weight has landed (`landed(name)`), on worker threads, so the re-layout overlaps
     the transfer instead of following it. `finish` lays out what is queued on the calling thread too and returns
     once all are done; `ensure_packed` then finds the layers prepared (a layer the pipeline could not lay out,
     say one whose layout was never timed in this process, is laid out there as before). A layer is laid out for
