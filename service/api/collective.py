@@ -450,7 +450,7 @@ class WeightGroups:
 
     def _outcome(self) -> str:
         """What a discarded push left serving: the old weights, or (loaded in place) no version at all."""
-        if self.pushes.backend.weights_in_place:
+        if self.pushes.backend.weights_invalid:
             return "the weights it wrote in place serve no version until a complete push"
         return "nothing changed"
 

@@ -221,12 +221,14 @@ class ChunkReceiver(Generic[T]):
     destinations `build`'s backend offers (service/backend/base.py `Destinations`): a dense tensor that has one
     is received straight into it and handed on as that tensor. `cancel` (or a failure) ends the worker at its
     next piece, so what `build` holds (the spare) is back with the backend before the push's caller goes on.
+    `cancelled`: the event a cancel sets, for `build` to watch while it waits on something else (a pause).
     """
 
     def __init__(self, manifest: Manifest, build: Callable[[Iterator[tuple[str, torch.Tensor | SparseValues]]], T],
                  max_queued: int = 16, staging: Staging | None = None, max_chunk: int = MAX_CHUNK_BYTES,
                  whole: tuple[checksums.Hasher, str, str] | None = None,
-                 discard: Callable[[T], None] | None = None, into: Destinations | None = None) -> None:
+                 discard: Callable[[T], None] | None = None, into: Destinations | None = None,
+                 cancelled: threading.Event | None = None) -> None:
         self.manifest = manifest
         self.received = 0
         self._build = build
@@ -235,7 +237,7 @@ class ChunkReceiver(Generic[T]):
         self._whole = whole  # (hasher, kind, expected hex digest)
         self._discard = discard
         self._into = into
-        self._cancelled = threading.Event()
+        self._cancelled = cancelled if cancelled is not None else threading.Event()
         self._q: queue.Queue[Any] = queue.Queue(maxsize=max_queued)
         self._result: T | None = None
         self._error: BaseException | None = None
@@ -369,11 +371,11 @@ class ChunkReceiver(Generic[T]):
         for entry in self.manifest.tensors:
             hasher = checksums.new(kind) if kind is not None else None
             dtype = DTYPES[dtype_name(entry.dtype)]
-            dst = None
-            if self._into is not None and entry.encoding == DENSE and entry.nbytes:
-                dst = self._into.get(entry.name, dtype, tuple(entry.shape))
             if pos == len(chunk) and entry.nbytes:
                 chunk, pos = next(pieces), 0
+            dst = None  # asked for once the tensor's first bytes are here: a push cut before them writes nothing
+            if self._into is not None and entry.encoding == DENSE and entry.nbytes:
+                dst = self._into.get(entry.name, dtype, tuple(entry.shape))
             if dst is None and len(chunk) - pos >= entry.nbytes:  # whole in this piece: a view of it, no copy
                 data: Any = chunk[pos : pos + entry.nbytes]
                 if hasher is not None:

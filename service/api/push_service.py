@@ -12,7 +12,9 @@ A delta push (a `base_version`) holds only what changed since the version it nam
 FAILED_PRECONDITION, nothing changed) unless that version is the one served when the push takes its role's lock.
 
 In place (`--weight-spare in-place`, no spare): a checked push pauses generation by its mode, loads into the
-serving weights and resumes; failing after that pause, the weights are no version until a complete push.
+serving weights and resumes. Failing after its first write, the weights are no version until a complete push;
+failing before it (its caller left while generation drained for it, or before its first byte came), the pause
+is withdrawn and the weights it found serve on.
 """
 
 from __future__ import annotations
@@ -20,9 +22,11 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import threading
 import time
-from collections.abc import AsyncIterator, Awaitable, Callable, Iterable, Sequence
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterable, Iterator, Sequence
 from concurrent.futures import Future
+from concurrent.futures import TimeoutError as FutureTimeout
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -77,6 +81,28 @@ def check_mode_or_error(mode: str, role: str = "target") -> str:
         raise PushError(f"{exc}{hint}") from exc
 
 
+class _Drawn:
+    """The tensors of an in-place push, noting whether any was drawn (until then the backend wrote nothing of
+    its own) and ending them once `stop` is set (the push's caller left)."""
+
+    __slots__ = ("_stop", "_tensors", "drawn")
+
+    def __init__(self, tensors: Iterable[tuple[str, torch.Tensor | SparseValues]],
+                 stop: threading.Event | None) -> None:
+        self._tensors: Iterator[tuple[str, torch.Tensor | SparseValues]] = iter(tensors)
+        self._stop, self.drawn = stop, False
+
+    def __iter__(self) -> _Drawn:
+        return self
+
+    def __next__(self) -> tuple[str, torch.Tensor | SparseValues]:
+        if self._stop is not None and self._stop.is_set():
+            raise PushError("the push's caller left before it was loaded")
+        item = next(self._tensors)
+        self.drawn = True
+        return item
+
+
 async def _offsets(parts: AsyncIterator[list[bytes]]) -> AsyncIterator[tuple[int, list[bytes]]]:
     offset = 0
     async for group in parts:
@@ -98,6 +124,7 @@ class PushService:
         self._paused_for: dict[str, bool] = {}  # in-place pushes under way, per role: whether they resume after
         self._aborted_for: dict[str, list[str]] = {}  # per role: what an in-place push's pause aborted
         self._invalid: dict[str, str] = {}  # per role: why an in-place push left its weights no version
+        self._loaded_in_place: set[str] = set()  # roles whose in-place push is loaded and not yet committed
         from service.api.collective import WeightGroups  # it builds on this service
 
         self.groups = WeightGroups(self)  # pushes over process groups (SGLang's update_weights_from_distributed)
@@ -109,37 +136,68 @@ class PushService:
         return spec
 
     def _stage(self, role: str, tensors: Iterable[tuple[str, torch.Tensor | SparseValues]], cast: bool,
-               delta: bool = False, into: Destinations | None = None, mode: str = "wait") -> Staged:
+               delta: bool = False, into: Destinations | None = None, mode: str = "wait",
+               stop: threading.Event | None = None) -> Staged:
         """Runs off the event loop: the backend checks each tensor (the one weight validation's `stream` half)
         and copies it beside the serving weights (`delta`: into a copy of them; `into`: the transport writes
         where the backend offers, service/backend/base.py `Destinations`). In place: generation pauses by
-        `mode` first and the backend writes into the serving weights."""
+        `mode` first and the backend writes into the serving weights; `stop` (the caller left) withdraws a
+        pause not yet taken and ends the load before its next tensor."""
         if not self.backend.weights_in_place:
             return self.backend.stage_weights(role, tensors, cast=cast, delta=delta, into=into)
         if mode == PAIR_MODE:
             raise PushUnsupported(f"mode {PAIR_MODE!r} parks a staged drafter until the next target push; a server "
                                   "loading pushes in place (--weight-spare in-place) has nowhere to park it: push "
                                   "the drafter with mode keep")
-        self._pause_in_place(role, mode)
+        self._pause_in_place(role, mode, stop)
+        drawn = _Drawn(tensors, stop)
         try:
-            return self.backend.stage_weights(role, tensors, cast=cast, delta=delta, into=into)
+            staged = self.backend.stage_weights(role, drawn, cast=cast, delta=delta, into=into)
         except BaseException as exc:
-            self._fail_in_place(role, f"the {role} push failed while loading in place ({exc})")
+            if drawn.drawn or (into is not None and into.taken):
+                self._fail_in_place(role, f"the {role} push failed while loading in place ({exc})")
+            else:
+                self._withdraw_in_place(role, exc)
             raise
+        if stop is not None and stop.is_set():  # loaded, but nobody is left to commit it
+            self._fail_in_place(role, f"the {role} push was loaded in place after its caller left")
+            raise PushError("the push's caller left while it was loaded")
+        self._loaded_in_place.add(role)
+        return staged
 
-    def _pause_in_place(self, role: str, mode: str) -> None:
-        """Blocks (a worker thread): generation paused by the push's mode (a drafter's: keep) before any write."""
+    def _pause_in_place(self, role: str, mode: str, stop: threading.Event | None = None) -> None:
+        """Blocks (a worker thread): generation paused by the push's mode (a drafter's: keep) before any write.
+        A wait-mode pause drains what runs first; `stop` set meanwhile withdraws it."""
         was_paused = self.backend.stats().paused
         t0 = time.perf_counter()
-        aborted = self.backend.pause(mode if role == "target" else "keep").result()
+        pending = self.backend.pause(mode if role == "target" else "keep")
+        while True:
+            try:
+                aborted = pending.result(timeout=None if stop is None else 0.05)
+                break
+            except FutureTimeout:
+                if stop is not None and stop.is_set() and pending.cancel():
+                    logger.warning("in-place %s push withdrawn while generation drained for it: its caller left",
+                                   role)
+                    raise PushError("the push's caller left before generation paused for it") from None
         self._paused_for[role] = not was_paused
         self._aborted_for[role] = list(aborted)
         logger.info("generation paused (%s) for an in-place %s push after %.3f s%s", mode, role,
                     time.perf_counter() - t0, f", {len(aborted)} aborted" if aborted else "")
 
+    def _withdraw_in_place(self, role: str, exc: BaseException) -> None:
+        """Blocks: an in-place push ended after its pause and before its first write: generation resumes on the
+        weights it found, which stay their version."""
+        resume = self._paused_for.pop(role, None)
+        self._aborted_for.pop(role, None)
+        logger.warning("in-place %s push ended before it wrote anything (%s): the weights serve on", role, exc)
+        if resume:
+            self.backend.resume().result()
+
     def _fail_in_place(self, role: str, reason: str) -> None:
         """Blocks: an in-place push ended after its pause without serving: its weights are marked no version,
         what was paused or queued on them is aborted, and the engine leaves the pause (it admits nothing)."""
+        self._loaded_in_place.discard(role)
         if role not in self._paused_for:
             return
         resume = self._paused_for.pop(role)
@@ -159,6 +217,7 @@ class PushService:
         except BaseException as exc:
             self._fail_in_place(role, f"the {role} push {version} was loaded in place but not served ({exc!r})")
             return
+        self._loaded_in_place.discard(role)
         resume = self._paused_for.pop(role, None)
         if resume is None:
             return
@@ -241,7 +300,7 @@ class PushService:
                 try:
                     result: PushResult = await work
                 except BaseException as exc:
-                    if role in self._paused_for:  # failed between its load and its commit
+                    if role in self._loaded_in_place:  # failed between its load and its commit
                         await asyncio.shield(asyncio.to_thread(
                             self._fail_in_place, role, f"the {role} push failed after loading in place ({exc!r})"))
                     raise
@@ -276,10 +335,24 @@ class PushService:
     def _receiver(self, manifest: Manifest, **kw: Any) -> ChunkReceiver[Staged]:
         delta = bool(manifest.base_version)
         into = None if delta else Destinations()
+        stop = threading.Event()
         return ChunkReceiver(manifest, lambda ts: self._stage(manifest.role, ts, manifest.cast, delta, into,
-                                                              manifest.mode),
+                                                              manifest.mode, stop),
                              staging=self.staging(manifest.role),
-                             discard=self.backend.discard, into=into, **kw)
+                             discard=self.backend.discard, into=into, cancelled=stop, **kw)
+
+    async def _staged(self, build: Callable[[threading.Event], Staged]) -> Staged:
+        """`build(stop)` off the event loop. A caller that leaves sets `stop` and waits (under the role's lock)
+        for the build to end: a pause not taken yet is withdrawn, what was staged goes back to the backend."""
+        stop = threading.Event()
+        job = asyncio.ensure_future(asyncio.to_thread(build, stop))
+        try:
+            return await asyncio.shield(job)
+        except asyncio.CancelledError:
+            stop.set()
+            with contextlib.suppress(Exception):
+                self.backend.discard(await asyncio.shield(job))
+            raise
 
     async def _receive(self, manifest: Manifest, chunks: AsyncIterator[tuple[int, Any]], start: float,
                        receiver: ChunkReceiver[Staged] | None = None,
@@ -394,8 +467,8 @@ class PushService:
 
         async def work() -> PushResult:
             self.check_base(role, base_version)  # again under the lock: no push of it ran between
-            staged = await asyncio.to_thread(self._stage, role, entries.items(), cast, bool(base_version), None,
-                                             mode)
+            staged = await self._staged(lambda stop: self._stage(role, entries.items(), cast, bool(base_version),
+                                                                 None, mode, stop))
             staged.nbytes = nbytes
             return await self._apply(staged, version, mode, start)
 
@@ -411,7 +484,7 @@ class PushService:
         self.role_spec(role)
 
         async def work() -> PushResult:
-            staged = await asyncio.to_thread(self._read_folder, role, folder, cast, mode)
+            staged = await self._staged(lambda stop: self._read_folder(role, folder, cast, mode, stop))
             return await self._apply(staged, version, mode, start)
 
         return await self._locked(role, start, work())
@@ -467,7 +540,8 @@ class PushService:
                 raise PushError(f"the index names tensors no file holds: {absent[:8]}")
         return out
 
-    def _read_folder(self, role: str, folder: Path, cast: bool, mode: str = "wait") -> Staged:
+    def _read_folder(self, role: str, folder: Path, cast: bool, mode: str = "wait",
+                     stop: threading.Event | None = None) -> Staged:
         files = self._files(folder)
         try:
             WeightCheck(self.role_spec(role), cast).declared(self._declared(folder, files))
@@ -480,7 +554,7 @@ class PushService:
         into = Destinations()
         try:
             staged = self._stage(role, read_tensors([real for _, real in files], into.get), cast, into=into,
-                                 mode=mode)
+                                 mode=mode, stop=stop)
         except ConfigError as exc:  # a file changed or tore after its header was checked
             raise PushError(f"{role} folder {str(folder)!r}: {exc}") from exc
         staged.nbytes = sum(real.stat().st_size for _, real in files)

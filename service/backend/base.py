@@ -164,13 +164,15 @@ class Destinations:
     for a tensor name once it holds them, before it draws the first tensor; a transport then receives each tensor
     `get` gives it straight into that buffer (one copy from the wire) and hands that very tensor on, which the
     backend does not copy again. A tensor with no destination (another dtype, a layout that is not plain rows, a
-    name the backend skips) goes the usual way. The buffers are never the serving weights: a push that fails
-    after writing into them leaves nothing served changed."""
+    name the backend skips) goes the usual way. The buffers are the spare, or the serving weights of a push
+    loaded in place; `taken` says whether any was handed out, its bytes then maybe written (a transport asks for
+    a destination once that tensor's first bytes are at hand)."""
 
-    __slots__ = ("_find",)
+    __slots__ = ("_find", "taken")
 
     def __init__(self) -> None:
         self._find: Any = None
+        self.taken = False
 
     def offer(self, find: Any) -> None:
         """`find(name)`: the tensor the backend would copy `name` into, or None."""
@@ -183,6 +185,7 @@ class Destinations:
         if (dst is None or dst.dtype != dtype or tuple(dst.shape) != tuple(shape) or dst.device.type != "cpu"
                 or not dst.is_contiguous()):
             return None
+        self.taken = True
         return dst.detach()
 
 

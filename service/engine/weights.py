@@ -217,8 +217,9 @@ class WeightStager:
     def stage_in_place(self, role: str, tensors: Iterable[tuple[str, torch.Tensor | SparseValues]],
                        delta: bool = False, into: Destinations | None = None) -> Staged:
         """`stage`, writing into the serving weights themselves (`--weight-spare in-place`): no spare exists.
-        Only while generation is paused for this push (the push service holds that pause); a failure here leaves
-        the serving weights part old, part new, and the caller must mark them invalid."""
+        Only while generation is paused for this push (the push service holds that pause). A failure after a
+        tensor was drawn or a destination taken leaves the serving weights part old, part new, and the caller
+        must mark them invalid; before that, nothing was written."""
         one_cpu_thread()
         serving = self._serving(role)
         forget_layout(serving)  # its CPU packs describe the old bytes

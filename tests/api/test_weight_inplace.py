@@ -1,12 +1,15 @@
 """`--weight-spare in-place` on a real server: a push pauses generation by its mode, loads into the serving
 weights (no spare ever exists), lays them out for the CPU kernels again and resumes; outputs then equal a fresh
 server's on the pushed weights. A bad file is refused before anything is written; a push failing after its
-first write leaves the server refusing generation (503) and not ready until a complete push succeeds."""
+first write leaves the server refusing generation (503) and not ready until a complete push succeeds; a push
+whose client leaves before its first write changes nothing (its pause withdrawn)."""
 
 from __future__ import annotations
 
 import json
-from collections.abc import Iterator
+import threading
+import time
+from collections.abc import Iterable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -69,12 +72,13 @@ def _serving(srv: BackgroundServer) -> torch.nn.Module:
     return srv.server.backend.loop.engine.runner.model
 
 
-def _messages(tensors: dict[str, torch.Tensor], version: str, corrupt_last: bool = False) -> list[Any]:
+def _messages(tensors: dict[str, torch.Tensor], version: str, corrupt_last: bool = False,
+              mode: str = "keep") -> list[Any]:
     """A gRPC push of `tensors`; `corrupt_last`: one byte of the last tensor flipped (its checksum then fails
     after every earlier tensor was written)."""
     tb = wt.from_state_dict(tensors)
     wt.hash_all(tb)
-    manifest = wt.manifest(tb, "target", version, "keep")
+    manifest = wt.manifest(tb, "target", version, mode)
     chunks = [pb2.PushWeightsRequest(chunk=pb2.WeightChunk(offset=c.offset, data=b"".join(c.parts)))
               for c in wt.iter_chunks(tb, 64 * 1024)]
     if corrupt_last:
@@ -84,11 +88,38 @@ def _messages(tensors: dict[str, torch.Tensor], version: str, corrupt_last: bool
     return [pb2.PushWeightsRequest(manifest=manifest), *chunks]
 
 
+def _push_call(ch: grpc.Channel) -> Any:
+    return ch.stream_unary("/specroll.v1.Rollout/PushWeights", request_serializer=wt.serialize_push,
+                           response_deserializer=pb2.WeightsReply.FromString)
+
+
 def _raw_push(target: str, messages: list[Any]) -> Any:
     with grpc.insecure_channel(target, options=[("grpc.max_send_message_length", 16 * 2**20)]) as ch:
-        call = ch.stream_unary("/specroll.v1.Rollout/PushWeights", request_serializer=wt.serialize_push,
-                               response_deserializer=pb2.WeightsReply.FromString)
-        return call(iter(messages), metadata=(("authorization", f"Bearer {ADMIN}"),), timeout=60)
+        return _push_call(ch)(iter(messages), metadata=(("authorization", f"Bearer {ADMIN}"),), timeout=60)
+
+
+def _leaving_push(target: str, manifest: Any, until: Any) -> None:
+    """A push that sends its manifest and no tensor byte, then leaves (cancels) once `until()` holds."""
+    gone = threading.Event()
+
+    def requests() -> Iterable[Any]:
+        yield manifest
+        gone.wait(60)
+
+    with grpc.insecure_channel(target) as ch:
+        call = _push_call(ch).future(requests(), metadata=(("authorization", f"Bearer {ADMIN}"),), timeout=60)
+        try:
+            wait_for(until, 30, "the server to take the push")
+        finally:
+            call.cancel()
+            gone.set()
+        with pytest.raises(grpc.FutureCancelledError):
+            call.result()
+
+
+def _settled(srv: BackgroundServer) -> bool:
+    stats = srv.server.backend.stats()
+    return not (stats.paused or stats.admission_held)
 
 
 def test_grpc_and_disk_pushes_load_in_place_and_serve_exactly_the_pushed_weights(server, client, base_dir, pushes,
@@ -159,6 +190,62 @@ def test_a_push_failing_after_its_first_write_leaves_the_server_not_ready_until_
     assert metric(httpx.get(url + "/metrics").text, "specroll:weights_invalid") == 0
     assert client.server_info().policy_version == "after"
     assert served(client)[0]
+
+
+@pytest.mark.parametrize("mode", ["keep", "wait"])
+def test_a_push_whose_client_leaves_before_its_first_byte_changes_nothing(server, client, pushes, mode):
+    """Generation paused for the push, its client gone before any tensor byte came: nothing was written, so the
+    pause is withdrawn and the weights it found serve on as their version; the next push goes through."""
+    client.push_weights(pushes[0], "found", mode="keep")
+    before = served(client)
+    manifest = _messages(pushes[1], "left", mode=mode)[0]
+    _leaving_push(server.grpc_target, manifest, lambda: server.server.backend.stats().paused)
+    wait_for(lambda: _settled(server), 30, "generation resumed")
+    assert httpx.get(server.http_url + "/ready").status_code == 200
+    assert client.server_info().policy_version == "found" and served(client) == before
+    assert client.push_weights(pushes[1], "next", mode="keep").version == "next"
+
+
+def test_a_wait_push_whose_client_leaves_while_generation_drains_withdraws_its_pause(server, client, pushes):
+    """Mode wait holds new requests back until what runs finishes. The client leaving meanwhile withdraws that
+    hold at once: generation never pauses for it and the weights serve on, still their version. A try whose rows
+    all finished before the server was seen holding is repeated (up to 5 times)."""
+    client.push_weights(pushes[0], "drained", mode="keep")
+    before = served(client)
+    manifest = _messages(pushes[1], "left-draining", mode="wait")[0]
+    for _ in range(5):
+        finals: list[Any] = []
+        started = threading.Event()
+
+        def rows(finals: list[Any] = finals, started: threading.Event = started) -> None:
+            with SpecrollClient(server.grpc_target) as c:
+                for ev in c.stream([5, 6, 7], n=32, temperature=1.0, max_tokens=250, ignore_eos=True):
+                    started.set()
+                    if hasattr(ev, "finish_reason"):
+                        finals.append(ev)
+
+        stream = threading.Thread(target=rows, daemon=True)
+        stream.start()
+        assert started.wait(60)
+        held_at: list[float] = []
+
+        def holding(stream: threading.Thread = stream, held_at: list[float] = held_at) -> bool:
+            if server.server.backend.stats().admission_held:
+                held_at.append(time.monotonic())
+            return bool(held_at) or not stream.is_alive()
+
+        _leaving_push(server.grpc_target, manifest, holding)
+        stream.join(120)
+        wait_for(lambda: _settled(server), 30, "the hold withdrawn")
+        assert len(finals) == 32 and {s.finish_reason for s in finals} == {"length"}
+        assert all([v.policy_version for v in s.version_spans] == ["drained"] for s in finals)
+        if held_at:
+            break
+    else:
+        raise AssertionError("the rows finished before the server was seen holding for the push, in 5 tries")
+    assert httpx.get(server.http_url + "/ready").status_code == 200
+    assert client.server_info().policy_version == "drained" and served(client) == before
+    assert client.push_weights(pushes[1], "after-drain", mode="keep").version == "after-drain"
 
 
 def test_the_vllm_backend_refuses_in_place():

@@ -154,28 +154,35 @@ def test_an_abort_push_leaves_waiting_requests_to_the_new_weights(server, vllm_m
     """Mode abort ends the running rows only: 300 rows (5 requests of 60) on a server of 256 sequences leave some
     waiting, and no waiting row is ended (vLLM's own abort pause ends them with no token). Rows that finished
     before the push lands, or whose first tokens had not reached the server when the pause took effect, run to
-    their length."""
+    their length. On a loaded machine every row can finish before the push lands (a race with 61-token rows):
+    such a try aborts nothing, so the test tries again, up to 3 times, until one does."""
     srv, _ = server
     base = checkpoint_tensors(vllm_model)
-    results: list = []
-    threads, started = [], [threading.Event() for _ in range(5)]
-    for ev in started:
-        threads.append(_stream_in_background(srv, results, ev, n=60))
-    assert all(ev.wait(60) for ev in started[:4])  # 240 rows running
-    with SpecrollClient(srv.grpc_target, admin_token=ADMIN) as c:
-        old = c.server_info().policy_version
-        c.push_weights(base, "abort-waiting", mode="abort")
-    for t in threads:
-        t.join(120)
-    assert len(results) == 300
-    spans = [[v.policy_version for v in s.version_spans] for s in results]
-    aborted = [v for s, v in zip(results, spans, strict=True) if s.finish_reason == "abort"]
-    kept = [(s, v) for s, v in zip(results, spans, strict=True) if s.finish_reason != "abort"]
-    # every token is tagged with the weights that made it: no aborted row's with the new version, even where its
-    # outputs reached the server after the push committed (a backlog of 256 rows)
-    assert aborted and all(v == [old] for v in aborted), sorted({tuple(v) for v in aborted})
-    assert all(s.finish_reason == "length" and v in ([old], [old, "abort-waiting"], ["abort-waiting"])
-               for s, v in kept), (len(aborted), sorted({tuple(v) for _, v in kept}))
+    for attempt in range(3):
+        results: list = []
+        threads, started = [], [threading.Event() for _ in range(5)]
+        for ev in started:
+            threads.append(_stream_in_background(srv, results, ev, n=60))
+        assert all(ev.wait(60) for ev in started[:4])  # 240 rows running
+        new = f"abort-waiting-{attempt}"
+        with SpecrollClient(srv.grpc_target, admin_token=ADMIN) as c:
+            old = c.server_info().policy_version
+            c.push_weights(base, new, mode="abort")
+        for t in threads:
+            t.join(120)
+        assert len(results) == 300
+        spans = [[v.policy_version for v in s.version_spans] for s in results]
+        aborted = [v for s, v in zip(results, spans, strict=True) if s.finish_reason == "abort"]
+        kept = [(s, v) for s, v in zip(results, spans, strict=True) if s.finish_reason != "abort"]
+        # every token is tagged with the weights that made it: no aborted row's with the new version, even where
+        # its outputs reached the server after the push committed (a backlog of 256 rows)
+        assert all(v == [old] for v in aborted), sorted({tuple(v) for v in aborted})
+        kept_spans = sorted({tuple(v) for _, v in kept})
+        assert all(s.finish_reason == "length" and v in ([old], [old, new], [new]) for s, v in kept), kept_spans
+        if aborted:
+            break
+    else:
+        raise AssertionError("no row was running when the abort push landed, in 3 tries")
 
 
 def test_tokens_are_tagged_by_the_weights_that_made_them(server, vllm_model, tmp_path):
