@@ -4,17 +4,15 @@ New weights (target or drafter) are checked completely against the role's `Weigh
 beside the serving ones off the event loop, then committed: a target commit follows the push's mode (wait |
 abort | keep); a drafter commit never holds generation back. One push per role at a time.
 
-A drafter push in mode `with_target` is staged and parked: the next target push publishes both as one atomic
-pair (a trainer that produces policy and drafter together never has the new policy served with the old
-drafter, whose acceptance would collapse). A newer parked drafter replaces an older one.
+A drafter push in mode `with_target` is parked until the next target push publishes both as one atomic pair
+(the new policy is never served with the old drafter, whose acceptance would collapse).
 
 A delta push (a `base_version`) holds only what changed since the version it names; it is refused (409 /
 FAILED_PRECONDITION, nothing changed) unless that version is the one served when the push takes its role's lock.
 
 In place (`--weight-spare in-place`, no spare): a checked push pauses generation by its mode, loads into the
 serving weights and resumes. Failing after its first write, the weights are no version until a complete push;
-failing before it (its caller left while generation drained for it, or before its first byte came), the pause
-is withdrawn and the weights it found serve on.
+failing before it (its caller left while generation drained, or before its first byte), nothing changed.
 """
 
 from __future__ import annotations
