@@ -3,7 +3,8 @@
 Builds a Qwen2-architecture checkpoint of the requested size (bench/weight_push.py's builder), starts a server
 process on it per setting, and pushes perturbed copies over gRPC (mode keep) while one greedy stream generates.
 Prints one JSON line per setting: the server's peak RSS (VmHWM) after start and after the pushes, and per push
-its seconds and the longest gap between two of the stream's token chunks while it ran (the generation pause).
+its seconds, the longest gap between two of the stream's token chunks while it ran (the generation pause) and
+the server's RSS once it is done.
 
     python bench/inplace_memory.py --size-mb 256 --dtype bfloat16 [--pushes 2] [--settings start,in-place]
         [--stream-tokens 300]
@@ -91,7 +92,8 @@ def _run(model: Path, weights: dict[str, torch.Tensor], dtype: str, spare: str, 
                 stream.join(600)
                 during = [b - a for a, b in itertools.pairwise(arrivals) if b >= t0 and a <= t1]
                 results.append({"push_s": round(t1 - t0, 3), "pause_s": round(max(during, default=0.0), 3),
-                                "stream_still_ran": bool(arrivals and arrivals[-1] > t1)})
+                                "stream_still_ran": bool(arrivals and arrivals[-1] > t1),
+                                "rss_after_mb": round(_status_kb(proc.pid, "VmRSS") / 1024, 1)})
         peak_kb = _status_kb(proc.pid, "VmHWM")
     finally:
         proc.terminate()

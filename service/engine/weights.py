@@ -24,6 +24,7 @@ from torch import nn
 
 from service.backend.base import Destinations, PushError, PushUnsupported, SparseValues, Staged, WeightSpec
 from service.cpu_threads import one_cpu_thread, usable_cpus
+from service.heap import release_free_memory
 from service.models.llama import CausalLM
 from service.models.loader import (
     WeightError,
@@ -211,6 +212,7 @@ class WeightStager:
         except BaseException:
             self._keep(role, spare)  # not serving: its contents do not matter, its memory does
             raise
+        release_free_memory()  # the spare's old packs, freed on the layout workers, go back to the OS
         return Staged(role, nbytes, module.eval().requires_grad_(False))
 
     @torch.no_grad()
@@ -239,6 +241,7 @@ class WeightStager:
             raise PushError(f"{role} weights: {exc}") from exc
         finally:
             ensure_packed(serving)  # laid out again whatever was written: the engine only ever sees packed weights
+            release_free_memory()
         return Staged(role, nbytes, serving)
 
     def allocate_spares(self) -> int:
