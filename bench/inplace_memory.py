@@ -53,9 +53,10 @@ def _run(model: Path, weights: dict[str, torch.Tensor], dtype: str, spare: str, 
     http, grpc_port = _port(), _port()
     cmd = [sys.executable, "-c", "from service.cli import main; main()", "serve", "--model", str(model),
            "--weight-spare", spare, "--enforce-eager", "--drafter", "none", "--dtype", dtype, "--http-port",
-           str(http), "--grpc-port", str(grpc_port), "--admin-token", TOKEN, "--max-model-len", "1024",
+           str(http), "--grpc-port", str(grpc_port), "--max-model-len", "1024",
            "--max-num-seqs", "4", "--kv-cache-gb", "0.25"]
-    proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+                            env=dict(os.environ, SPECROLL_ADMIN_TOKEN=TOKEN))
     try:
         deadline = time.monotonic() + 600
         while True:

@@ -81,10 +81,10 @@ def build_checkpoint(folder: Path, size_mb: int, dtype: torch.dtype) -> dict[str
 
 def start_server(model: Path, dtype: str, http_port: int, grpc_port: int) -> subprocess.Popen:
     cmd = [sys.executable, "-m", "service.cli", "--log-level", "WARNING", "serve", "--model", str(model),
-           "--http-port", str(http_port), "--grpc-port", str(grpc_port), "--admin-token", TOKEN, "--device", "cpu",
+           "--http-port", str(http_port), "--grpc-port", str(grpc_port), "--device", "cpu",
            "--dtype", dtype, "--max-model-len", "512", "--max-num-seqs", "8", "--kv-cache-gb", "0.25",
            "--enforce-eager"]  # a background compile would compete with the pushes for the cores
-    return subprocess.Popen(cmd, env=dict(os.environ, SPECROLL_LOG_LEVEL="WARNING"))
+    return subprocess.Popen(cmd, env=dict(os.environ, SPECROLL_LOG_LEVEL="WARNING", SPECROLL_ADMIN_TOKEN=TOKEN))
 
 
 # -- the bare transports (a subprocess, like the server) -------------------------------------------------
