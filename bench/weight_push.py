@@ -288,19 +288,22 @@ def _has_checksums() -> bool:
 
 
 async def pause_round(client: AsyncSpecrollClient, weights: dict[str, torch.Tensor], streams: int) -> dict[str, float]:
-    """One gRPC push (mode keep) while `streams` greedy streams generate: the hold and the token gaps."""
-    times: list[list[float]] = [[] for _ in range(streams)]
+    """One gRPC push (mode keep) while `streams` greedy streams generate: the hold and the token gaps. A gap is
+    between two tokens of one request: a request queued for a KV slot has no token to be late."""
+    requests: list[list[float]] = []  # token arrival times, per request
     stop = asyncio.Event()
 
     async def consume(i: int) -> None:
         while not stop.is_set():
+            times: list[float] = []
+            requests.append(times)
             async for ev in client.stream([10 + i, 20, 30], max_tokens=400, temperature=0.0, ignore_eos=True):
-                times[i].append(time.perf_counter())
+                times.append(time.perf_counter())
                 if isinstance(ev, Sample) or stop.is_set():
                     break
 
     tasks = [asyncio.create_task(consume(i)) for i in range(streams)]
-    while min(len(t) for t in times) < 5:
+    while not any(len(t) >= 5 for t in requests):  # generating (streams past the KV cache may queue)
         await asyncio.sleep(0.05)
     kw = {"checksum": "xxh3_128"} if _has_checksums() else {}
     t0 = time.perf_counter()
@@ -309,8 +312,8 @@ async def pause_round(client: AsyncSpecrollClient, weights: dict[str, torch.Tens
     await asyncio.sleep(0.5)
     stop.set()
     await asyncio.gather(*tasks, return_exceptions=True)
-    gaps_before = [b - a for ts in times for a, b in itertools.pairwise(ts) if b < t0]
-    around = [b - a for ts in times for a, b in itertools.pairwise(ts) if b >= t1 - 0.05 and a <= t1 + 0.05]
+    gaps_before = [b - a for ts in requests for a, b in itertools.pairwise(ts) if b < t0]
+    around = [b - a for ts in requests for a, b in itertools.pairwise(ts) if b >= t1 - 0.05 and a <= t1 + 0.05]
     return {"swap_ms": round(result.swap_seconds * 1e3, 3),
             "median_gap_ms": round(statistics.median(gaps_before) * 1e3, 2) if gaps_before else float("nan"),
             "max_gap_around_swap_ms": round(max(around, default=0.0) * 1e3, 2)}
