@@ -8,18 +8,14 @@ never shrinks. `malloc_trim` returns those free pages. Elsewhere than glibc it d
 from __future__ import annotations
 
 import ctypes
-import ctypes.util
-import logging
+from collections.abc import Callable
 from functools import cache
-
-logger = logging.getLogger(__name__)
 
 
 @cache
-def _malloc_trim() -> ctypes._CFuncPtr | None:  # type: ignore[name-defined]
-    name = ctypes.util.find_library("c")
+def _malloc_trim() -> Callable[[int], int] | None:
     try:
-        return getattr(ctypes.CDLL(name), "malloc_trim", None) if name else None
+        return getattr(ctypes.CDLL(None), "malloc_trim", None)  # the process's own symbols: libc is among them
     except OSError:
         return None
 
