@@ -5,7 +5,8 @@ Per checkpoint (a Qwen2 model of each `--sizes-mb` in each `--dtypes`, our initi
 paired with its raw limit on the same bytes (the order alternates): gRPC `PushWeights` (client hashing included)
 vs a bare grpc.aio stream; HTTP `/weights/upload` vs a bare uvicorn body; `/update_weights_from_disk` (file in
 the page cache) vs memcpy; `push_weights_shm` (the client writes a safetensors file into /dev/shm, the
-server loads it, the file is removed: two copies in all) vs memcpy; the collective path (client.weights
+server loads it, the file is removed: two copies in all) vs memcpy; `push_weights_memfd` (the same through a
+sealed memfd) vs memcpy; the collective path (client.weights
 `WeightGroup`) vs a bare gloo broadcast. Then one gRPC push (mode keep) while greedy streams generate: the swap
 hold (server-measured) and the largest token gap around it. Prints one JSON line (GB/s per round, median ratios
 to each raw limit, swap holds, loadavg) and writes a PNG to `--png` when matplotlib is there.
@@ -48,9 +49,9 @@ from service.netutil import free_port
 
 logger = logging.getLogger("bench.weight_push")
 TOKEN = "bench"
-PATHS = ("grpc", "http", "disk", "shm", "collective")
+PATHS = ("grpc", "http", "disk", "shm", "memfd", "collective")
 RAW = {"grpc": "bare grpc.aio stream", "http": "bare uvicorn body", "disk": "memcpy", "shm": "memcpy",
-       "collective": "bare gloo"}
+       "memfd": "memcpy", "collective": "bare gloo"}
 RAW_METHOD = "/bench.Raw/Push"
 
 
@@ -233,6 +234,14 @@ class Bench:
         self.swaps["shm"].append(r.swap_seconds * 1e3)
         return dt
 
+    def memfd(self, client: AsyncSpecrollClient, loop: asyncio.AbstractEventLoop) -> float:
+        t0 = time.perf_counter()
+        r = asyncio.run_coroutine_threadsafe(client.push_weights_memfd(self.weights, self.version("memfd"),
+                                                                       mode="keep"), loop).result()
+        dt = time.perf_counter() - t0
+        self.swaps["memfd"].append(r.swap_seconds * 1e3)
+        return dt
+
     def disk_raw(self) -> float:
         src = np.frombuffer(self.body, dtype=np.uint8)
         t0 = time.perf_counter()
@@ -337,8 +346,10 @@ def run_config(size_mb: int, dtype: str, rounds: int, streams: int, paths: tuple
                       f"http://127.0.0.1:{raw_http}", f"127.0.0.1:{raw_grpc}")
             (model / "model.safetensors").read_bytes()  # the file in the page cache
             ours = {"grpc": lambda: b.grpc(client, loop), "http": b.http_push, "disk": b.disk,
-                    "shm": lambda: b.shm(client, loop), "collective": b.collective}
+                    "shm": lambda: b.shm(client, loop), "memfd": lambda: b.memfd(client, loop),
+                    "collective": b.collective}
             bare = {"grpc": b.grpc_raw, "http": b.http_raw, "disk": b.disk_raw, "shm": b.disk_raw,
+                    "memfd": b.disk_raw,
                     "collective": b.collective_raw}
             for p in paths:  # untimed: the first push builds the spare, the first of each transport connects
                 ours[p]()

@@ -6,6 +6,7 @@ import asyncio
 import contextlib
 import itertools
 import logging
+import os
 import shutil
 import time
 import uuid
@@ -295,6 +296,20 @@ class AsyncSpecrollClient:
             return await self.load_weights(str(folder), version, role=role, mode=mode, cast=cast)
         finally:
             await asyncio.to_thread(shutil.rmtree, folder, True)
+
+    async def push_weights_memfd(self, weights: Mapping[str, Any], version: str, *, role: str = "target",
+                                 mode: str = "wait", dtype: Any = None, cast: bool = False) -> PushResult:
+        """A same-host push through a sealed memfd (Linux): the state dict is written once into an anonymous
+        in-memory file, sealed so no byte can change, and the server reads each tensor once from it into its
+        spare (`load_weights` on its `/proc/<pid>/fd/<fd>` path). No file is left anywhere, whatever happens:
+        the memory goes with the fd, closed when the call returns. The server must run on this host, in this
+        PID namespace, as a user allowed to read this process's files; no `--load-root` is involved."""
+        tensors = await asyncio.to_thread(wt.from_state_dict, weights, dtype)
+        fd = await asyncio.to_thread(wt.write_sealed_memfd, tensors)
+        try:
+            return await self.load_weights(wt.memfd_path(fd), version, role=role, mode=mode, cast=cast)
+        finally:
+            os.close(fd)
 
     async def load_weights(self, path: str, version: str, *, role: str = "target", mode: str = "wait",
                            cast: bool = False) -> PushResult:

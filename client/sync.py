@@ -95,6 +95,11 @@ class SpecrollClient:
         weights = wt.on_cpu(weights, kw.pop("dtype", None))  # on the caller's thread (see push_weights)
         return self._run(self._client.push_weights_shm(weights, version, **kw))
 
+    def push_weights_memfd(self, weights: Mapping[str, Any], version: str, **kw: Any) -> PushResult:
+        """A same-host push through a sealed memfd (see `AsyncSpecrollClient.push_weights_memfd`)."""
+        weights = wt.on_cpu(weights, kw.pop("dtype", None))  # on the caller's thread (see push_weights)
+        return self._run(self._client.push_weights_memfd(weights, version, **kw))
+
     def load_weights(self, path: str, version: str, **kw: Any) -> PushResult:
         return self._run(self._client.load_weights(path, version, **kw))
 

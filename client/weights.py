@@ -101,12 +101,9 @@ SHM_DIR = "/dev/shm"  # tmpfs on Linux: a file there is memory, read by a server
 _TO_ST = {name: st for st, (name, _) in _ST_DTYPES.items()}
 
 
-def write_safetensors_folder(tensors: list[TensorBytes], parent: str | Path = SHM_DIR) -> Path:
-    """A new private folder under `parent` (mode 0700) holding the tensors as one `model.safetensors`, each
-    tensor's bytes written once from its own memory. The caller removes the folder (`shutil.rmtree`)."""
-    import os
-    import tempfile
-
+def _safetensors_header(tensors: list[TensorBytes]) -> bytes:
+    """The length-prefixed safetensors header of `tensors` laid out in their order, padded so the data starts
+    8-byte aligned (as safetensors writes it)."""
     header: dict[str, Any] = {"__metadata__": {"format": "pt"}}
     offset = 0
     for t in tensors:
@@ -116,22 +113,62 @@ def write_safetensors_folder(tensors: list[TensorBytes], parent: str | Path = SH
                           "data_offsets": [offset, offset + len(t.data)]}
         offset += len(t.data)
     raw = json.dumps(header, separators=(",", ":")).encode()
-    raw += b" " * (-len(raw) % 8)  # the data starts 8-byte aligned, as safetensors writes it
+    raw += b" " * (-len(raw) % 8)
+    return struct.pack("<Q", len(raw)) + raw
+
+
+def _write_safetensors(fd: int, tensors: list[TensorBytes]) -> None:
+    """One safetensors file written to `fd` from its start, each tensor's bytes once from its own memory."""
+    import os
+
+    for view in (memoryview(_safetensors_header(tensors)), *(t.data for t in tensors)):
+        while view:
+            view = view[os.write(fd, view):]
+
+
+def write_safetensors_folder(tensors: list[TensorBytes], parent: str | Path = SHM_DIR) -> Path:
+    """A new private folder under `parent` (mode 0700) holding the tensors as one `model.safetensors`. The
+    caller removes the folder (`shutil.rmtree`)."""
+    import os
+    import shutil
+    import tempfile
+
     folder = Path(tempfile.mkdtemp(prefix="specroll-push-", dir=parent))
     try:
         fd = os.open(folder / "model.safetensors", os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
-        with os.fdopen(fd, "wb", buffering=0) as f:
-            f.write(struct.pack("<Q", len(raw)) + raw)
-            for t in tensors:
-                view = t.data
-                while view:
-                    view = view[f.write(view):]
+        try:
+            _write_safetensors(fd, tensors)
+        finally:
+            os.close(fd)
     except BaseException:
-        import shutil
-
         shutil.rmtree(folder, ignore_errors=True)
         raise
     return folder
+
+
+def write_sealed_memfd(tensors: list[TensorBytes]) -> int:
+    """An anonymous in-memory file (memfd) holding the tensors as one safetensors file, sealed against writes,
+    shrinking and growing: whoever reads it sees exactly these bytes. Linux only. The caller closes the fd (the
+    memory is freed with its last reference); the server opens it as `/proc/<pid>/fd/<fd>` (`memfd_path`)."""
+    import fcntl
+    import os
+
+    fd = os.memfd_create("specroll-push", os.MFD_CLOEXEC | os.MFD_ALLOW_SEALING)
+    try:
+        _write_safetensors(fd, tensors)
+        fcntl.fcntl(fd, fcntl.F_ADD_SEALS,
+                    fcntl.F_SEAL_WRITE | fcntl.F_SEAL_SHRINK | fcntl.F_SEAL_GROW | fcntl.F_SEAL_SEAL)
+    except BaseException:
+        os.close(fd)
+        raise
+    return fd
+
+
+def memfd_path(fd: int) -> str:
+    """The path a server on this host (in this process's PID namespace) opens the memfd `fd` of this process by."""
+    import os
+
+    return f"/proc/{os.getpid()}/fd/{fd}"
 
 
 def hash_all(tensors: list[TensorBytes], threads: int = 4, checksum: str = checksums.DEFAULT) -> None:

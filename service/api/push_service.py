@@ -19,7 +19,11 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import fcntl
 import logging
+import os
+import re
+import stat
 import threading
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterable, Iterator, Sequence
@@ -474,16 +478,32 @@ class PushService:
 
     async def load_path(self, role: str, version: str, path: str, mode: str = "wait",
                         cast: bool = False) -> PushResult:
-        """Load safetensors weights from a folder the server can read."""
+        """Load safetensors weights from a folder the server can read, or from a sealed memfd of a process on
+        this host (`/proc/<pid>/fd/<fd>`, `client.push_weights_memfd`)."""
         start = time.perf_counter()
         check_role_version(role, version)
         mode = check_mode_or_error(mode, role)
-        folder = self._allowed(path)
-        self.role_spec(role)
+        if MEMFD_PATH.fullmatch(path or ""):
+            os.close(open_sealed_memfd(path))  # refused now, not after the pushes ahead of it
+            self.role_spec(role)
+
+            def build(stop: threading.Event) -> Staged:
+                fd = open_sealed_memfd(path)  # this thread's own: open for as long as it reads
+                try:
+                    files = [("memfd", Path(f"/proc/self/fd/{fd}"))]
+                    return self._read_files(role, f"memfd {path!r}", None, files, cast, mode, stop)
+                finally:
+                    os.close(fd)
+        else:
+            folder = self._allowed(path)
+            files = self._files(folder)
+            self.role_spec(role)
+
+            def build(stop: threading.Event) -> Staged:
+                return self._read_files(role, f"folder {str(folder)!r}", folder, files, cast, mode, stop)
 
         async def work() -> PushResult:
-            staged = await self._staged(lambda stop: self._read_folder(role, folder, cast, mode, stop))
-            return await self._apply(staged, version, mode, start)
+            return await self._apply(await self._staged(build), version, mode, start)
 
         return await self._locked(role, start, work())
 
@@ -518,11 +538,11 @@ class PushService:
             resolved.append((f.name, real))
         return resolved
 
-    def _declared(self, folder: Path, files: list[tuple[str, Path]]) -> list[Declared]:
-        """Every tensor the folder's headers announce (headers checked against their files), and the index's map
+    def _declared(self, folder: Path | None, files: list[tuple[str, Path]]) -> list[Declared]:
+        """Every tensor the files' headers announce (headers checked against their files), and the index's map
         checked against them."""
         try:
-            weight_map = index_map(folder)
+            weight_map = index_map(folder) if folder is not None else None
             out = [Declared(name, dtype, shape, label) for label, real in files
                    for name, (dtype, shape) in read_header(real).items()]
         except ConfigError as exc:
@@ -538,28 +558,56 @@ class PushService:
                 raise PushError(f"the index names tensors no file holds: {absent[:8]}")
         return out
 
-    def _read_folder(self, role: str, folder: Path, cast: bool, mode: str = "wait",
-                     stop: threading.Event | None = None) -> Staged:
-        files = self._files(folder)
+    def _read_files(self, role: str, where: str, folder: Path | None, files: list[tuple[str, Path]], cast: bool,
+                    mode: str = "wait", stop: threading.Event | None = None) -> Staged:
+        """Stage the tensors of safetensors `files` (a folder's, or one memfd's: `folder` None, no index)."""
         try:
             WeightCheck(self.role_spec(role), cast).declared(self._declared(folder, files))
             if self.backend.weights_in_place:  # refused here leaves the serving weights as they are
                 self._read_checked(role, [real for _, real in files], cast)
-        except PushError as exc:
-            raise PushError(f"{role} folder {str(folder)!r}: {exc}") from exc
-        except ConfigError as exc:
-            raise PushError(f"{role} folder {str(folder)!r}: {exc}") from exc
+        except (PushError, ConfigError) as exc:
+            raise PushError(f"{role} {where}: {exc}") from exc
         into = Destinations()
         try:
             staged = self._stage(role, read_tensors([real for _, real in files], into.get), cast, into=into,
                                  mode=mode, stop=stop)
         except ConfigError as exc:  # a file changed or tore after its header was checked
-            raise PushError(f"{role} folder {str(folder)!r}: {exc}") from exc
+            raise PushError(f"{role} {where}: {exc}") from exc
         staged.nbytes = sum(real.stat().st_size for _, real in files)
         return staged
+
 
     def _read_checked(self, role: str, files: list[Path], cast: bool) -> None:
         """Before an in-place load pauses anything: every tensor of the files read and put through the one
         weight validation (shapes, dtype, finite values), so a bad file is refused with nothing written."""
         for _ in WeightCheck(self.role_spec(role), cast).stream(read_tensors(files)):
             pass
+
+MEMFD_PATH = re.compile(r"/proc/\d+/fd/\d+")
+MEMFD_SEALS = fcntl.F_SEAL_WRITE | fcntl.F_SEAL_SHRINK | fcntl.F_SEAL_GROW
+
+
+def open_sealed_memfd(path: str) -> int:
+    """The server's own fd for another process's memfd named by `path` (`/proc/<pid>/fd/<fd>`), checked: a memfd
+    (not a file or a pipe reached through /proc, which --load-root would govern) sealed against writes,
+    shrinking and growing, so the bytes cannot change while they are read. The kernel decides whether this
+    server may open it (same host, PID namespace and user, or the rights to read that process)."""
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
+    except OSError as exc:
+        raise PushError(f"memfd {path!r} cannot be opened by the server: {exc.strerror} (it must be a file of a "
+                        "live process on the server's host, in its PID namespace, readable by the server's user)"
+                        ) from exc
+    try:
+        target = os.readlink(f"/proc/self/fd/{fd}")
+        if not target.startswith("/memfd:") or not stat.S_ISREG(os.fstat(fd).st_mode):
+            raise PushError(f"{path!r} is not a memfd; a checkpoint on disk is loaded by its folder's path")
+        seals = fcntl.fcntl(fd, fcntl.F_GET_SEALS)
+        if seals & MEMFD_SEALS != MEMFD_SEALS:
+            raise PushError(f"memfd {path!r} is not sealed: seal it against writes, shrinking and growing "
+                            "(F_SEAL_WRITE | F_SEAL_SHRINK | F_SEAL_GROW) before pushing it, so its bytes cannot "
+                            "change while the server reads them")
+    except BaseException:
+        os.close(fd)
+        raise
+    return fd

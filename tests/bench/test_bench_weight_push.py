@@ -26,7 +26,7 @@ def test_quick_run_pairs_every_path_with_its_raw_limit(capsys: pytest.CaptureFix
         runs = [ours / raw for ours, raw in zip(path["gb_s"], path["raw_gb_s"], strict=True)]
         assert path["ratio_to_raw"]["runs"] == pytest.approx(runs, rel=0.02, abs=1e-3)  # written to 3 decimals
         assert path["ratio_to_raw"]["median"] == pytest.approx(statistics.median(runs), rel=0.02, abs=1e-3)
-    for name in ("grpc", "http", "disk", "shm"):
+    for name in ("grpc", "http", "disk", "shm", "memfd"):
         assert cfg["paths"][name]["swap_ms_median"] is not None  # the server reported each swap
     assert cfg["pause"]["swap_ms"] >= 0 and cfg["pause"]["max_gap_around_swap_ms"] > 0
 
