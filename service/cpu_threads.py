@@ -7,6 +7,8 @@ pushed weights, the drafter trainer) calls `one_cpu_thread()` first.
 
 `torch.set_num_threads` changes the count on other threads too, so this sets the calling thread's own counts in the
 OpenMP runtime and the MKL that torch loaded. Where neither is found it logs once and changes nothing.
+
+A push's own threads also run behind the engine's (`behind_generation`): where both want the CPUs, tokens first.
 """
 
 from __future__ import annotations
@@ -74,3 +76,19 @@ def one_cpu_thread() -> bool:
         mkl(1)
     _done.value = torch.get_num_threads() == 1
     return _done.value
+
+
+BEHIND_NICE = 10  # how far behind the engine's threads a push's own threads run (a nice value, added)
+
+
+def behind_generation() -> bool:
+    """Run the calling thread behind the engine's: its nice value raised by `BEHIND_NICE`, so decoding takes the
+    CPUs first and this thread the rest. For threads of their own only (a push's staging and layout threads):
+    an unprivileged thread cannot lower its nice value again, so a shared pool's thread would stay slow. True
+    when it took effect."""
+    tid = threading.get_native_id()
+    try:
+        os.setpriority(os.PRIO_PROCESS, tid, min(19, os.getpriority(os.PRIO_PROCESS, tid) + BEHIND_NICE))
+    except (OSError, AttributeError):  # not Linux, or refused
+        return False
+    return True

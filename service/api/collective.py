@@ -32,6 +32,7 @@ from service.api.collective_child import ChildReceiver, Part, Piece, SlotFree, j
 from service.api.push_protocol import PushResult, check_role_version
 from service.backend.base import PushError, Staged
 from service.backend.weight_check import DTYPES, Declared, WeightCheck, dtype_name
+from service.cpu_threads import behind_generation
 
 if TYPE_CHECKING:
     from service.api.push_service import PushService
@@ -374,6 +375,7 @@ class WeightGroups:
         pending = Pending(version, mode, cast, check, time.perf_counter())
 
         def stage() -> None:
+            behind_generation()
             try:
                 pending.staged = self.pushes.stage_sync("target", pending.tensors(), cast, mode=mode)
             except BaseException as exc:

@@ -16,6 +16,7 @@ the socket closes or its parent dies.
 from __future__ import annotations
 
 import collections
+import contextlib
 import datetime
 import json
 import logging
@@ -35,6 +36,8 @@ from pathlib import Path
 from typing import Any
 
 import torch
+
+from service.cpu_threads import BEHIND_NICE
 
 logger = logging.getLogger(__name__)
 
@@ -320,6 +323,8 @@ def main(argv: list[str]) -> int:
     sock = socket.socket(fileno=int(argv[0]))
     threading.Thread(target=_watch_parent, args=(os.getppid(),), daemon=True).start()
     torch.set_num_threads(1)
+    with contextlib.suppress(OSError):
+        os.nice(BEHIND_NICE)  # behind the server's engine where both want the CPUs
     slots: dict[int, torch.Tensor] = {}
     pg = None
     while True:

@@ -32,6 +32,7 @@ import torch
 import client.checksums as checksums
 from service.backend.base import ROLES, Destinations, PushError, PushUnsupported, SparseValues, WeightSpec
 from service.backend.weight_check import DTYPES, Declared, WeightCheck, dtype_name
+from service.cpu_threads import behind_generation
 from service.safetensors_io import MAX_HEADER_BYTES, CheckpointError, header_spans
 
 T = TypeVar("T")
@@ -317,6 +318,7 @@ class ChunkReceiver(Generic[T]):
 
     # -- worker side -------------------------------------------------------------------------------
     def _work(self) -> None:
+        behind_generation()  # this push's own thread
         if not self._staging.lock.acquire(blocking=False):  # an earlier push's worker still has it: never wait
             self._staging = Staging()  # on a push that may never end (its transport gone silent)
             self._staging.lock.acquire()

@@ -64,6 +64,7 @@ from service.backend.base import (
 )
 from service.backend.weight_check import Declared, WeightCheck
 from service.config import ConfigError
+from service.cpu_threads import behind_generation
 from service.safetensors_io import index_map, read_header, read_tensors, safetensors_files
 
 if TYPE_CHECKING:
@@ -347,7 +348,7 @@ class PushService:
         """`build(stop)` off the event loop. A caller that leaves sets `stop` and waits (under the role's lock)
         for the build to end: a pause not taken yet is withdrawn, what was staged goes back to the backend."""
         stop = threading.Event()
-        job = asyncio.ensure_future(asyncio.to_thread(build, stop))
+        job = _own_thread(lambda: build(stop))
         try:
             return await asyncio.shield(job)
         except asyncio.CancelledError:
@@ -582,6 +583,33 @@ class PushService:
         weight validation (shapes, dtype, finite values), so a bad file is refused with nothing written."""
         for _ in WeightCheck(self.role_spec(role), cast).stream(read_tensors(files)):
             pass
+
+def _own_thread(fn: Callable[[], Staged]) -> asyncio.Future[Staged]:
+    """`fn()` on a thread of its own, running behind the engine's (`behind_generation`), as a future of the
+    running loop: not on the loop's shared pool, whose threads would keep the lower priority."""
+    loop = asyncio.get_running_loop()
+    done: asyncio.Future[Staged] = loop.create_future()
+
+    def settle(result: Staged | None, error: BaseException | None) -> None:
+        if done.cancelled():
+            return
+        if error is not None:
+            done.set_exception(error)
+        else:
+            done.set_result(result)  # type: ignore[arg-type]
+
+    def run() -> None:
+        behind_generation()
+        result, error = None, None
+        try:
+            result = fn()
+        except BaseException as exc:  # handed to the awaiting coroutine
+            error = exc
+        with contextlib.suppress(RuntimeError):  # the loop closed meanwhile: nobody awaits it
+            loop.call_soon_threadsafe(settle, result, error)
+
+    threading.Thread(target=run, name="specroll-stage", daemon=True).start()
+    return done
 
 MEMFD_PATH = re.compile(r"/proc/\d+/fd/\d+")
 MEMFD_SEALS = fcntl.F_SEAL_WRITE | fcntl.F_SEAL_SHRINK | fcntl.F_SEAL_GROW

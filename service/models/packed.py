@@ -24,7 +24,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from service.cpu_threads import one_cpu_thread
+from service.cpu_threads import behind_generation, one_cpu_thread
 from service.models.remembered import remembered
 from service.models.timing import Timer, median_seconds
 
@@ -386,6 +386,7 @@ class LayoutPipeline:
 
     def _work(self) -> None:
         one_cpu_thread()  # torch's default would start a thread team of its own here
+        behind_generation()
         while (item := self._queue.get()) is not None:
             self._do(*item)
 

@@ -1,5 +1,6 @@
 """Threads other than the engine's keep torch to themselves (service/cpu_threads.py): no OpenMP team of their
-own, which would make every engine step slower for the rest of the process."""
+own, which would make every engine step slower for the rest of the process; a push's own threads run behind
+the engine's."""
 
 from __future__ import annotations
 
@@ -8,15 +9,17 @@ import threading
 import time
 from pathlib import Path
 
+import httpx
 import pytest
 import torch
 from helpers import make_checkpoint
+from probes import wait_for
 from service_utils import ADMIN, checkpoint_tensors, perturbed, start_server, write_checkpoint
 
 from client import SpecrollClient
 from drafter_trainer.config import TrainerConfig
 from service.buffer import BufferConfig
-from service.cpu_threads import one_cpu_thread
+from service.cpu_threads import BEHIND_NICE, behind_generation, one_cpu_thread
 
 
 @pytest.fixture(autouse=True)
@@ -129,5 +132,57 @@ def test_a_casting_push_from_the_blocking_client_gives_its_loop_thread_no_team()
             assert c.push_weights(weights, "bf16", dtype="bfloat16", cast=True).version == "bf16"
             assert runtime_threads() - before == set()
             assert c.server_info().policy_version == "bf16"
+    finally:
+        srv.stop()
+
+
+def _nice(tid: int) -> int | None:
+    try:
+        return int(Path(f"/proc/self/task/{tid}/stat").read_text().rsplit(")", 1)[1].split()[16])
+    except OSError:  # ended meanwhile
+        return None
+
+
+def test_a_thread_behind_generation_yields_and_the_others_keep_their_priority():
+    mine = _nice(threading.get_native_id())
+    got = in_thread(lambda: {"ok": behind_generation(), "nice": _nice(threading.get_native_id())})
+    assert got == {"ok": True, "nice": min(19, mine + BEHIND_NICE)}
+    assert _nice(threading.get_native_id()) == mine
+
+
+def test_every_push_path_stages_behind_the_engine_and_leaves_no_thread_behind(tmp_path):
+    """gRPC chunks, a folder load and an HTTP upload stage on threads of their own at +BEHIND_NICE, so where
+    decoding and staging both want the two CPUs decoding comes first; the engine thread and the loop's shared
+    pool (which renders chat prompts) keep the process's priority."""
+    base = make_checkpoint("qwen2", tied=False, hidden_size=256, intermediate_size=512)
+    new = perturbed(checkpoint_tensors(base), seed=5)
+    folder = write_checkpoint(base, new, tmp_path / "new")
+    srv = start_server(base, load_root=str(tmp_path), engine_kw={"drafter": "none", "spec": "off",
+                                                                "enforce_eager": True})
+    own = _nice(threading.get_native_id())
+    seen: list[int | None] = []
+    stager = srv.server.backend.stager
+    stage = stager.stage
+
+    def recorded(*args, **kw):
+        seen.append(_nice(threading.get_native_id()))
+        return stage(*args, **kw)
+
+    stager.stage = recorded
+    try:
+        with SpecrollClient(srv.grpc_target, admin_token=ADMIN) as c:
+            c.generate_one([1, 2, 3], max_tokens=4, temperature=0.0)
+            assert c.push_weights(new, "grpc").version == "grpc"
+            assert c.load_weights(str(folder), "folder").version == "folder"
+            body = (folder / "model.safetensors").read_bytes()
+            r = httpx.post(f"{srv.http_url}/weights/upload", params={"version": "http"}, content=body,
+                           headers={"authorization": f"Bearer {ADMIN}"}, timeout=60)
+            assert r.status_code == 200, r.text
+            assert seen == [min(19, own + BEHIND_NICE)] * 3
+            engine = next(t for t in threading.enumerate() if t.name == "specroll-engine")
+            assert _nice(engine.native_id) == own
+            assert len(c.generate_one([1, 2, 3], max_tokens=4, temperature=0.0).samples[0].token_ids) == 4
+        wait_for(lambda: all(_nice(t.native_id) in (own, None) for t in threading.enumerate()), timeout=10,
+                 what="every push thread ended (no pooled thread kept the lower priority)")
     finally:
         srv.stop()
