@@ -16,6 +16,8 @@ from __future__ import annotations
 import copy
 import logging
 import threading
+import time
+import weakref
 from collections.abc import Callable, Iterable
 from typing import TYPE_CHECKING
 
@@ -283,7 +285,10 @@ class WeightStager:
         self._keep(staged.role, module)
 
     def _keep(self, role: str, module: nn.Module | None) -> None:
-        if module is None or not self.reuse_buffers or module is self._serving_or_none(role):
+        if module is None or module is self._serving_or_none(role):
+            return
+        if not self.reuse_buffers:
+            _free_soon(module)
             return
         with self._lock:
             self._spare[role] = module
@@ -293,3 +298,22 @@ class WeightStager:
             return self._serving(role)
         except (PushError, PushUnsupported):
             return None
+
+
+FREE_WAIT_S = 10.0  # how long the freeing thread waits for the engine's last reference to replaced weights
+
+
+def _free_soon(module: nn.Module) -> None:
+    """Weights no spare keeps (`--weight-spare free`): once the last reference is gone (the engine thread's
+    swap returns), a thread of its own hands the freed heap back to the OS, off the engine thread. Without
+    that, glibc keeps the pages and the server stays at two copies of the model between pushes."""
+    gone = weakref.ref(module)
+    del module
+
+    def release() -> None:
+        deadline = time.monotonic() + FREE_WAIT_S
+        while gone() is not None and time.monotonic() < deadline:
+            time.sleep(0.01)
+        release_free_memory()
+
+    threading.Thread(target=release, name="specroll-free", daemon=True).start()

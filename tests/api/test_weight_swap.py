@@ -11,6 +11,7 @@ from typing import Any
 import pytest
 import torch
 from helpers import make_checkpoint
+from probes import wait_for
 from service_utils import ADMIN, checkpoint_tensors, perturbed, start_server, write_checkpoint
 
 from client import SpecrollClient
@@ -128,6 +129,35 @@ def test_without_a_spare_at_start_the_first_push_makes_its_buffer(base_dir, push
     finally:
         srv.stop()
 
+
+
+def _rss_mb() -> float:
+    return next(int(line.split()[1]) for line in Path("/proc/self/status").read_text().splitlines()
+                if line.startswith("VmRSS:")) / 1024
+
+
+@pytest.mark.skipif(not Path("/proc/self/status").is_file(), reason="reads the resident set from /proc")
+def test_free_gives_the_replaced_weights_back_to_the_os():
+    """`--weight-spare free` holds one copy between pushes: the replaced weights (and their packs) are freed and
+    the heap trimmed once the swap drops them. Without the trim, glibc kept their pages: the server grew by
+    about a model per push over its first pushes."""
+    base = make_checkpoint("qwen2", tied=False, hidden_size=1024, intermediate_size=2816, num_layers=4,
+                           vocab_size=8192, dtype=torch.bfloat16)
+    new = perturbed(checkpoint_tensors(base), seed=9)
+    model_mb = sum(t.numel() * t.element_size() for t in new.values()) / 2**20
+    srv = start_server(base, engine_kw={**EAGER, "dtype": "bfloat16", "weight_spare": "free"})
+    try:
+        with SpecrollClient(srv.grpc_target, admin_token=ADMIN) as c:
+            c.generate_one([1, 2, 3], max_tokens=4, temperature=0.0)
+            start = _rss_mb()
+            for i in range(3):
+                c.push_weights(new, f"free-{i}", mode="keep")
+            wait_for(lambda: _rss_mb() < start + model_mb / 2, timeout=20,
+                     what=f"the resident set back within half a model ({model_mb:.0f} MB) of {start:.0f} MB",
+                     detail=lambda: f"{_rss_mb():.0f} MB")
+            assert srv.server.backend.stager.spare("target") is None
+    finally:
+        srv.stop()
 
 def test_the_weight_spare_setting_is_checked():
     with pytest.raises(ConfigError, match="weight_spare must be one of start, on-demand, free"):
