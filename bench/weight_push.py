@@ -6,10 +6,10 @@ paired with its raw limit on the same bytes (the order alternates): gRPC `PushWe
 vs a bare grpc.aio stream; HTTP `/weights/upload` vs a bare uvicorn body; `/update_weights_from_disk` (file in
 the page cache) vs memcpy; `push_weights_shm` (the client writes a safetensors file into /dev/shm, the
 server loads it, the file is removed: two copies in all) vs memcpy; `push_weights_memfd` (the same through a
-sealed memfd) vs memcpy; the collective path (client.weights
-`WeightGroup`) vs a bare gloo broadcast. Then one gRPC push (mode keep) while greedy streams generate: the swap
-hold (server-measured) and the largest token gap around it. Prints one JSON line (GB/s per round, median ratios
-to each raw limit, swap holds, loadavg) and writes a PNG to `--png` when matplotlib is there.
+sealed memfd) vs memcpy; the collective path (client.weights `WeightGroup`) vs a bare gloo broadcast. Then one
+gRPC push (mode keep) while greedy streams generate: the swap hold (server-measured), the push's time, and the
+token gaps around the swap and during the push against those before it. Prints one JSON line (GB/s per round,
+median ratios to each raw limit, swap holds, loadavg) and writes a PNG to `--png` when matplotlib is there.
 
     python -m bench.weight_push [--sizes-mb 256 1024] [--dtypes bfloat16 float32] [--rounds 3] [--png out.png]
 """
@@ -323,9 +323,15 @@ async def pause_round(client: AsyncSpecrollClient, weights: dict[str, torch.Tens
     await asyncio.gather(*tasks, return_exceptions=True)
     gaps_before = [b - a for ts in requests for a, b in itertools.pairwise(ts) if b < t0]
     around = [b - a for ts in requests for a, b in itertools.pairwise(ts) if b >= t1 - 0.05 and a <= t1 + 0.05]
-    return {"swap_ms": round(result.swap_seconds * 1e3, 3),
-            "median_gap_ms": round(statistics.median(gaps_before) * 1e3, 2) if gaps_before else float("nan"),
-            "max_gap_around_swap_ms": round(max(around, default=0.0) * 1e3, 2)}
+    during = [b - a for ts in requests for a, b in itertools.pairwise(ts) if b > t0 and a < t1]  # overlap the push
+
+    def ms(gaps: list[float], of: Callable[[list[float]], float]) -> float:
+        return round(of(gaps) * 1e3, 2) if gaps else float("nan")
+
+    return {"swap_ms": round(result.swap_seconds * 1e3, 3), "push_s": round(t1 - t0, 3),
+            "median_gap_ms": ms(gaps_before, statistics.median),
+            "max_gap_around_swap_ms": round(max(around, default=0.0) * 1e3, 2),
+            "median_gap_during_push_ms": ms(during, statistics.median), "max_gap_during_push_ms": ms(during, max)}
 
 
 def run_config(size_mb: int, dtype: str, rounds: int, streams: int, paths: tuple[str, ...]) -> dict[str, Any]:
