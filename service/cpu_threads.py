@@ -78,7 +78,7 @@ def one_cpu_thread() -> bool:
     return _done.value
 
 
-BEHIND_NICE = 10  # how far behind the engine's threads a push's own threads run (a nice value, added)
+BEHIND_NICE = 4  # how far behind the engine's threads a push's own threads run (a nice value, added)
 
 
 def behind_generation() -> bool:
