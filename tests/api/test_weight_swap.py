@@ -141,7 +141,7 @@ def test_free_gives_the_replaced_weights_back_to_the_os():
     """`--weight-spare free` holds one copy between pushes: the replaced weights (and their packs) are freed and
     the heap trimmed once the swap drops them. Without the trim, glibc kept their pages: the server grew by
     about a model per push over its first pushes."""
-    base = make_checkpoint("qwen2", tied=False, hidden_size=1024, intermediate_size=2816, num_layers=4,
+    base = make_checkpoint("qwen2", tied=False, hidden_size=1024, intermediate_size=2816, num_layers=8,
                            vocab_size=8192, dtype=torch.bfloat16)
     new = perturbed(checkpoint_tensors(base), seed=9)
     model_mb = sum(t.numel() * t.element_size() for t in new.values()) / 2**20
@@ -152,8 +152,10 @@ def test_free_gives_the_replaced_weights_back_to_the_os():
             start = _rss_mb()
             for i in range(3):
                 c.push_weights(new, f"free-{i}", mode="keep")
-            wait_for(lambda: _rss_mb() < start + model_mb / 2, timeout=20,
-                     what=f"the resident set back within half a model ({model_mb:.0f} MB) of {start:.0f} MB",
+            # kept, the replaced copies (weights and packs) grow it by more than a model over these pushes; the rest
+            # of the process (other modules' servers gone before) moves it by tens of MB
+            wait_for(lambda: _rss_mb() < start + model_mb, timeout=20,
+                     what=f"the resident set back within a model ({model_mb:.0f} MB) of {start:.0f} MB",
                      detail=lambda: f"{_rss_mb():.0f} MB")
             assert srv.server.backend.stager.spare("target") is None
     finally:
