@@ -577,12 +577,12 @@ class PushService:
         staged.nbytes = sum(real.stat().st_size for _, real in files)
         return staged
 
-
     def _read_checked(self, role: str, files: list[Path], cast: bool) -> None:
         """Before an in-place load pauses anything: every tensor of the files read and put through the one
         weight validation (shapes, dtype, finite values), so a bad file is refused with nothing written."""
         for _ in WeightCheck(self.role_spec(role), cast).stream(read_tensors(files)):
             pass
+
 
 def _own_thread(fn: Callable[[], Staged]) -> asyncio.Future[Staged]:
     """`fn()` on a thread of its own, running behind the engine's (`behind_generation`), as a future of the
@@ -610,6 +610,7 @@ def _own_thread(fn: Callable[[], Staged]) -> asyncio.Future[Staged]:
 
     threading.Thread(target=run, name="specroll-stage", daemon=True).start()
     return done
+
 
 MEMFD_PATH = re.compile(r"/proc/\d+/fd/\d+")
 MEMFD_SEALS = fcntl.F_SEAL_WRITE | fcntl.F_SEAL_SHRINK | fcntl.F_SEAL_GROW
