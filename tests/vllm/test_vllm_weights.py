@@ -37,13 +37,17 @@ def greedy(c: SpecrollClient, n: int = 10) -> list[list[int]]:
     return [d.samples[0].token_ids for d in c.generate(PROMPTS, max_tokens=n, temperature=0.0, ignore_eos=True)]
 
 
-def test_push_switches_outputs_and_versions(server, vllm_model, tmp_path):
+@pytest.mark.parametrize("path", ["grpc", "memfd"])
+def test_push_switches_outputs_and_versions(server, vllm_model, tmp_path, path):
+    """Over gRPC chunks, and through a sealed memfd on the same host (checked and read like a folder)."""
+    if path == "memfd" and not hasattr(os, "memfd_create"):
+        pytest.skip("memfd is Linux only")
     srv, records = server
     base = checkpoint_tensors(vllm_model)
     new = perturbed(base, seed=1)
     with SpecrollClient(srv.grpc_target, admin_token=ADMIN) as c:
         before = greedy(c)
-        res = c.push_weights(new, "v1")
+        res = c.push_weights(new, "v1") if path == "grpc" else c.push_weights_memfd(new, "v1")
         assert res.version == "v1" and c.server_info().policy_version == "v1"
         after = greedy(c)
         assert after != before
@@ -56,21 +60,6 @@ def test_push_switches_outputs_and_versions(server, vllm_model, tmp_path):
         assert greedy(c) == before
 
 
-
-@pytest.mark.skipif(not hasattr(os, "memfd_create"), reason="memfd is Linux only")
-def test_a_memfd_push_serves_the_pushed_weights(server, vllm_model, tmp_path):
-    """The same-host memfd path (`push_weights_memfd`) into vLLM: checked and read like a folder, then loaded."""
-    srv, _ = server
-    base = checkpoint_tensors(vllm_model)
-    new = perturbed(base, seed=2)
-    with SpecrollClient(srv.grpc_target, admin_token=ADMIN) as c:
-        before = greedy(c)
-        assert c.push_weights_memfd(new, "memfd-1").version == "memfd-1"
-        assert c.server_info().policy_version == "memfd-1"
-        ref = hf_of(write_checkpoint(vllm_model, new, tmp_path / "memfd-1"))
-        assert greedy(c) == [hf_greedy(ref, p, 10) for p in PROMPTS]
-        c.push_weights(base, "memfd-back")  # the original weights for the other tests
-        assert greedy(c) == before
 
 def test_refused_pushes_leave_the_old_weights_serving(server, vllm_model):
     srv, _ = server
