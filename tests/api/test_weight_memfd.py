@@ -72,13 +72,14 @@ def test_a_memfd_push_loads_into_the_spare_and_leaves_nothing_behind(server, bas
 
 
 def test_sglangs_update_from_disk_takes_a_memfd_path(server, base_dir, tmp_path):
-    """SGLang's payload (sgl-project/sglang python/sglang/srt/managers/io_struct.py, UpdateWeightFromDiskReqInput:
-    model_path, load_format, abort_all_requests, weight_version) naming a memfd instead of a folder."""
+    """AReaL's payload for SGLang's route (inclusionAI/AReaL 4aef98d8d818af55b43621aaadba047ae10f4e77,
+    areal/engine/sglang_remote.py: model_path, abort_all_requests, as tests/api/test_dropin_sglang.py sends it)
+    naming a memfd instead of a folder; `weight_version` names the version to check."""
     new = perturbed(checkpoint_tensors(base_dir), seed=72)
     fd = _memfd(new, fcntl.F_SEAL_WRITE | fcntl.F_SEAL_SHRINK | fcntl.F_SEAL_GROW)
     try:
         r = httpx.post(f"{server.http_url}/update_weights_from_disk", headers={"authorization": f"Bearer {ADMIN}"},
-                       json={"model_path": wt.memfd_path(fd), "load_format": None, "abort_all_requests": False,
+                       json={"model_path": wt.memfd_path(fd), "abort_all_requests": True,
                              "weight_version": "memfd-http"}, timeout=120)
     finally:
         os.close(fd)
