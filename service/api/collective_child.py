@@ -16,7 +16,6 @@ the socket closes or its parent dies.
 from __future__ import annotations
 
 import collections
-import contextlib
 import datetime
 import json
 import logging
@@ -37,7 +36,7 @@ from typing import Any
 
 import torch
 
-from service.cpu_threads import BEHIND_NICE
+from service.cpu_threads import behind_generation
 
 logger = logging.getLogger(__name__)
 
@@ -323,8 +322,7 @@ def main(argv: list[str]) -> int:
     sock = socket.socket(fileno=int(argv[0]))
     threading.Thread(target=_watch_parent, args=(os.getppid(),), daemon=True).start()
     torch.set_num_threads(1)
-    with contextlib.suppress(OSError):
-        os.nice(BEHIND_NICE)  # behind the server's engine where both want the CPUs
+    behind_generation()  # before joining: gloo's threads inherit it
     slots: dict[int, torch.Tensor] = {}
     pg = None
     while True:

@@ -16,7 +16,6 @@ from __future__ import annotations
 import copy
 import logging
 import threading
-import time
 import weakref
 from collections.abc import Callable, Iterable
 from typing import TYPE_CHECKING
@@ -300,20 +299,9 @@ class WeightStager:
             return None
 
 
-FREE_WAIT_S = 10.0  # how long the freeing thread waits for the engine's last reference to replaced weights
-
-
 def _free_soon(module: nn.Module) -> None:
-    """Weights no spare keeps (`--weight-spare free`): once the last reference is gone (the engine thread's
-    swap returns), a thread of its own hands the freed heap back to the OS, off the engine thread. Without
-    that, glibc keeps the pages and the server stays at two copies of the model between pushes."""
-    gone = weakref.ref(module)
-    del module
-
-    def release() -> None:
-        deadline = time.monotonic() + FREE_WAIT_S
-        while gone() is not None and time.monotonic() < deadline:
-            time.sleep(0.01)
-        release_free_memory()
-
-    threading.Thread(target=release, name="specroll-free", daemon=True).start()
+    """Weights no spare keeps (`--weight-spare free`): when the last reference goes (the engine thread's swap
+    returns), a thread of its own hands the freed heap back to the OS, off the engine thread. Without that,
+    glibc keeps the pages and the server stays at two copies of the model between pushes."""
+    weakref.finalize(module, lambda: threading.Thread(target=release_free_memory, name="specroll-free",
+                                                      daemon=True).start())
