@@ -9,6 +9,8 @@ pushed weights, the drafter trainer) calls `one_cpu_thread()` first.
 OpenMP runtime and the MKL that torch loaded. Where neither is found it logs once and changes nothing.
 
 A push's own threads also run behind the engine's (`behind_generation`): where both want the CPUs, tokens first.
+While they work, an eager engine's team leaves them their CPUs (`EngineTeam`): a team member that shares a CPU with
+a push thread holds the whole team back at every op (a step beside one ran 3x slower on two threads than on one).
 """
 
 from __future__ import annotations
@@ -18,6 +20,8 @@ import logging
 import os
 import re
 import threading
+from collections.abc import Iterator
+from contextlib import contextmanager
 from functools import cache
 from pathlib import Path
 
@@ -79,16 +83,68 @@ def one_cpu_thread() -> bool:
 
 
 BEHIND_NICE = 4  # how far behind the engine's threads a push's own threads run (a nice value, added)
+_taken = [0]  # CPUs this process's push threads hold now (`behind_generation`): the CPUs are the process's
+_taken_lock = threading.Lock()
 
 
-def behind_generation() -> bool:
-    """Run the calling thread behind the engine's: its nice value raised by `BEHIND_NICE`, so decoding takes the
-    CPUs first and this thread the rest. For threads of their own only (a push's staging and layout threads):
-    an unprivileged thread cannot lower its nice value again, so a shared pool's thread would stay slow. True
-    when it took effect."""
+def raise_nice() -> bool:
+    """The calling thread's nice value raised by `BEHIND_NICE` (for good: an unprivileged thread cannot lower it
+    again). True when it took effect."""
     tid = threading.get_native_id()
     try:
         os.setpriority(os.PRIO_PROCESS, tid, min(19, os.getpriority(os.PRIO_PROCESS, tid) + BEHIND_NICE))
     except (OSError, AttributeError):  # not Linux, or refused
         return False
     return True
+
+
+@contextmanager
+def behind_generation(cpus: int = 1) -> Iterator[bool]:
+    """Run the calling thread behind the engine's (`raise_nice`), so decoding takes the CPUs first, and count
+    `cpus` CPUs as a push's until the block ends, which the engine's team leaves it (`EngineTeam`). For threads
+    of their own only (a push's staging and layout threads): a shared pool's thread would stay slow. Yields
+    whether the raise took effect."""
+    raised = raise_nice()
+    with _taken_lock:
+        _taken[0] += cpus
+    try:
+        yield raised
+    finally:
+        with _taken_lock:
+            _taken[0] -= cpus
+
+
+def push_cpus() -> int:
+    """CPUs this process's push threads hold now."""
+    return _taken[0]
+
+
+class EngineTeam:
+    """The engine thread's OpenMP team, fitted before each step to the CPUs no push thread holds: its torch
+    thread count at the first `fit` while no push runs, one fewer per CPU a push holds, never below one. Compiled
+    forwards keep the whole team: inductor builds its loops for the thread count it compiled at, and dynamo
+    guards that count, so a change would compile every variant again on the engine thread. Only the engine
+    thread calls `fit` (the counts are the calling thread's)."""
+
+    __slots__ = ("_cpus", "_full", "_now")
+
+    def __init__(self) -> None:
+        self._cpus = usable_cpus()
+        self._full: int | None = None
+        self._now = 0
+
+    def fit(self, compiled: bool = False) -> int:
+        """Size the calling thread's team for this step, whose forwards run `compiled` or eagerly; returns its
+        thread count."""
+        if self._full is None:
+            self._full = self._now = torch.get_num_threads()  # also torch's per-thread set-up, done first
+        want = self._full if compiled else max(1, min(self._full, self._cpus - _taken[0]))
+        if want != self._now:
+            omp, mkl = _setters()
+            if omp is None:
+                return self._now
+            omp(want)
+            if mkl is not None:
+                mkl(want)
+            self._now = want
+        return self._now

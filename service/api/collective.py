@@ -375,9 +375,9 @@ class WeightGroups:
         pending = Pending(version, mode, cast, check, time.perf_counter())
 
         def stage() -> None:
-            behind_generation()
             try:
-                pending.staged = self.pushes.stage_sync("target", pending.tensors(), cast, mode=mode)
+                with behind_generation(cpus=2):  # this thread and the child receiving the broadcast
+                    pending.staged = self.pushes.stage_sync("target", pending.tensors(), cast, mode=mode)
             except BaseException as exc:
                 pending.error = exc
             finally:

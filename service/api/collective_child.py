@@ -36,7 +36,7 @@ from typing import Any
 
 import torch
 
-from service.cpu_threads import behind_generation
+from service.cpu_threads import raise_nice
 
 logger = logging.getLogger(__name__)
 
@@ -322,7 +322,7 @@ def main(argv: list[str]) -> int:
     sock = socket.socket(fileno=int(argv[0]))
     threading.Thread(target=_watch_parent, args=(os.getppid(),), daemon=True).start()
     torch.set_num_threads(1)
-    behind_generation()  # before joining: gloo's threads inherit it
+    raise_nice()  # before joining: gloo's threads inherit it (the parent counts this process's CPU)
     slots: dict[int, torch.Tensor] = {}
     pg = None
     while True:

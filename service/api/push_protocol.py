@@ -318,14 +318,14 @@ class ChunkReceiver(Generic[T]):
 
     # -- worker side -------------------------------------------------------------------------------
     def _work(self) -> None:
-        behind_generation()  # this push's own thread
-        if not self._staging.lock.acquire(blocking=False):  # an earlier push's worker still has it: never wait
-            self._staging = Staging()  # on a push that may never end (its transport gone silent)
-            self._staging.lock.acquire()
-        try:
-            self._run()
-        finally:
-            self._staging.lock.release()
+        with behind_generation():  # this push's own thread
+            if not self._staging.lock.acquire(blocking=False):  # an earlier push's worker still has it: never
+                self._staging = Staging()  # wait on a push that may never end (its transport gone silent)
+                self._staging.lock.acquire()
+            try:
+                self._run()
+            finally:
+                self._staging.lock.release()
 
     def _run(self) -> None:
         try:

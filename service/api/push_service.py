@@ -599,10 +599,10 @@ def _own_thread(fn: Callable[[], Staged]) -> asyncio.Future[Staged]:
             done.set_result(result)  # type: ignore[arg-type]
 
     def run() -> None:
-        behind_generation()
         result, error = None, None
         try:
-            result = fn()
+            with behind_generation():
+                result = fn()
         except BaseException as exc:  # handed to the awaiting coroutine
             error = exc
         with contextlib.suppress(RuntimeError):  # the loop closed meanwhile: nobody awaits it

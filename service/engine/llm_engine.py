@@ -18,6 +18,7 @@ from tqdm import tqdm
 
 from service.backend.base import StatsSnapshot
 from service.config import ConfigError, EngineConfig, ModelConfig
+from service.cpu_threads import EngineTeam
 from service.drafter_spec import DrafterItem, DrafterSpec
 from service.engine.background_compile import BackgroundCompile
 from service.engine.cached_model import CachedModel
@@ -146,6 +147,7 @@ class LLMEngine:
                                                            config.seed)
         self._last_step_end: float | None = None
         self._between_steps = Ewma()
+        self._team = EngineTeam() if self.device.type == "cpu" else None  # leaves a push's threads their CPUs
         self.runner.drafters = list(self.drafters.values())
         self.driver = StrategyDriver.configured(config.spec, config.spec_k, config.seed, self.drafters,
                                                 self.runner.target)
@@ -262,6 +264,8 @@ class LLMEngine:
             # paid once per step, so it is part of what a step costs when strategies are compared.
             self._between_steps.update(start - self._last_step_end, 0.1)
         self.take_compiled()
+        if self._team is not None:
+            self._team.fit(compiled=any(c.compiled is not None for c in self.runner.cached_models()))
         return start
 
     def _plan(self, batch: SchedulerOutput) -> StepPlan:

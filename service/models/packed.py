@@ -386,9 +386,9 @@ class LayoutPipeline:
 
     def _work(self) -> None:
         one_cpu_thread()  # torch's default would start a thread team of its own here
-        behind_generation()
-        while (item := self._queue.get()) is not None:
-            self._do(*item)
+        with behind_generation():
+            while (item := self._queue.get()) is not None:
+                self._do(*item)
 
     def _drain(self) -> None:
         try:

@@ -7,6 +7,8 @@ from __future__ import annotations
 import os
 import threading
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 import httpx
@@ -19,7 +21,7 @@ from service_utils import ADMIN, checkpoint_tensors, perturbed, start_server, wr
 from client import SpecrollClient
 from drafter_trainer.config import TrainerConfig
 from service.buffer import BufferConfig
-from service.cpu_threads import BEHIND_NICE, behind_generation, one_cpu_thread
+from service.cpu_threads import BEHIND_NICE, EngineTeam, behind_generation, one_cpu_thread, push_cpus, usable_cpus
 
 
 @pytest.fixture(autouse=True)
@@ -145,9 +147,124 @@ def _nice(tid: int) -> int | None:
 
 def test_a_thread_behind_generation_yields_and_the_others_keep_their_priority():
     mine = _nice(threading.get_native_id())
-    got = in_thread(lambda: {"ok": behind_generation(), "nice": _nice(threading.get_native_id())})
-    assert got == {"ok": True, "nice": min(19, mine + BEHIND_NICE)}
+
+    def behind() -> dict:
+        with behind_generation(cpus=2) as ok:
+            return {"ok": ok, "nice": _nice(threading.get_native_id()), "held": push_cpus()}
+
+    assert in_thread(behind) == {"ok": True, "nice": min(19, mine + BEHIND_NICE), "held": 2}
     assert _nice(threading.get_native_id()) == mine
+    assert push_cpus() == 0  # given back when the block ends
+
+
+TWO_CPUS = pytest.mark.skipif(usable_cpus() < 2, reason="needs two usable CPUs: a team of one leaves a push nothing")
+
+
+@contextmanager
+def a_push_holding_a_cpu() -> Iterator[None]:
+    """A thread inside `behind_generation` (as a push's staging thread is) until the block ends."""
+    holding, release = threading.Event(), threading.Event()
+
+    def push() -> None:
+        with behind_generation():
+            holding.set()
+            release.wait(60)
+
+    pusher = threading.Thread(target=push)
+    pusher.start()
+    holding.wait(30)
+    try:
+        yield
+    finally:
+        release.set()
+        pusher.join()
+
+
+@TWO_CPUS
+def test_the_engine_team_leaves_a_push_thread_its_cpu_until_the_push_ends():
+    """A team member sharing a CPU with a push thread holds the whole team back at every parallel op: the
+    engine's team runs one thread fewer per CPU a push holds, and its full count again once the push ends."""
+    def engine() -> dict:
+        team = EngineTeam()
+        before = (team.fit(), torch.get_num_threads())
+        with a_push_holding_a_cpu():
+            during = (team.fit(), torch.get_num_threads(), in_thread(lambda: {"n": torch.get_num_threads()})["n"])
+        return {"before": before, "during": during, "after": (team.fit(), torch.get_num_threads())}
+
+    # during: the engine thread's own count shrinks; a thread started meanwhile keeps torch's count
+    assert in_thread(engine) == {"before": (2, 2), "during": (1, 1, 2), "after": (2, 2)}
+    assert torch.get_num_threads() == 2
+
+
+@TWO_CPUS
+def test_compiled_forwards_keep_the_whole_team_beside_a_push_and_compile_nothing_again():
+    """Dynamo guards the thread count a forward compiled at: a compiled engine keeps its team while a push holds
+    a CPU, so a push compiles no variant again on the engine thread."""
+    from service.config import EngineConfig
+    from service.engine import compiled
+    from service.engine.llm_engine import LLMEngine
+    from service.params import SamplingParams
+
+    if not compiled.available():
+        pytest.skip("no C++ compiler: nothing compiles here")
+    base = make_checkpoint("qwen2", tied=False, hidden_size=64, intermediate_size=128)
+    greedy = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
+    def serve() -> dict:
+        engine = LLMEngine(EngineConfig(model=str(base), max_model_len=64, max_num_seqs=4, drafter="none",
+                                        spec="off"))
+        assert engine.runner.target.compiled is not None
+        alone = engine.generate([[1, 2, 3], [4, 5]], greedy)
+        start = compiled.compiles()
+        with a_push_holding_a_cpu():
+            beside = engine.generate([[1, 2, 3], [4, 5]], greedy)
+            team = engine._team._now
+        return {"compiled again": compiled.compiles() - start, "team": team,
+                "same tokens": [o.outputs[0].token_ids for o in alone] == [o.outputs[0].token_ids for o in beside]}
+
+    assert in_thread(serve) == {"compiled again": 0, "team": 2, "same tokens": True}
+
+
+@TWO_CPUS
+def test_the_serving_engine_runs_one_thread_fewer_while_a_push_stages_and_all_of_them_after(tmp_path):
+    """End to end: while a pushed folder stages on its own thread, the steps of a rollout being decoded run on a
+    team of one; the steps after the swap run on the full team again, and the rollout is whole."""
+    base = make_checkpoint("qwen2", tied=False, hidden_size=256, intermediate_size=512)
+    folder = write_checkpoint(base, perturbed(checkpoint_tensors(base), seed=5), tmp_path / "new")
+    srv = start_server(base, load_root=str(tmp_path), engine_kw={"drafter": "none", "spec": "off",
+                                                                "enforce_eager": True, "num_threads": 2})
+    team = srv.server.backend.loop.engine._team
+    stager = srv.server.backend.stager
+    stage, seen = stager.stage, {}
+
+    def recorded(*args, **kw):
+        wait_for(lambda: team._now == 1, timeout=30, what="a step on a team of one")
+        seen["during"] = team._now
+        return stage(*args, **kw)
+
+    stager.stage = recorded
+    stop = threading.Event()
+    lengths: list[int] = []
+
+    def decode() -> None:
+        with SpecrollClient(srv.grpc_target) as g:
+            while not stop.is_set():
+                out = g.generate([[1, 2, 3 + i] for i in range(4)], max_tokens=64, temperature=0.0, ignore_eos=True)
+                lengths.extend(len(r.samples[0].token_ids) for r in out)
+
+    decoder = threading.Thread(target=decode)
+    try:
+        with SpecrollClient(srv.grpc_target, admin_token=ADMIN) as c:
+            c.generate_one([1, 2, 3], max_tokens=4, temperature=0.0)
+            assert team._now == 2
+            decoder.start()
+            assert c.load_weights(str(folder), "folder").version == "folder"
+            assert seen == {"during": 1}
+            wait_for(lambda: team._now == 2, timeout=30, what="the full team back after the swap")
+    finally:
+        stop.set()
+        decoder.join(60)
+        srv.stop()
+    assert lengths and set(lengths) == {64}
 
 
 def test_every_push_path_stages_behind_the_engine_and_leaves_no_thread_behind(tmp_path):
