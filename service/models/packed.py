@@ -3,8 +3,9 @@
 Two kernels can run a linear layer on CPU: `F.linear`, and oneDNN's matmul on a weight prepacked once. Which is
 faster depends on the CPU and on the product's rows, by up to 2x. So the first time a model layout is packed in a
 process, `calibrate` times both on that model's own layers for one row count per class (1 | 2-48 | 49-256 |
-more), and each class runs the faster one from then on (`Linear.packed_for`). Float32 weights are stored transposed
-plus a packed copy while they fit `FLOAT32_COPY_BYTES`; bf16 weights keep their layout. The kernels accumulate in
+more), and each class runs the faster one from then on (`Linear.packed_for`). Float32 weights get a packed copy while
+they fit `FLOAT32_COPY_BYTES`, and are stored transposed wherever `F.linear` still serves small products
+(`stored_transposed`); bf16 weights keep their layout. The kernels accumulate in
 other orders, so results are not bit-identical (logprobs agree within 1e-5); drafting and verification read one
 consistent distribution. docs/design-notes.md has the figures. Each layer remembers which state of its weight
 (storage and version counter) it was laid out for, so `ensure_packed` on a model already prepared (a pushed one,
@@ -141,6 +142,24 @@ def calibrate(layers: Sequence[Linear], timer: Timer = median_seconds) -> tuple[
     return tuple(choice)
 
 
+def stored_transposed(packed_for: tuple[bool, ...] | None) -> bool:
+    """Whether a float32 weight is stored transposed (an [in, out] buffer seen as [out, in]), given the row classes
+    its packed copy serves (None: no copy): wherever `F.linear` serves products of up to `ROW_CLASSES[-1]` rows,
+    whose kernels run faster from that layout. Where the copy serves all of those, `F.linear` runs only the largest
+    products, as fast from rows (docs/design-notes.md), and a weight stored as it is pushed is written there
+    directly and packed from there: no transposing copy, no row-major copy to pack from."""
+    return packed_for is None or not all(packed_for[: len(ROW_CLASSES)])
+
+
+def _store(m: Linear, transposed: bool) -> None:
+    """Put a float32 weight's storage in the layout `stored_transposed` chose (a copy only where it changes)."""
+    w = m.weight.detach()
+    if transposed and not w.t().is_contiguous():
+        m.weight.data = w.t().contiguous().t()  # [out, in] view of an [in, out] buffer
+    elif not transposed and not w.is_contiguous():
+        m.weight.data = w.contiguous()
+
+
 def _pack(m: Linear, rows: torch.Tensor | None = None) -> None:
     """oneDNN's packed copy of `m`'s weight (`rows`: the same values in row-major order, which packs fastest). A
     float32 weight laid out transposed is otherwise packed from that layout directly: oneDNN reads the strides
@@ -173,6 +192,8 @@ def _choose(layers: list[Linear], timer: Timer | None) -> tuple[bool, ...]:
 
         def timed() -> tuple[bool, ...]:
             for m in sample:
+                if m.weight.dtype == torch.float32:
+                    _store(m, True)  # F.linear timed in its fastest layout
                 _pack(m)
             return calibrate(sample, timer or median_seconds)
 
@@ -234,11 +255,22 @@ def pack_linears(model: nn.Module, timer: Timer | None = None) -> int:
             m.packed = None  # of weights since replaced
     cpu = [m for m in layers if m.weight.device.type == "cpu"]
     fp32 = [m for m in cpu if m.weight.dtype == torch.float32]
+    plan: dict[int, tuple[bool, ...]] = {}
+    count = 0
     with torch.no_grad():
+        for group in _groups(cpu, fp32):
+            plan.update(dict.fromkeys(map(id, group), _choose(group, timer)))
         for m in fp32:
-            if not m.weight.t().is_contiguous():
-                m.weight.data = m.weight.detach().t().contiguous().t()  # [out, in] view of an [in, out] buffer
-    count = _pack_groups(cpu, fp32, timer)
+            _store(m, stored_transposed(plan.get(id(m))))
+        for m in cpu:
+            packed_for = plan.get(id(m))
+            if packed_for is None or not any(packed_for):
+                m.packed = None  # not packed, or only the timed layers were: never used
+                continue
+            if m.packed is None:
+                _pack(m)
+            m.packed_for = packed_for
+            count += 1
     for m in layers:
         m.laid_out_for = _weight_state(m)
     logger.debug("laid out %d linear layers, %d with a packed copy", len(layers), count)
@@ -259,29 +291,12 @@ def _groups(cpu: list[Linear], fp32: list[Linear]) -> list[list[Linear]]:
     return groups
 
 
-def _pack_groups(cpu: list[Linear], fp32: list[Linear], timer: Timer | None) -> int:
-    count = 0
-    with torch.no_grad():
-        for group in _groups(cpu, fp32):
-            packed_for = _choose(group, timer)
-            if not any(packed_for):
-                for m in group:
-                    m.packed = None  # the timed layers' packs, never used
-                continue
-            for m in group:
-                if m.packed is None:
-                    _pack(m)
-                m.packed_for = packed_for
-            count += len(group)
-    return count
-
-
 def _lay_out(m: Linear, packed_for: tuple[bool, ...] | None, rows: torch.Tensor | None = None) -> None:
     """What `pack_linears` does to one layer whose group's choice is `packed_for` (None: the group is not
     packed); `rows`: its weight's values in row-major order, to pack from."""
     with torch.no_grad():
-        if m.weight.dtype == torch.float32 and not m.weight.t().is_contiguous():
-            m.weight.data = m.weight.detach().t().contiguous().t()
+        if m.weight.dtype == torch.float32:
+            _store(m, stored_transposed(packed_for))
         if packed_for is not None and any(packed_for):
             _pack(m, rows)
             m.packed_for = packed_for

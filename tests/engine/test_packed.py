@@ -1,7 +1,7 @@
 """Linear weights laid out for the CPU (service/models/packed.py) change speed, not results. bf16: packed
 layers equal plain ones bit for bit, autograd never sees them, a swapped model is packed anew, and an engine
 serving packed weights returns exactly the tokens and logprobs of one that does not (greedy and sampled, with
-SD). float32: weights stored transposed give the same products within float32 rounding; every float32
+SD). float32: weights stored transposed or as pushed give the same products within float32 rounding; every float32
 exactness test of the engine runs on that layout."""
 
 from __future__ import annotations
@@ -128,22 +128,31 @@ def test_compiled_one_row_forwards_call_the_plain_kernel_directly(packed_classes
             assert opaque != direct, (shape, packed_classes)
 
 
-def test_float32_weights_are_stored_transposed_and_give_the_same_products():
+def test_float32_weights_are_stored_for_their_kernels_and_give_the_same_products():
+    """Transposed where F.linear serves small products (its kernels' fast layout), as pushed where the packed copy
+    serves every class but the largest; the layout follows the choice each time it is made again."""
     torch.manual_seed(0)
     layer = Linear(64, 128)
     xs = [torch.randn(rows, 64) for rows in (1, 2, 5, 48, 49, 300)]
     want = [layer(x).detach() for x in xs]
+
+    def same_products() -> None:
+        with torch.inference_mode():
+            for x, w in zip(xs, want, strict=True):
+                torch.testing.assert_close(layer(x), w, rtol=1e-5, atol=1e-6)
+
     pack_linears(layer)  # the real calibration, whatever it chooses on this machine
-    assert layer.weight.shape == (128, 64) and layer.weight.t().is_contiguous()
-    with torch.inference_mode():
-        for x, w in zip(xs, want, strict=True):
-            torch.testing.assert_close(layer(x), w, rtol=1e-5, atol=1e-6)
-    packed._chosen.clear()
-    pack_linears(layer, packed_wins(0, 1, 2, 3))  # again: the layout stays, the pack is rebuilt
-    assert layer.weight.t().is_contiguous() and (layer.packed is not None) == packed.onednn_available()
-    with torch.inference_mode():
-        for x, w in zip(xs, want, strict=True):
-            torch.testing.assert_close(layer(x), w, rtol=1e-5, atol=1e-6)
+    chosen = layer.packed_for if layer.packed is not None else None
+    assert layer.weight.shape == (128, 64)
+    assert layer.weight.t().is_contiguous() == packed.stored_transposed(chosen)
+    same_products()
+    for wins, transposed in (((0, 1, 2), False), ((3,), True), ((0, 1, 2, 3), False)):
+        packed._chosen.clear()
+        pack_linears(layer, packed_wins(*wins))  # the layout follows the new choice, the pack is rebuilt
+        transposed = transposed or not packed.onednn_available()  # nothing packed: F.linear serves every class
+        assert layer.weight.t().is_contiguous() == transposed and layer.weight.is_contiguous() != transposed, wins
+        assert (layer.packed is not None) == packed.onednn_available()
+        same_products()
 
 
 @needs_bf16
