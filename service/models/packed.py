@@ -334,8 +334,8 @@ class LayoutPipeline:
         self._queue: queue.SimpleQueue[tuple[Linear, torch.Tensor | None] | None] = queue.SimpleQueue()
         self._error: BaseException | None = None
         layers = [m for m in model.modules() if isinstance(m, Linear)]  # in `pack_linears`' order: its groups
-        self._plan = dict.fromkeys(map(id, layers))  # not packed: a float32 one is only laid out transposed
-        cpu = [m for m in layers if m.weight.device.type == "cpu"]
+        cpu = [m for m in layers if m.weight.device.type == "cpu"]  # a GPU's keep their storage (graphs read it)
+        self._plan = dict.fromkeys(map(id, cpu))  # not packed: a float32 one is only laid out transposed
         for group in _groups(cpu, [m for m in cpu if m.weight.dtype == torch.float32]):
             choice = _chosen.get(_sample(group)[1])
             for m in group:

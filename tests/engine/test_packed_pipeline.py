@@ -3,7 +3,7 @@ for the pushed bytes, never the spare's old ones, a fused weight only once all o
 landed, and the result is the layout `pack_linears` gives the same weights (same packs, same products), whether a
 float32 layer is packed from a row-major copy of its tensors or from its transposed layout. A push
 that fails stops the worker before the spare is kept. A float32 weight packed from its transposed layout gives
-the pack of its row-major copy."""
+the pack of its row-major copy. Layers off the CPU (a GPU's) keep their storage."""
 
 from __future__ import annotations
 
@@ -138,3 +138,16 @@ def test_a_pipeline_needs_a_worker(tiny_qwen2):
     _, spare = _served_and_spare(tiny_qwen2, torch.float32)
     with pytest.raises(ValueError, match="at least 1"):
         LayoutPipeline(spare, linear_parts(spare), workers=0)
+
+
+def test_weights_off_the_cpu_keep_their_storage_through_a_push(tiny_qwen2):
+    """Only CPU layers are laid out: a GPU's float32 weights keep the storage its CUDA graphs read (a re-stored
+    weight left a graph reading the freed one). The meta device stands in for a GPU here."""
+    served = load_model(tiny_qwen2, torch.float32, CPU)
+    spare = copy.deepcopy(served).to("meta")
+    weights = {n: t.to("meta") for n, t in _pushed(served).items()}
+    forget_layout(spare)
+    layouts = LayoutPipeline(spare, linear_parts(spare))
+    load_tensors(spare, weights.items(), layouts.landed)
+    layouts.finish()
+    assert all(m.weight.is_contiguous() and m.packed is None for m in _layers(spare))
