@@ -328,7 +328,8 @@ def serialize_push(msg: Any) -> bytes:
 
 # -- the trainer's half of a push over a process group (SGLang's /init_weights_update_group protocol) ----------
 class GroupPushError(RuntimeError):
-    """The server refused a push over the group, or the group failed; the message is the server's."""
+    """The server refused a push over a group or from CUDA IPC handles, or the group failed; the message is the
+    server's."""
 
 
 def _post(url: str, payload: Mapping[str, Any], token: str | None, timeout_s: float) -> dict[str, Any]:
@@ -460,3 +461,52 @@ class WeightGroup:
                   self.timeout_s)
         finally:
             dist.destroy_process_group(self.pg)
+
+
+# -- a same-GPU push from a trainer's own memory (CUDA IPC handles, service/api/cuda_ipc.py) ------------------
+def cuda_ipc_tensors(state: Mapping[str, Any], dtype: Any = None) -> tuple[list[dict[str, Any]], list[Any]]:
+    """The JSON handles of a state dict's CUDA tensors, and the tensors they point into, which the caller keeps
+    until the server has answered. A contiguous tensor of the push's dtype is shared where it lives; any other is
+    copied once on its GPU first."""
+    import base64
+
+    import torch
+    from torch.multiprocessing.reductions import reduce_tensor
+
+    target = getattr(torch, dtype) if isinstance(dtype, str) else dtype
+    shared, out = [], []
+    for name, t in state.items():
+        if not t.is_cuda:
+            raise ValueError(f"tensor {name!r} is on {t.device}: CUDA IPC shares GPU memory only")
+        t = t.detach().to(target or t.dtype).contiguous()
+        _rebuild, args = reduce_tensor(t)
+        (_cls, size, _stride, offset, _storage_cls, _dtype, device, handle, storage_bytes, storage_offset,
+         _grad, counter, counter_offset, event, event_sync) = args
+
+        def b64(x: bytes | None) -> str | None:
+            return None if x is None else base64.b64encode(x).decode()
+
+        out.append({"name": name, "dtype": str(t.dtype).removeprefix("torch."), "shape": list(size),
+                    "offset": offset, "device": device, "handle": b64(handle), "storage_bytes": storage_bytes,
+                    "storage_offset": storage_offset, "ref_counter": b64(counter),
+                    "ref_counter_offset": counter_offset, "event": b64(event), "event_sync": bool(event_sync)})
+        shared.append(t)
+    return out, shared
+
+
+def push_cuda_ipc(http_url: str, state: Mapping[str, Any], version: str, *, admin_token: str | None = None,
+                  role: str = "target", mode: str = "wait", dtype: Any = None, cast: bool = False,
+                  timeout_s: float = 600.0) -> dict[str, Any]:
+    """Push `state` (Hugging Face names, tensors on a GPU of this host) as `version` through
+    `/update_weights_from_tensor`: the server copies each tensor out of this process's memory into its spare and
+    answers once done (the push's reply). Raises GroupPushError with the server's message when refused."""
+    import torch
+
+    handles, shared = cuda_ipc_tensors(state, dtype)
+    try:
+        return _post(f"{http_url}/update_weights_from_tensor",
+                     {"ipc_tensors": handles, "weight_version": version, "role": role, "mode": mode, "cast": cast},
+                     admin_token, timeout_s)
+    finally:
+        del shared
+        torch.cuda.ipc_collect()  # frees what the server no longer maps

@@ -130,12 +130,18 @@ def across(srv: BackgroundServer, act: Callable[[], T], max_tokens: int = 240) -
     return result, (final[-1] if final else None)
 
 
+def trainer_env(**extra: str) -> dict[str, str]:
+    """The environment of a trainer process the tests start: the admin token, this checkout importable first
+    (any PYTHONPATH already set kept after it)."""
+    path = os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))
+    return {**os.environ, "SPECROLL_ADMIN_TOKEN": ADMIN, "PYTHONPATH": path, **extra}
+
+
 def group_trainer(how: str, srv: BackgroundServer, weights: dict[str, torch.Tensor], version: str, tmp: Path,
                   group: str = "wug") -> subprocess.CompletedProcess[str]:
     """Push `weights` over a gloo process group from a trainer process (tests/api/group_trainer.py: `how` is
     slime, client, die, ...); returns the finished process, its replies as JSON lines on stdout."""
     path = tmp / f"{version}.safetensors"
     save_file({k: v.contiguous() for k, v in weights.items()}, str(path))
-    env = {**os.environ, "SPECROLL_ADMIN_TOKEN": ADMIN, "PYTHONPATH": str(ROOT)}
     return subprocess.run([sys.executable, str(GROUP_TRAINER), how, srv.http_url, str(path), version, group],
-                          env=env, capture_output=True, text=True, timeout=300)
+                          env=trainer_env(), capture_output=True, text=True, timeout=300)

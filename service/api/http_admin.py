@@ -27,10 +27,13 @@ from service.api.compat import (
     vllm_config,
 )
 from service.api.compat import pause as compat_pause
+from service.api.cuda_ipc import PICKLED, IpcTensor, checked_handles, open_tensors, settle
 from service.api.deps import UPLOAD_PATH, AdminCtx, ApiCtx
 from service.api.disconnect import unless_disconnected
 from service.api.generation import InvalidRequest
-from service.api.push_protocol import PushError, PushResult
+from service.api.push_protocol import PushError, PushResult, check_role_version
+from service.api.push_service import check_mode_or_error
+from service.backend.weight_check import Declared
 from service.safetensors_io import CheckpointError, read_header
 
 router = APIRouter(tags=["admin"])
@@ -71,6 +74,21 @@ class DiskUpdateRequest(BaseModel):
     flush_cache: bool = True
     load_format: str | None = None
     cast: bool = False  # ours: cast the folder's dtype to the served one (never done unasked)
+
+
+class TensorUpdateRequest(BaseModel):
+    """SGLang's colocated push, its tensors as CUDA IPC handles in JSON (service/api/cuda_ipc.py)."""
+
+    model_config = ConfigDict(extra="ignore")
+    ipc_tensors: list[IpcTensor] | None = None  # ours: the handles
+    serialized_named_tensors: list[Any] | None = None  # SGLang's pickled tensors: refused
+    weight_version: str | None = None  # None: the next number after the serving version
+    role: str = "target"
+    mode: str | None = None
+    abort_all_requests: bool = False
+    flush_cache: bool = True
+    load_format: str | None = None
+    cast: bool = False
 
 
 def _reply(result: PushResult) -> dict[str, Any]:
@@ -174,6 +192,33 @@ async def update_from_disk(req: DiskUpdateRequest, ctx: AdminCtx, request: Reque
     if req.flush_cache:
         await reset_prefix_cache(ctx)
     return {"success": True, "message": "weights updated", "num_paused_requests": 0, **_reply(result)}
+
+
+@router.post("/update_weights_from_tensor")
+async def update_from_tensor(req: TensorUpdateRequest, ctx: AdminCtx, request: Request) -> dict[str, Any]:
+    """A push from a trainer's GPU memory on this host: each tensor is copied from the trainer's memory into the
+    spare, and the answer comes once the copies are done (the trainer may then free or change its tensors)."""
+    if req.serialized_named_tensors is not None:
+        raise InvalidRequest(PICKLED)
+    if req.ipc_tensors is None:
+        raise InvalidRequest("ipc_tensors is required: the tensors' CUDA IPC handles (client.weights.push_cuda_ipc)")
+    if req.load_format not in (None, "auto", "direct"):
+        raise InvalidRequest(f"load_format={req.load_format!r} is not supported: the tensors are loaded as sent")
+    mode = req.mode or ("abort" if req.abort_all_requests else "wait")
+    version = req.weight_version or next_version(ctx.backend.stats().policy_version)
+    check_role_version(req.role, version)
+    check_mode_or_error(mode, req.role)
+    handles = checked_handles(req.ipc_tensors)  # all refused before the trainer's memory is mapped
+    ctx.pushes.check(req.role, [Declared(t.name, t.dtype, tuple(t.shape)) for t in req.ipc_tensors], req.cast)
+    tensors = await asyncio.to_thread(open_tensors, handles)
+    try:
+        result = await unless_disconnected(request, ctx.pushes.push_tensors(req.role, version, tensors, mode,
+                                                                             cast=req.cast))
+    finally:
+        await asyncio.to_thread(settle, tensors)
+    if req.flush_cache:
+        await reset_prefix_cache(ctx)
+    return {"success": True, "message": "weights updated", **_reply(result)}
 
 
 @router.get("/weights/version")

@@ -8,7 +8,6 @@ that call and nothing else: generation runs on across it on the old weights, and
 from __future__ import annotations
 
 import json
-import os
 import subprocess
 import sys
 from collections.abc import Iterator
@@ -21,7 +20,6 @@ from safetensors.torch import save_file
 from service_utils import (
     ADMIN,
     GROUP_TRAINER,
-    ROOT,
     across,
     assert_same,
     auth,
@@ -32,6 +30,7 @@ from service_utils import (
     running,
     served,
     start_server,
+    trainer_env,
 )
 
 from client import Sample, SpecrollClient
@@ -107,7 +106,7 @@ def test_a_broadcast_of_another_size_fails_its_call_not_the_server(server, base_
     base = checkpoint_tensors(base_dir)
     path = tmp_path / "wrong.safetensors"
     save_file({k: v.contiguous() for k, v in perturbed(base, seed=45).items()}, str(path))
-    env = {**os.environ, "SPECROLL_ADMIN_TOKEN": ADMIN, "PYTHONPATH": str(ROOT)}
+    env = trainer_env()
     with SpecrollClient(server.grpc_target, admin_token=ADMIN) as c:
         c.push_weights(base, f"before-{how}")
         before = served(c)

@@ -5,7 +5,6 @@ two ranks of a group on one device). Without two CUDA devices every test skips w
 from __future__ import annotations
 
 import json
-import os
 import subprocess
 import sys
 from collections.abc import Iterator
@@ -15,7 +14,16 @@ import pytest
 import torch
 from helpers import default_checkpoint
 from safetensors.torch import save_file
-from service_utils import ADMIN, checkpoint_tensors, fresh, perturbed, running, served, start_server
+from service_utils import (
+    ADMIN,
+    checkpoint_tensors,
+    fresh,
+    perturbed,
+    running,
+    served,
+    start_server,
+    trainer_env,
+)
 
 from client import SpecrollClient
 from service.app import BackgroundServer
@@ -41,8 +49,7 @@ def server(base_dir: Path) -> Iterator[BackgroundServer]:
 
 
 def run(python: Path | str, script: str, *args: str) -> subprocess.CompletedProcess[str]:
-    env = {**os.environ, "SPECROLL_ADMIN_TOKEN": ADMIN, "PYTHONPATH": str(ROOT), "TRANSFER_BACKEND": "nccl",
-           "CUDA_VISIBLE_DEVICES": "1"}
+    env = trainer_env(TRANSFER_BACKEND="nccl", CUDA_VISIBLE_DEVICES="1")
     return subprocess.run([str(python), str(HERE / script), *args], env=env, capture_output=True, text=True,
                           timeout=300)
 

@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import asyncio
 import json
-import os
 import subprocess
 from collections.abc import Iterator
 from pathlib import Path
@@ -34,6 +33,7 @@ from service_utils import (
     running,
     served,
     start_server,
+    trainer_env,
 )
 
 from client import AsyncSpecrollClient, Sample, SpecrollClient
@@ -63,7 +63,7 @@ def saved(weights: dict[str, torch.Tensor], path: Path) -> str:
 
 
 def trainer(*args: str, wait: bool = True, stdin: bool = False) -> Any:
-    env = {**os.environ, "SPECROLL_ADMIN_TOKEN": ADMIN, "PYTHONPATH": str(ROOT)}
+    env = trainer_env()
     cmd = [str(VENV_PYTHON), str(TRAINER), *args]
     if wait:
         return subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=300)
