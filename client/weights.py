@@ -12,6 +12,7 @@ was pushed last, the base of the next delta.
 
 from __future__ import annotations
 
+import base64
 import json
 import mmap
 import struct
@@ -464,12 +465,14 @@ class WeightGroup:
 
 
 # -- a same-GPU push from a trainer's own memory (CUDA IPC handles, service/api/cuda_ipc.py) ------------------
+def _b64(raw: bytes | None) -> str | None:
+    return None if raw is None else base64.b64encode(raw).decode()
+
+
 def cuda_ipc_tensors(state: Mapping[str, Any], dtype: Any = None) -> tuple[list[dict[str, Any]], list[Any]]:
     """The JSON handles of a state dict's CUDA tensors, and the tensors they point into, which the caller keeps
     until the server has answered. A contiguous tensor of the push's dtype is shared where it lives; any other is
     copied once on its GPU first."""
-    import base64
-
     import torch
     from torch.multiprocessing.reductions import reduce_tensor
 
@@ -482,14 +485,10 @@ def cuda_ipc_tensors(state: Mapping[str, Any], dtype: Any = None) -> tuple[list[
         _rebuild, args = reduce_tensor(t)
         (_cls, size, _stride, offset, _storage_cls, _dtype, device, handle, storage_bytes, storage_offset,
          _grad, counter, counter_offset, event, event_sync) = args
-
-        def b64(x: bytes | None) -> str | None:
-            return None if x is None else base64.b64encode(x).decode()
-
         out.append({"name": name, "dtype": str(t.dtype).removeprefix("torch."), "shape": list(size),
-                    "offset": offset, "device": device, "handle": b64(handle), "storage_bytes": storage_bytes,
-                    "storage_offset": storage_offset, "ref_counter": b64(counter),
-                    "ref_counter_offset": counter_offset, "event": b64(event), "event_sync": bool(event_sync)})
+                    "offset": offset, "device": device, "handle": _b64(handle), "storage_bytes": storage_bytes,
+                    "storage_offset": storage_offset, "ref_counter": _b64(counter),
+                    "ref_counter_offset": counter_offset, "event": _b64(event), "event_sync": bool(event_sync)})
         shared.append(t)
     return out, shared
 
