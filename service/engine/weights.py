@@ -16,12 +16,14 @@ from __future__ import annotations
 import copy
 import logging
 import threading
+import time
 import weakref
 from collections.abc import Callable, Iterable
 from typing import TYPE_CHECKING
 
 import torch
 from torch import nn
+from torch.multiprocessing.reductions import StorageWeakRef
 
 from service.backend.base import Destinations, PushError, PushUnsupported, SparseValues, Staged, WeightSpec
 from service.cpu_threads import one_cpu_thread, usable_cpus
@@ -299,9 +301,21 @@ class WeightStager:
             return None
 
 
+FREE_WAIT_S = 5.0  # how long the trim waits for the weights' storage to go (a view kept elsewhere holds it)
+
+
 def _free_soon(module: nn.Module) -> None:
     """Weights no spare keeps (`--weight-spare free`): when the last reference goes (the engine thread's swap
     returns), a thread of its own hands the freed heap back to the OS, off the engine thread. Without that,
-    glibc keeps the pages and the server stays at two copies of the model between pushes."""
-    weakref.finalize(module, lambda: threading.Thread(target=release_free_memory, name="specroll-free",
-                                                      daemon=True).start())
+    glibc keeps the pages and the server stays at two copies of the model between pushes. The module's
+    finalizer runs before its tensors are released, so the thread trims once their storage is gone: a trim
+    that ran first found nothing to return, about one push in three."""
+    storages = [StorageWeakRef(t.untyped_storage()) for t in (*module.parameters(), *module.buffers())]
+
+    def trim() -> None:
+        deadline = time.monotonic() + FREE_WAIT_S
+        while any(not s.expired() for s in storages) and time.monotonic() < deadline:
+            time.sleep(0.001)
+        release_free_memory()
+
+    weakref.finalize(module, lambda: threading.Thread(target=trim, name="specroll-free", daemon=True).start())
