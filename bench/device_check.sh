@@ -1,6 +1,8 @@
 #!/usr/bin/env bash
 # A GPU loan's checks in one call (see bench/README.md): the `cuda` tests, then the GPU benches.
-#   bash bench/device_check.sh OUT_DIR [tests|spec|graphs ...]   (default: all three, in that order)
+#   bash bench/device_check.sh OUT_DIR [tests|spec|graphs|api ...]   (default: the first three, in that order)
+# `api` runs the servers' CUDA tests (CUDA IPC pushes, NCCL groups). The device image lacks the server's web and
+# Redis packages: `bash bench/device_wheels.sh` puts them in .whl/ here first, and the call carries `.whl`.
 # Writes cuda_tests.log, spec_decode_cuda.json with its four PNGs and the adaptive runs' strategy traces
 # (traces/: per decode step the arm, its seconds and the host ms around the forwards), cuda_graphs.json and
 # bench.log (the benches' stderr) into OUT_DIR. Each stage has its own time limit, so one that hangs leaves the others
@@ -26,6 +28,14 @@ for stage in "${stages[@]}"; do
         >"$out/spec_decode_cuda.json" 2>>"$out/bench.log" ;;
     graphs)  # ~175 s (eager adaptive is slow there); partial results survive the limit (`complete`: false)
       timeout 200 python3 -m bench.cuda_graphs --out "$out/cuda_graphs.json" >/dev/null 2>>"$out/bench.log" ;;
+    api)  # ~40 s on an H200 (the NCCL tests skip on one GPU)
+      site=$(mktemp -d)
+      if compgen -G ".whl/*.whl" >/dev/null; then
+        python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target "$site" .whl/*.whl
+      fi
+      PYTHONPATH="$site:$PWD${PYTHONPATH:+:$PYTHONPATH}" timeout 240 python3 -m pytest -q -p no:cacheprovider -rs \
+        --timeout 200 tests/api/test_weight_cuda_ipc.py tests/api/test_weight_collective_cuda.py 2>&1 \
+        | tee "$out/api_tests.log" ;;
     *) echo "unknown stage $stage" >&2; exit 2 ;;
   esac
   rc=$?
