@@ -27,6 +27,7 @@ from service.api.compat import (
     vllm_config,
 )
 from service.api.compat import pause as compat_pause
+from service.api.context import ServiceContext
 from service.api.cuda_ipc import PICKLED, IpcTensor, checked_handles, open_tensors, settle
 from service.api.deps import UPLOAD_PATH, AdminCtx, ApiCtx
 from service.api.disconnect import unless_disconnected
@@ -93,6 +94,20 @@ class TensorUpdateRequest(BaseModel):
 
 def _reply(result: PushResult) -> dict[str, Any]:
     return asdict(result)
+
+
+def _sglang_push(ctx: ServiceContext, req: DiskUpdateRequest | TensorUpdateRequest) -> tuple[str, str]:
+    """The mode and version of an SGLang push: abort_all_requests means abort unless a mode is given; without a
+    weight_version, the next number after the serving one."""
+    mode = req.mode or ("abort" if req.abort_all_requests else "wait")
+    return mode, req.weight_version or next_version(ctx.backend.stats().policy_version)
+
+
+async def _sglang_reply(ctx: ServiceContext, req: DiskUpdateRequest | TensorUpdateRequest, result: PushResult,
+                        **extra: Any) -> dict[str, Any]:
+    if req.flush_cache:
+        await reset_prefix_cache(ctx)
+    return {"success": True, "message": "weights updated", **extra, **_reply(result)}
 
 
 SPOOL_BYTES = 8 * 2**20  # body bytes gathered in memory before they are hashed and written out
@@ -185,13 +200,10 @@ async def update_from_disk(req: DiskUpdateRequest, ctx: AdminCtx, request: Reque
     aborts running requests first (mode abort); without it they finish first (wait) unless a mode is given."""
     if req.load_format not in (None, "auto", "safetensors"):
         raise InvalidRequest(f"load_format={req.load_format!r} is not supported: safetensors folders only")
-    mode = req.mode or ("abort" if req.abort_all_requests else "wait")
-    version = req.weight_version or next_version(ctx.backend.stats().policy_version)
+    mode, version = _sglang_push(ctx, req)
     result = await unless_disconnected(request, ctx.pushes.load_path("target", version, req.model_path, mode,
                                                                       req.cast))
-    if req.flush_cache:
-        await reset_prefix_cache(ctx)
-    return {"success": True, "message": "weights updated", "num_paused_requests": 0, **_reply(result)}
+    return await _sglang_reply(ctx, req, result, num_paused_requests=0)
 
 
 @router.post("/update_weights_from_tensor")
@@ -204,8 +216,7 @@ async def update_from_tensor(req: TensorUpdateRequest, ctx: AdminCtx, request: R
         raise InvalidRequest("ipc_tensors is required: the tensors' CUDA IPC handles (client.weights.push_cuda_ipc)")
     if req.load_format not in (None, "auto", "direct"):
         raise InvalidRequest(f"load_format={req.load_format!r} is not supported: the tensors are loaded as sent")
-    mode = req.mode or ("abort" if req.abort_all_requests else "wait")
-    version = req.weight_version or next_version(ctx.backend.stats().policy_version)
+    mode, version = _sglang_push(ctx, req)
     check_role_version(req.role, version)
     check_mode_or_error(mode, req.role)
     handles = checked_handles(req.ipc_tensors)  # all refused before the trainer's memory is mapped
@@ -216,9 +227,7 @@ async def update_from_tensor(req: TensorUpdateRequest, ctx: AdminCtx, request: R
                                                                              cast=req.cast))
     finally:
         await asyncio.to_thread(settle, tensors)
-    if req.flush_cache:
-        await reset_prefix_cache(ctx)
-    return {"success": True, "message": "weights updated", **_reply(result)}
+    return await _sglang_reply(ctx, req, result)
 
 
 @router.get("/weights/version")

@@ -308,8 +308,8 @@ def _free_soon(module: nn.Module) -> None:
     """Weights no spare keeps (`--weight-spare free`): when the last reference goes (the engine thread's swap
     returns), a thread of its own hands the freed heap back to the OS, off the engine thread. Without that,
     glibc keeps the pages and the server stays at two copies of the model between pushes. The module's
-    finalizer runs before its tensors are released, so the thread trims once their storage is gone: a trim
-    that ran first found nothing to return, about one push in three."""
+    finalizer runs before its tensors are released, so the thread trims once their storage is gone (a trim
+    that ran first often found nothing to return)."""
     storages = [StorageWeakRef(t.untyped_storage()) for t in (*module.parameters(), *module.buffers())]
 
     def trim() -> None:
