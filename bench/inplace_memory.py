@@ -3,8 +3,8 @@
 Builds a Qwen2-architecture checkpoint of the requested size (bench/weight_push.py's builder), starts a server
 process on it per setting, and pushes perturbed copies over gRPC (mode keep) while one greedy stream generates.
 Prints one JSON line per setting: the server's peak RSS (VmHWM) after start and after the pushes, and per push
-its seconds, the longest gap between two of the stream's token chunks while it ran (the generation pause) and
-the server's RSS once it is done.
+its seconds, the longest gap between two of the stream's token chunks while it ran (the generation pause), and
+the server's RSS before it, its peak RSS while it ran, and its RSS once it is done.
 
     python bench/inplace_memory.py --size-mb 256 --dtype bfloat16 [--pushes 2] [--settings start,in-place]
         [--stream-tokens 300]
@@ -48,6 +48,16 @@ def _status_kb(pid: int, field: str) -> int:
     raise KeyError(field)
 
 
+def _reset_peak(pid: int) -> bool:
+    """Start the server's VmHWM over from its RSS now (Linux `clear_refs` 5), so the next read is this push's
+    peak; False where the kernel refuses it (then the peak reads since start)."""
+    try:
+        Path(f"/proc/{pid}/clear_refs").write_text("5")
+    except OSError:
+        return False
+    return True
+
+
 def _run(model: Path, weights: dict[str, torch.Tensor], dtype: str, spare: str, pushes: int,
          stream_tokens: int) -> dict[str, object]:
     http, grpc_port = _port(), _port()
@@ -87,6 +97,8 @@ def _run(model: Path, weights: dict[str, torch.Tensor], dtype: str, spare: str, 
                 stream.start()
                 first.wait(120)
                 time.sleep(0.5)
+                rss_before_kb = _status_kb(proc.pid, "VmRSS")
+                reset = _reset_peak(proc.pid)
                 t0 = time.monotonic()
                 c.push_weights(new, f"bench-{r}", mode="keep")
                 t1 = time.monotonic()
@@ -94,8 +106,11 @@ def _run(model: Path, weights: dict[str, torch.Tensor], dtype: str, spare: str, 
                 during = [b - a for a, b in itertools.pairwise(arrivals) if b >= t0 and a <= t1]
                 results.append({"push_s": round(t1 - t0, 3), "pause_s": round(max(during, default=0.0), 3),
                                 "stream_still_ran": bool(arrivals and arrivals[-1] > t1),
+                                "rss_before_mb": round(rss_before_kb / 1024, 1),
+                                "peak_mb": round(_status_kb(proc.pid, "VmHWM") / 1024, 1) if reset else None,
                                 "rss_after_mb": round(_status_kb(proc.pid, "VmRSS") / 1024, 1)})
-        peak_kb = _status_kb(proc.pid, "VmHWM")
+        peaks = [r["peak_mb"] for r in results if r["peak_mb"] is not None]
+        peak_kb = max(peaks) * 1024 if len(peaks) == len(results) and peaks else _status_kb(proc.pid, "VmHWM")
     finally:
         proc.terminate()
         proc.wait(60)

@@ -91,11 +91,20 @@ def _load_laid_out(module: CausalLM, tensors: Iterable[tuple[str, torch.Tensor]]
     return nbytes
 
 
+def _drop_packs(module: nn.Module) -> None:
+    """`forget_layout`, and the memory of the packs it drops handed back to the OS before new ones are allocated.
+    Those packs were allocated by the threads of an earlier push (or at start), so glibc files them under those
+    threads' arenas, which the new packs are not all drawn from: kept until the trim at the end, they made a push
+    peak up to a whole set of packs above the serving weights and the spare (bench/inplace_memory.py)."""
+    forget_layout(module)
+    release_free_memory()
+
+
 def _offer(into: Destinations | None, module: nn.Module) -> None:
     """Let the transport write each tensor of a full push straight into `module` (never the serving one)."""
     if into is None:
         return
-    forget_layout(module)  # the bytes change under torch's version counters
+    _drop_packs(module)  # the bytes change under torch's version counters
     if isinstance(module, CausalLM):
         def find(name: str) -> torch.Tensor | None:
             try:
@@ -197,6 +206,7 @@ class WeightStager:
                 if not isinstance(serving, CausalLM):
                     raise PushUnsupported(f"delta pushes go to the target only; push the {role} in full")
                 module = copy_serving(serving, spare)  # type: ignore[arg-type]
+                _drop_packs(module)  # its packs are of the weights before the copy
                 nbytes = apply_delta(module, tensors)  # type: ignore[arg-type]
             elif isinstance(serving, CausalLM):
                 module: nn.Module = spare if spare is not None else empty_model(serving.config, dtype, device)
@@ -215,7 +225,7 @@ class WeightStager:
         except BaseException:
             self._keep(role, spare)  # not serving: its contents do not matter, its memory does
             raise
-        release_free_memory()  # the spare's old packs, freed on the layout workers, go back to the OS
+        release_free_memory()  # what staging freed (row-major copies packed from, packs replaced) goes back
         return Staged(role, nbytes, module.eval().requires_grad_(False))
 
     @torch.no_grad()
@@ -227,7 +237,7 @@ class WeightStager:
         must mark them invalid; before that, nothing was written."""
         one_cpu_thread()
         serving = self._serving(role)
-        forget_layout(serving)  # its CPU packs describe the old bytes
+        _drop_packs(serving)  # its CPU packs describe the old bytes
         try:
             if delta:
                 if not isinstance(serving, CausalLM):
