@@ -95,9 +95,12 @@ def _drop_packs(module: nn.Module) -> None:
     """`forget_layout`, and the memory of the packs it drops handed back to the OS before new ones are allocated.
     Those packs were allocated by the threads of an earlier push (or at start), so glibc files them under those
     threads' arenas, which the new packs are not all drawn from: kept until the trim at the end, they made a push
-    peak up to a whole set of packs above the serving weights and the spare (bench/inplace_memory.py)."""
+    peak up to a whole set of packs above the serving weights and the spare (bench/inplace_memory.py). No trim
+    where nothing was packed (a new module, or packs already dropped for this push)."""
+    held = any(getattr(m, "packed", None) is not None for m in module.modules())
     forget_layout(module)
-    release_free_memory()
+    if held:
+        release_free_memory()
 
 
 def _offer(into: Destinations | None, module: nn.Module) -> None:

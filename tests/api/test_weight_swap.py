@@ -132,9 +132,10 @@ def test_without_a_spare_at_start_the_first_push_makes_its_buffer(base_dir, push
 
 
 
-def _rss_mb() -> float:
+def _status_mb(field: str = "VmRSS") -> float:
+    """This process's `field` of /proc/self/status (VmRSS: resident now; VmHWM: its peak) in MB."""
     return next(int(line.split()[1]) for line in Path("/proc/self/status").read_text().splitlines()
-                if line.startswith("VmRSS:")) / 1024
+                if line.startswith(field + ":")) / 1024
 
 
 @pytest.mark.skipif(not Path("/proc/self/status").is_file(), reason="reads the resident set from /proc")
@@ -150,21 +151,17 @@ def test_free_gives_the_replaced_weights_back_to_the_os():
     try:
         with SpecrollClient(srv.grpc_target, admin_token=ADMIN) as c:
             c.generate_one([1, 2, 3], max_tokens=4, temperature=0.0)
-            start = _rss_mb()
+            start = _status_mb()
             for i in range(3):
                 c.push_weights(new, f"free-{i}", mode="keep")
             # kept, the replaced copies (weights and packs) grow it by more than a model over these pushes; the rest
             # of the process (other modules' servers gone before) moves it by tens of MB
-            wait_for(lambda: _rss_mb() < start + model_mb, timeout=20,
+            wait_for(lambda: _status_mb() < start + model_mb, timeout=20,
                      what=f"the resident set back within a model ({model_mb:.0f} MB) of {start:.0f} MB",
-                     detail=lambda: f"{_rss_mb():.0f} MB")
+                     detail=lambda: f"{_status_mb():.0f} MB")
             assert srv.server.backend.stager.spare("target") is None
     finally:
         srv.stop()
-
-def _peak_mb() -> float:
-    return next(int(line.split()[1]) for line in Path("/proc/self/status").read_text().splitlines()
-                if line.startswith("VmHWM:")) / 1024
 
 
 def _packs_mb(model: torch.nn.Module) -> float:
@@ -177,7 +174,7 @@ def test_a_push_into_a_reused_spare_peaks_near_the_spare(every_row_class_packed,
     """A push drops the spare's old packs before laying out new ones, and their memory goes back to the OS then,
     not at the end: those packs were allocated on other threads (here the start's), whose glibc arenas the new
     packs are not all drawn from, so kept they made the push peak above the server before it by up to a set of
-    packs (1.1 GB at a 1 GB bf16 model, bench/inplace_memory.py)."""
+    packs (docs/measurements.md has the bench's runs)."""
     if not packed.onednn_available():
         pytest.skip("no oneDNN here: no packed copies to replace")
     base = make_checkpoint("qwen2", tied=False, hidden_size=1024, intermediate_size=2816, num_layers=4,
@@ -189,14 +186,14 @@ def test_a_push_into_a_reused_spare_peaks_near_the_spare(every_row_class_packed,
             c.load_weights(str(new[0]), "peak-1", mode="keep")  # into the spare made at start: its packs are new
             packs_mb = _packs_mb(_serving(srv))
             assert packs_mb > 100
-            before = _rss_mb()
+            before = _status_mb()
             Path("/proc/self/clear_refs").write_text("5")  # VmHWM from here on
             c.load_weights(str(new[1]), "peak-2", mode="keep")  # into the start's model, packed at start
-            peak = _peak_mb()
+            peak = _status_mb("VmHWM")
     finally:
         srv.stop()
-    # kept, a fraction of those packs (how much depends on which arenas the threads drew) stayed beside the new
-    # ones: 37-47 MB of 151 here, and 123 MB over gRPC; returned first, the peak is within a few MB of before
+    # kept, a share of those packs (how much depends on which arenas the threads drew) stays beside the new ones;
+    # returned first, a folder load adds only its own few buffers
     assert peak - before < packs_mb / 8, f"peak {peak:.0f} MB, {before:.0f} MB before, packs {packs_mb:.0f} MB"
 
 
